@@ -1,0 +1,75 @@
+# The two commands of the quick start: `make test` and `make demo`. Each installs what it
+# needs: Open MPI through apt-get (when absent and running as root), then the package and its
+# test extras into a virtual environment at .venv (set VENV to move it).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+NP ?= 4
+export OMPI_ALLOW_RUN_AS_ROOT := 1
+export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
+export OMPI_MCA_btl_vader_single_copy_mechanism := none
+export OMPI_MCA_mpi_yield_when_idle := 1
+export OMPI_MCA_rmaps_base_oversubscribe := 1
+
+CC ?= gcc
+CFLAGS_CHECK := -std=c11 -O1 -g -Wall -Wextra -Werror -Wshadow -fsanitize=address,undefined -fno-sanitize-recover=all
+CORE_SRC := csrc/error.c csrc/dtype.c csrc/mesh.c csrc/layout.c csrc/unit.c csrc/comm_single.c csrc/comm_mpi.c
+TESTBIN := csrc/tests/bin
+
+.PHONY: all deps mpi venv build ctest pytest test demo bench clean
+
+all: build
+
+mpi:
+	@if ! command -v mpicc >/dev/null || ! command -v mpiexec >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing Open MPI (apt-get)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libopenmpi-dev openmpi-bin >/dev/null; \
+	  else \
+	    echo "Open MPI is missing: install libopenmpi-dev and openmpi-bin (or another MPI with mpicc and mpiexec)"; exit 1; \
+	  fi; \
+	fi
+
+$(VENV)/.stamp: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "setuptools>=64" wheel "numpy>=2.0" "pytest>=7" "safetensors>=0.4"
+	touch $@
+
+venv: $(VENV)/.stamp
+
+# Editable install: the extension is rebuilt from csrc/ each time; warnings are errors.
+build: mpi venv
+	HSDP_WERROR=1 $(PY) -m pip install -q --no-build-isolation --no-deps -e .
+
+$(TESTBIN)/test_dtype: csrc/tests/test_dtype.c $(CORE_SRC) csrc/*.h
+	@mkdir -p $(TESTBIN)
+	$(CC) $(CFLAGS_CHECK) -Icsrc $(CORE_SRC) $< -o $@ -lm
+$(TESTBIN)/test_core: csrc/tests/test_core.c $(CORE_SRC) csrc/*.h csrc/tests/check.h
+	@mkdir -p $(TESTBIN)
+	$(CC) $(CFLAGS_CHECK) -Icsrc $(CORE_SRC) $< -o $@ -lm
+$(TESTBIN)/test_mpi: csrc/tests/test_mpi.c $(CORE_SRC) csrc/*.h csrc/tests/check.h | mpi
+	@mkdir -p $(TESTBIN)
+	$(CC) $(CFLAGS_CHECK) -DHSDP_HAVE_MPI $$(mpicc --showme:compile) -Icsrc $(CORE_SRC) $< -o $@ $$(mpicc --showme:link) -ldl -lm
+
+# The C core's own tests, under AddressSanitizer and UndefinedBehaviorSanitizer. Open MPI
+# keeps allocations alive past MPI_Finalize by design, so leak checking is off for its test.
+ctest: $(TESTBIN)/test_dtype $(TESTBIN)/test_core $(TESTBIN)/test_mpi
+	$(TESTBIN)/test_dtype
+	$(TESTBIN)/test_core
+	set -o pipefail; ASAN_OPTIONS=detect_leaks=0 mpiexec -n 4 $(TESTBIN)/test_mpi | sort | uniq -c
+
+pytest: build
+	$(PY) -m pytest -q
+
+test: ctest pytest
+
+demo: build
+	$(PY) -m hsdp.launch -n $(NP) -- examples/offline_inference/text_to_video.py --use-hsdp --hsdp-shard-size $(NP) --verify
+
+bench: build
+	$(PY) bench/run_all.py
+
+clean:
+	rm -rf build $(TESTBIN) python/hsdp/*.so python/*.egg-info

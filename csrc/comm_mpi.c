@@ -1,0 +1,174 @@
+/* comm_mpi.c - the MPI backend for CPU ranks on one host or many. Compiled only when an MPI
+ * implementation was found at build time (HSDP_HAVE_MPI); otherwise every entry point says
+ * what to install. hsdp initialises MPI only when nobody has (mpi4py may have), and asks
+ * for MPI_THREAD_MULTIPLE so that a progress thread can own the collectives. Every
+ * communicator returns errors instead of aborting, so a failed collective becomes a Python
+ * exception. */
+#if defined(HSDP_HAVE_MPI)
+#define _GNU_SOURCE /* dladdr */
+#include <dlfcn.h>
+#include <limits.h>
+#include <mpi.h>
+#include <stdlib.h>
+
+#include "comm.h"
+
+static hsdp_status mpi_fail(int rc, const char *what) {
+    char msg[MPI_MAX_ERROR_STRING];
+    int len = 0;
+    if (MPI_Error_string(rc, msg, &len) != MPI_SUCCESS) len = 0;
+    msg[len] = '\0';
+    return hsdp_fail(HSDP_ECOMM, "%s failed: %s", what, len ? msg : "unknown MPI error");
+}
+
+static MPI_Comm comm_of(hsdp_group *g) { return *(MPI_Comm *)g->impl; }
+
+/* MPI counts are ints: past INT_MAX bytes send 64-byte blocks (chunks are multiples of 64). */
+static hsdp_status byte_count(size_t nbytes, int *count, MPI_Datatype *type, int *owned) {
+    *owned = 0;
+    if (nbytes <= (size_t)INT_MAX) {
+        *count = (int)nbytes;
+        *type = MPI_BYTE;
+        return HSDP_OK;
+    }
+    if (nbytes % HSDP_ALIGN || nbytes / HSDP_ALIGN > (size_t)INT_MAX)
+        return hsdp_fail(HSDP_EINVAL, "a message of %zu bytes is too large for one MPI call", nbytes);
+    int rc = MPI_Type_contiguous(HSDP_ALIGN, MPI_BYTE, type);
+    if (rc == MPI_SUCCESS) rc = MPI_Type_commit(type);
+    if (rc != MPI_SUCCESS) return mpi_fail(rc, "MPI_Type_contiguous");
+    *owned = 1;
+    *count = (int)(nbytes / HSDP_ALIGN);
+    return HSDP_OK;
+}
+
+static hsdp_status mpi_all_gather(hsdp_group *g, const void *send, void *recv, size_t nbytes) {
+    int count, owned;
+    MPI_Datatype type;
+    hsdp_status st = byte_count(nbytes, &count, &type, &owned);
+    if (st != HSDP_OK) return st;
+    const void *s = send == (char *)recv + (size_t)g->rank * nbytes ? MPI_IN_PLACE : send;
+    int rc = MPI_Allgather(s, count, type, recv, count, type, comm_of(g));
+    if (owned) MPI_Type_free(&type);
+    return rc == MPI_SUCCESS ? HSDP_OK : mpi_fail(rc, "MPI_Allgather");
+}
+
+static hsdp_status mpi_broadcast(hsdp_group *g, void *buf, size_t nbytes, int root) {
+    if (root < 0 || root >= g->size)
+        return hsdp_fail(HSDP_EINVAL, "broadcast root %d is outside a group of %d", root, g->size);
+    int count, owned;
+    MPI_Datatype type;
+    hsdp_status st = byte_count(nbytes, &count, &type, &owned);
+    if (st != HSDP_OK) return st;
+    int rc = MPI_Bcast(buf, count, type, root, comm_of(g));
+    if (owned) MPI_Type_free(&type);
+    return rc == MPI_SUCCESS ? HSDP_OK : mpi_fail(rc, "MPI_Bcast");
+}
+
+static hsdp_status mpi_barrier(hsdp_group *g) {
+    int rc = MPI_Barrier(comm_of(g));
+    return rc == MPI_SUCCESS ? HSDP_OK : mpi_fail(rc, "MPI_Barrier");
+}
+
+static hsdp_status wrap(MPI_Comm c, hsdp_group **out);
+
+static hsdp_status mpi_split(hsdp_group *g, int color, int key, hsdp_group **out) {
+    MPI_Comm c;
+    int rc = MPI_Comm_split(comm_of(g), color, key, &c);
+    if (rc != MPI_SUCCESS) return mpi_fail(rc, "MPI_Comm_split");
+    return wrap(c, out);
+}
+
+static void mpi_free(hsdp_group *g) {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    /* After MPI_Finalize a communicator may no longer be freed; the process is ending. */
+    if (!finalized) MPI_Comm_free((MPI_Comm *)g->impl);
+    free(g->impl);
+    free(g);
+}
+
+static const hsdp_comm_ops mpi_ops = {
+    .name = "mpi",
+    .all_gather = mpi_all_gather,
+    .broadcast = mpi_broadcast,
+    .barrier = mpi_barrier,
+    .split = mpi_split,
+    .free = mpi_free,
+};
+
+/* Takes ownership of c. */
+static hsdp_status wrap(MPI_Comm c, hsdp_group **out) {
+    MPI_Comm_set_errhandler(c, MPI_ERRORS_RETURN);
+    hsdp_group *g = malloc(sizeof *g);      /* owned by the caller; hsdp_group_free */
+    MPI_Comm *h = malloc(sizeof *h);        /* owned by g; mpi_free */
+    if (!g || !h) {
+        free(g);
+        free(h);
+        MPI_Comm_free(&c);
+        return hsdp_fail(HSDP_ENOMEM, "could not allocate a process group");
+    }
+    *h = c;
+    *g = (hsdp_group){.ops = &mpi_ops, .impl = h};
+    MPI_Comm_rank(c, &g->rank);
+    MPI_Comm_size(c, &g->size);
+    *out = g;
+    return HSDP_OK;
+}
+
+/* Open MPI loads its components with dlopen and expects libmpi's symbols to be global; a
+ * Python extension is loaded RTLD_LOCAL, so promote the library before MPI_Init. */
+static void promote_libmpi(void) {
+    Dl_info info;
+    if (dladdr((void *)&MPI_Init, &info) && info.dli_fname)
+        (void)dlopen(info.dli_fname, RTLD_NOW | RTLD_GLOBAL | RTLD_NOLOAD);
+}
+
+int hsdp_mpi_compiled(void) { return 1; }
+
+hsdp_status hsdp_world_mpi(hsdp_group **out, int *we_init) {
+    int initialized = 0, finalized = 0;
+    *we_init = 0;
+    MPI_Finalized(&finalized);
+    if (finalized) return hsdp_fail(HSDP_ESTATE, "MPI has already been finalised in this process");
+    MPI_Initialized(&initialized);
+    if (!initialized) {
+        promote_libmpi();
+        int provided = 0;
+        int rc = MPI_Init_thread(NULL, NULL, MPI_THREAD_MULTIPLE, &provided);
+        if (rc != MPI_SUCCESS) return mpi_fail(rc, "MPI_Init_thread");
+        *we_init = 1;
+    }
+    MPI_Comm c;
+    int rc = MPI_Comm_dup(MPI_COMM_WORLD, &c);
+    if (rc != MPI_SUCCESS) return mpi_fail(rc, "MPI_Comm_dup");
+    return wrap(c, out);
+}
+
+hsdp_status hsdp_mpi_finalize(void) {
+    int initialized = 0, finalized = 0;
+    MPI_Initialized(&initialized);
+    MPI_Finalized(&finalized);
+    if (!initialized || finalized) return HSDP_OK;
+    int rc = MPI_Finalize();
+    return rc == MPI_SUCCESS ? HSDP_OK : mpi_fail(rc, "MPI_Finalize");
+}
+
+#else /* no MPI at build time */
+#include "comm.h"
+
+static const char no_mpi[] =
+    "hsdp was built without MPI, so it cannot run across processes. Install an MPI "
+    "implementation with its headers (Debian/Ubuntu: apt-get install libopenmpi-dev openmpi-bin), "
+    "then reinstall hsdp (pip install --force-reinstall --no-binary hsdp hsdp, or pip install . "
+    "from a checkout)";
+
+int hsdp_mpi_compiled(void) { return 0; }
+
+hsdp_status hsdp_world_mpi(hsdp_group **out, int *we_init) {
+    *out = NULL;
+    *we_init = 0;
+    return hsdp_fail(HSDP_EUNSUPPORTED, "%s", no_mpi);
+}
+
+hsdp_status hsdp_mpi_finalize(void) { return HSDP_OK; }
+#endif

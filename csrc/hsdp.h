@@ -1,0 +1,178 @@
+/* hsdp.h - the C core's own API. No Python in here: module.c is the only file that knows
+ * about CPython. Every function that can fail returns an hsdp_status and leaves a message
+ * that hsdp_last_error() returns (thread-local, so the MPI worker thread cannot clobber the
+ * caller's message). Library code never exits or aborts. */
+#ifndef HSDP_H
+#define HSDP_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---------------------------------------------------------------- errors */
+typedef enum {
+    HSDP_OK = 0,
+    HSDP_EINVAL,      /* a bad argument: maps to ValueError */
+    HSDP_ETYPE,       /* a bad dtype or kind: maps to TypeError */
+    HSDP_ENOMEM,      /* allocation failed: maps to MemoryError */
+    HSDP_EIO,         /* file I/O: maps to OSError */
+    HSDP_ECOMM,       /* a collective failed: maps to RuntimeError */
+    HSDP_ESTATE,      /* wrong lifecycle state: maps to RuntimeError */
+    HSDP_EUNSUPPORTED /* not compiled in / not built yet: maps to NotImplementedError */
+} hsdp_status;
+
+const char *hsdp_last_error(void);
+/* Records a printf-style message and returns `st`, so callers can `return hsdp_fail(...)`. */
+hsdp_status hsdp_fail(hsdp_status st, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+
+/* ---------------------------------------------------------------- dtypes (dtype.c) */
+typedef enum {
+    HSDP_F32 = 0,
+    HSDP_F16,
+    HSDP_BF16,
+    HSDP_F8E4M3, /* float8_e4m3fn: no infinities, one NaN pattern per sign, max 448 */
+    HSDP_F8E5M2, /* float8_e5m2: IEEE-like, max 57344 */
+    HSDP_F64,
+    HSDP_BOOL,
+    HSDP_U8,
+    HSDP_I8,
+    HSDP_U16,
+    HSDP_I16,
+    HSDP_U32,
+    HSDP_I32,
+    HSDP_U64,
+    HSDP_I64,
+    HSDP_DTYPE_COUNT
+} hsdp_dtype;
+
+size_t hsdp_dtype_size(hsdp_dtype dt);
+/* Canonical names: "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
+ * "float64", "bool", "uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64",
+ * "int64". NULL for an out-of-range value. */
+const char *hsdp_dtype_name(hsdp_dtype dt);
+/* Exact canonical name -> dtype. Returns 0 on success, -1 if unknown (no error recorded). */
+int hsdp_dtype_from_name(const char *name, hsdp_dtype *out);
+int hsdp_dtype_is_float(hsdp_dtype dt);
+/* The dtype NumPy computes a value of `dt` in: bfloat16 and float8 widen to float32. */
+hsdp_dtype hsdp_dtype_compute(hsdp_dtype dt);
+
+/* Scalar conversions. float -> narrow rounds to nearest, ties to even. NaN stays NaN;
+ * overflow gives infinity for f16/bf16/e5m2 and NaN for e4m3fn (it has no infinity). */
+uint16_t hsdp_f32_to_bf16(float f);
+float hsdp_bf16_to_f32(uint16_t h);
+uint16_t hsdp_f32_to_f16(float f);
+float hsdp_f16_to_f32(uint16_t h);
+uint8_t hsdp_f32_to_f8e4m3(float f);
+float hsdp_f8e4m3_to_f32(uint8_t b);
+uint8_t hsdp_f32_to_f8e5m2(float f);
+float hsdp_f8e5m2_to_f32(uint8_t b);
+
+/* Casts n elements from src (dtype st) to dst (dtype dt). Same dtype: a copy. Between
+ * floating dtypes: a conversion (through double when either side is f64, else float).
+ * Anything else (int <-> float, int <-> other int) is HSDP_ETYPE. dst and src must not
+ * overlap unless dt == st and dst == src. */
+hsdp_status hsdp_cast(void *dst, hsdp_dtype dt, const void *src, hsdp_dtype st, size_t n);
+
+/* ---------------------------------------------------------------- memory accounting */
+/* Bytes this process holds for hsdp, kept by the core itself. Counters are atomic so the
+ * MPI worker thread and the Python thread can both update them. */
+typedef struct {
+    _Atomic size_t sharded_bytes;       /* sum of shard chunks of live units */
+    _Atomic size_t unsharded_bytes;     /* live gather/widen buffers */
+    _Atomic size_t peak_unsharded_bytes;
+    _Atomic size_t whole_bytes;         /* ignored / unshardable parameters kept whole */
+    _Atomic uint64_t buffer_allocs;     /* unsharded buffers allocated so far */
+    _Atomic uint64_t gathers;           /* unit gathers issued so far */
+} hsdp_stats;
+
+void hsdp_stats_init(hsdp_stats *st);
+/* Aligned (64 bytes), accounted as unsharded. Returns NULL (and records an error) on failure.
+ * The caller owns the result and gives it back with hsdp_buffer_free. */
+void *hsdp_buffer_alloc(hsdp_stats *st, size_t nbytes);
+void hsdp_buffer_free(hsdp_stats *st, void *p, size_t nbytes);
+
+/* ---------------------------------------------------------------- mesh (mesh.c) */
+/* World ranks laid row-major over (replicate, shard): rank = r * shard + s. */
+typedef struct {
+    int world_size, rank;
+    int replicate, shard; /* sizes */
+    int r, s;             /* this rank's coordinates */
+} hsdp_mesh;
+
+/* shard <= 0 means auto: world_size / replicate. */
+hsdp_status hsdp_mesh_init(hsdp_mesh *m, int world_size, int rank, int replicate, int shard);
+int hsdp_mesh_rank_of(const hsdp_mesh *m, int r, int s);
+/* Fills ranks[0..shard) with this rank's shard group (same r), ascending. */
+void hsdp_mesh_shard_group(const hsdp_mesh *m, int *ranks);
+/* Fills ranks[0..replicate) with this rank's replicate group (same s), ascending. */
+void hsdp_mesh_replicate_group(const hsdp_mesh *m, int *ranks);
+
+/* ---------------------------------------------------------------- layout (layout.c) */
+#define HSDP_ALIGN 64
+
+typedef struct {
+    size_t offset; /* byte offset in the unsharded buffer, a multiple of HSDP_ALIGN */
+    size_t nbytes; /* numel * itemsize */
+    size_t numel;
+    hsdp_dtype dtype; /* storage dtype */
+} hsdp_slot;
+
+typedef struct {
+    size_t nslots;
+    hsdp_slot *slots;   /* owned by the layout */
+    size_t used_bytes;  /* end of the last parameter */
+    size_t total_bytes; /* used_bytes padded to a multiple of HSDP_ALIGN * shard */
+    size_t chunk_bytes; /* total_bytes / shard: what each rank of the shard group holds */
+    int shard;
+} hsdp_layout;
+
+hsdp_status hsdp_layout_init(hsdp_layout *l, const size_t *numels, const hsdp_dtype *dtypes,
+                             size_t n, int shard);
+void hsdp_layout_free(hsdp_layout *l);
+/* The part of slot i that rank s owns, as a byte range [*begin, *end) within the parameter
+ * (element-aligned, since chunks are multiples of HSDP_ALIGN). Returns 0 when rank s owns
+ * none of it. *chunk_off receives where that range starts inside rank s's chunk. */
+int hsdp_layout_owned(const hsdp_layout *l, size_t i, int s, size_t *begin, size_t *end,
+                      size_t *chunk_off);
+
+/* ---------------------------------------------------------------- collectives (comm.h) */
+typedef struct hsdp_group hsdp_group;
+
+/* ---------------------------------------------------------------- units (unit.c) */
+typedef struct {
+    hsdp_layout layout;
+    hsdp_group *group;      /* borrowed: the shard group */
+    hsdp_stats *stats;      /* borrowed */
+    int s;                  /* this rank's index in the shard group */
+    unsigned char *shard;   /* owned: layout.chunk_bytes, in storage dtypes */
+    size_t *widen_offset;   /* owned: per slot, offset in the widened buffer or SIZE_MAX */
+    size_t widened_bytes;   /* size of the widened buffer (0 when nothing widens) */
+} hsdp_unit;
+
+/* Sets up the layout and a zeroed shard. The unit borrows group and stats; both must outlive
+ * it. */
+hsdp_status hsdp_unit_init(hsdp_unit *u, const size_t *numels, const hsdp_dtype *dtypes,
+                           size_t n, hsdp_group *group, hsdp_stats *stats);
+void hsdp_unit_free(hsdp_unit *u);
+/* Writes elements [first, first + count) of slot i from src (dtype src_dt), keeping only the
+ * part that falls in this rank's chunk, cast to the slot's storage dtype. A full parameter is
+ * first = 0, count = numel. */
+hsdp_status hsdp_unit_write(hsdp_unit *u, size_t i, size_t first, size_t count, const void *src,
+                            hsdp_dtype src_dt);
+/* All-gathers every rank's chunk into `full` (layout.total_bytes). */
+hsdp_status hsdp_unit_gather(hsdp_unit *u, void *full);
+/* Widens the slots whose storage dtype NumPy cannot compute in (see hsdp_dtype_compute) from
+ * `full` into `widened` (widened_bytes). */
+hsdp_status hsdp_unit_widen(const hsdp_unit *u, const void *full, void *widened);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

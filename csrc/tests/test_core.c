@@ -1,0 +1,178 @@
+/* test_core.c - the core without Python: mesh arithmetic, flat layout, and a unit's life on
+ * the world-of-one backend, plus the S-rank write path through simulated shard groups. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "../comm.h"
+#include "../hsdp.h"
+#include "check.h"
+
+static void test_mesh(void) {
+    hsdp_mesh m;
+    CHECK(hsdp_mesh_init(&m, 8, 5, 2, 4) == HSDP_OK);
+    CHECK(m.r == 1 && m.s == 1);
+    int sg[4], rg[2];
+    hsdp_mesh_shard_group(&m, sg);
+    hsdp_mesh_replicate_group(&m, rg);
+    CHECK(sg[0] == 4 && sg[1] == 5 && sg[2] == 6 && sg[3] == 7);
+    CHECK(rg[0] == 1 && rg[1] == 5);
+    CHECK(hsdp_mesh_init(&m, 8, 0, 2, -1) == HSDP_OK && m.shard == 4);
+    CHECK(hsdp_mesh_init(&m, 8, 0, 3, -1) == HSDP_EINVAL);
+    CHECK(strstr(hsdp_last_error(), "3") && strstr(hsdp_last_error(), "8"));
+    CHECK(hsdp_mesh_init(&m, 8, 0, 2, 2) == HSDP_EINVAL);
+    CHECK(strstr(hsdp_last_error(), "= 4") && strstr(hsdp_last_error(), "8"));
+    CHECK(hsdp_mesh_init(&m, 4, 4, 1, 4) == HSDP_EINVAL);
+    CHECK(hsdp_mesh_init(&m, 4, 0, 0, 4) == HSDP_EINVAL);
+    CHECK(hsdp_mesh_init(&m, 4, 0, 1, 0) == HSDP_EINVAL);
+    /* every (world, replicate) pair: coordinates invert rank_of */
+    for (int w = 1; w <= 8; w++)
+        for (int r = 1; r <= w; r++) {
+            if (w % r) continue;
+            for (int k = 0; k < w; k++) {
+                CHECK(hsdp_mesh_init(&m, w, k, r, -1) == HSDP_OK);
+                CHECK(hsdp_mesh_rank_of(&m, m.r, m.s) == k);
+            }
+        }
+}
+
+static void test_layout(void) {
+    /* primes, one element, a zero-size parameter and mixed dtypes */
+    size_t numels[] = {7, 1, 0, 13, 1021, 3};
+    hsdp_dtype dts[] = {HSDP_F32, HSDP_BF16, HSDP_F32, HSDP_F8E4M3, HSDP_F16, HSDP_F64};
+    for (int S = 1; S <= 8; S++) {
+        hsdp_layout l;
+        CHECK(hsdp_layout_init(&l, numels, dts, 6, S) == HSDP_OK);
+        CHECK(l.total_bytes % ((size_t)HSDP_ALIGN * (size_t)S) == 0);
+        CHECK(l.chunk_bytes * (size_t)S == l.total_bytes);
+        CHECK(l.total_bytes >= l.used_bytes);
+        for (size_t i = 0; i < l.nslots; i++) {
+            CHECK(l.slots[i].offset % HSDP_ALIGN == 0);
+            CHECK(l.slots[i].nbytes == numels[i] * hsdp_dtype_size(dts[i]));
+            if (i) CHECK(l.slots[i].offset >= l.slots[i - 1].offset + l.slots[i - 1].nbytes);
+            /* the ranks' owned ranges tile the parameter exactly, in order */
+            size_t covered = 0;
+            for (int s = 0; s < S; s++) {
+                size_t b, e, off;
+                if (!hsdp_layout_owned(&l, i, s, &b, &e, &off)) continue;
+                CHECK(b == covered);
+                CHECK(b % hsdp_dtype_size(dts[i]) == 0 && e % hsdp_dtype_size(dts[i]) == 0);
+                CHECK(off + (e - b) <= l.chunk_bytes);
+                CHECK((size_t)s * l.chunk_bytes + off == l.slots[i].offset + b);
+                covered = e;
+            }
+            CHECK(covered == l.slots[i].nbytes);
+        }
+        hsdp_layout_free(&l);
+    }
+    hsdp_layout l;
+    CHECK(hsdp_layout_init(&l, numels, dts, 0, 3) == HSDP_OK && l.total_bytes == 0 && l.chunk_bytes == 0);
+    hsdp_layout_free(&l);
+    CHECK(hsdp_layout_init(&l, numels, dts, 1, 0) == HSDP_EINVAL);
+    hsdp_dtype bad = HSDP_DTYPE_COUNT;
+    CHECK(hsdp_layout_init(&l, numels, &bad, 1, 1) == HSDP_ETYPE);
+}
+
+/* A group that reports rank s of S but never communicates: enough to exercise the write
+ * path of every rank in one process; the test concatenates the shards itself. */
+static hsdp_status fake_all_gather(hsdp_group *g, const void *s, void *r, size_t n) {
+    (void)g, (void)s, (void)r, (void)n;
+    return hsdp_fail(HSDP_ECOMM, "fake group");
+}
+static const hsdp_comm_ops fake_ops = {"fake", fake_all_gather, NULL, NULL, NULL, NULL};
+
+static void test_unit_ranks(void) {
+    size_t numels[] = {37, 1, 101, 5};
+    hsdp_dtype dts[] = {HSDP_F32, HSDP_F32, HSDP_BF16, HSDP_F16};
+    float *src[4];
+    for (int i = 0; i < 4; i++) {
+        src[i] = malloc(numels[i] * sizeof(float)); /* owned here, freed below */
+        for (size_t k = 0; k < numels[i]; k++) src[i][k] = (float)(i * 1000 + (int)k) * 0.25f;
+    }
+    for (int S = 1; S <= 5; S++) {
+        hsdp_stats st;
+        hsdp_stats_init(&st);
+        hsdp_group groups[5];
+        hsdp_unit units[5];
+        for (int s = 0; s < S; s++) {
+            groups[s] = (hsdp_group){.ops = &fake_ops, .rank = s, .size = S};
+            CHECK(hsdp_unit_init(&units[s], numels, dts, 4, &groups[s], &st) == HSDP_OK);
+            /* param 2 written in two pieces, as a streaming loader would */
+            CHECK(hsdp_unit_write(&units[s], 0, 0, 37, src[0], HSDP_F32) == HSDP_OK);
+            CHECK(hsdp_unit_write(&units[s], 1, 0, 1, src[1], HSDP_F32) == HSDP_OK);
+            CHECK(hsdp_unit_write(&units[s], 2, 0, 50, src[2], HSDP_F32) == HSDP_OK);
+            CHECK(hsdp_unit_write(&units[s], 2, 50, 51, src[2] + 50, HSDP_F32) == HSDP_OK);
+            CHECK(hsdp_unit_write(&units[s], 3, 0, 5, src[3], HSDP_F32) == HSDP_OK);
+        }
+        CHECK(st.sharded_bytes == units[0].layout.chunk_bytes * (size_t)S);
+        size_t total = units[0].layout.total_bytes;
+        unsigned char *full = malloc(total);                       /* owned here */
+        float *wide = malloc(units[0].widened_bytes);              /* owned here */
+        for (int s = 0; s < S; s++) memcpy(full + (size_t)s * units[0].layout.chunk_bytes, units[s].shard, units[0].layout.chunk_bytes);
+        CHECK(hsdp_unit_widen(&units[0], full, wide) == HSDP_OK);
+        const hsdp_slot *sl = units[0].layout.slots;
+        CHECK(memcmp(full + sl[0].offset, src[0], 37 * 4) == 0);
+        CHECK(memcmp(full + sl[1].offset, src[1], 4) == 0);
+        const float *w2 = (const float *)((unsigned char *)wide + units[0].widen_offset[2]);
+        int ok = 1;
+        for (size_t k = 0; k < 101; k++) ok &= w2[k] == hsdp_bf16_to_f32(hsdp_f32_to_bf16(src[2][k]));
+        CHECK(ok);
+        uint16_t h;
+        memcpy(&h, full + sl[3].offset + 2 * 4, 2);
+        CHECK(hsdp_f16_to_f32(h) == src[3][4]);
+        CHECK(units[0].widen_offset[0] == SIZE_MAX && units[0].widen_offset[3] == SIZE_MAX);
+        /* out-of-range writes are refused */
+        CHECK(hsdp_unit_write(&units[0], 4, 0, 1, src[0], HSDP_F32) == HSDP_EINVAL);
+        CHECK(hsdp_unit_write(&units[0], 0, 30, 8, src[0], HSDP_F32) == HSDP_EINVAL);
+        CHECK(hsdp_unit_write(&units[0], 0, 0, 1, src[0], HSDP_I32) == HSDP_ETYPE);
+        CHECK(hsdp_unit_gather(&units[0], full) == HSDP_ECOMM);
+        free(full);
+        free(wide);
+        for (int s = 0; s < S; s++) hsdp_unit_free(&units[s]);
+        CHECK(st.sharded_bytes == 0);
+    }
+    for (int i = 0; i < 4; i++) free(src[i]);
+}
+
+static void test_unit_single(void) {
+    hsdp_stats st;
+    hsdp_stats_init(&st);
+    hsdp_group *g = NULL;
+    CHECK(hsdp_world_single(&g) == HSDP_OK && g->size == 1 && g->rank == 0);
+    size_t numels[] = {3, 4};
+    hsdp_dtype dts[] = {HSDP_F32, HSDP_F8E5M2};
+    hsdp_unit u;
+    CHECK(hsdp_unit_init(&u, numels, dts, 2, g, &st) == HSDP_OK);
+    float a[3] = {1, 2, 3}, b[4] = {0.5f, -2, 1024, 3};
+    CHECK(hsdp_unit_write(&u, 0, 0, 3, a, HSDP_F32) == HSDP_OK);
+    CHECK(hsdp_unit_write(&u, 1, 0, 4, b, HSDP_F32) == HSDP_OK);
+    void *full = hsdp_buffer_alloc(&st, u.layout.total_bytes); /* owned here */
+    void *wide = hsdp_buffer_alloc(&st, u.widened_bytes);       /* owned here */
+    CHECK(full && wide);
+    CHECK(st.unsharded_bytes == u.layout.total_bytes + u.widened_bytes);
+    CHECK(hsdp_unit_gather(&u, full) == HSDP_OK && st.gathers == 1);
+    CHECK(hsdp_unit_widen(&u, full, wide) == HSDP_OK);
+    CHECK(memcmp(full, a, sizeof a) == 0);
+    CHECK(memcmp((unsigned char *)wide + u.widen_offset[1], b, sizeof b) == 0); /* all exact in e5m2 */
+    hsdp_buffer_free(&st, full, u.layout.total_bytes);
+    hsdp_buffer_free(&st, wide, u.widened_bytes);
+    CHECK(st.unsharded_bytes == 0 && st.peak_unsharded_bytes > 0 && st.buffer_allocs == 2);
+    hsdp_unit_free(&u);
+    CHECK(st.sharded_bytes == 0);
+    /* collectives of the world of one */
+    char x[8] = "abcdefg", y[8] = {0};
+    CHECK(hsdp_all_gather(g, x, y, 8) == HSDP_OK && memcmp(x, y, 8) == 0);
+    CHECK(hsdp_broadcast(g, x, 8, 0) == HSDP_OK && hsdp_broadcast(g, x, 8, 1) == HSDP_EINVAL);
+    CHECK(hsdp_barrier(g) == HSDP_OK);
+    hsdp_group *sub = NULL;
+    CHECK(hsdp_group_split(g, 0, 0, &sub) == HSDP_OK && sub->size == 1);
+    hsdp_group_free(sub);
+    hsdp_group_free(g);
+}
+
+int main(void) {
+    test_mesh();
+    test_layout();
+    test_unit_ranks();
+    test_unit_single();
+    return check_report();
+}

@@ -1,0 +1,51 @@
+"""hsdp: shard the weights of a diffusion transformer across the ranks of a job.
+
+Every rank keeps 1/S of each block's weights; a block's full weights exist only while it
+computes. The heavy lifting (mesh, flat shard layout, collectives, casts) is the C core in
+``hsdp._C``; this package walks module trees and holds the hooks. Importing it initialises
+nothing: MPI starts on the first process-group use.
+"""
+
+from __future__ import annotations
+
+from . import _C, dtypes
+from .dtypes import DType, bfloat16, float16, float32, float64, float8_e4m3fn, float8_e5m2
+from .hsdp import (
+    HSDPInferenceConfig,
+    HSDPShardContext,
+    apply_hsdp_to_model,
+    finalize_hsdp_root,
+    get_units,
+    memory_stats,
+    prepare_hsdp_shard_context,
+    reshard,
+    shard_hsdp_module,
+    shard_model,
+    unshard,
+)
+from .mesh import DeviceMesh, init_device_mesh
+from .policy import MixedPrecisionPolicy
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    # Submodules that pull in more than the core are loaded on first use.
+    if name in ("nn", "models", "config", "distributed"):
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
+    if name == "DiffusionParallelConfig":
+        from .config import DiffusionParallelConfig
+
+        return DiffusionParallelConfig
+    raise AttributeError(f"module 'hsdp' has no attribute {name!r}")
+
+
+__all__ = [
+    "DType", "DeviceMesh", "DiffusionParallelConfig", "HSDPInferenceConfig", "HSDPShardContext",
+    "MixedPrecisionPolicy", "apply_hsdp_to_model", "bfloat16", "dtypes", "finalize_hsdp_root",
+    "float16", "float32", "float64", "float8_e4m3fn", "float8_e5m2", "get_units",
+    "init_device_mesh", "memory_stats", "prepare_hsdp_shard_context", "reshard",
+    "shard_hsdp_module", "shard_model", "unshard",
+]

@@ -1,0 +1,500 @@
+"""``DiffusionParallelConfig``: a diffusion pipeline's parallel settings, mapped onto HSDP.
+
+A pipeline declares its parallel degrees (pipeline, data, tensor, expert, Ulysses and ring
+sequence parallel, classifier-free-guidance parallel) and whether to shard its weights with
+HSDP. The other degrees multiply into the *other-parallel world*
+``pp * dp * tp * sp * cfg`` with ``sp = ulysses * ring``. HSDP then runs in one of two modes:
+
+- **standalone**: every other degree is 1. HSDP alone decides the job size, so the shard size
+  must be given explicitly and the world is ``hsdp_replicate_size * hsdp_shard_size``.
+- **combined**: some other degree is > 1. HSDP lays its ``(replicate, shard)`` mesh over the
+  ranks that parallelism already uses; it adds no ranks, so ``R * S`` must equal the
+  other-parallel world. ``hsdp_shard_size=-1`` (the default) means "world // replicate".
+
+HSDP cannot be combined with tensor, data, pipeline or expert parallelism: those already
+split or place the weights themselves.
+
+Pure Python: the C extension and the process group are imported only inside the methods that
+need them, so a config can be built and validated anywhere (argument parsing, tests, tools).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import operator
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+__all__ = ["DiffusionParallelConfig", "add_parallel_args"]
+
+HSDPMode = Literal["off", "standalone", "combined"]
+
+# Degrees that multiply into the other-parallel world, with the short names used in log lines.
+_WORLD_FACTORS: tuple[tuple[str, str], ...] = (
+    ("pipeline_parallel_size", "pp"),
+    ("data_parallel_size", "dp"),
+    ("tensor_parallel_size", "tp"),
+    ("ulysses_degree", "ulysses"),
+    ("ring_degree", "ring"),
+    ("cfg_parallel_size", "cfg"),
+)
+
+# Degrees the runtime does not execute yet, grouped by the feature that would execute them.
+# A config may still declare them (the HSDP mesh over those ranks is valid), but a model run
+# with them would silently compute redundantly instead of in parallel, so callers that run the
+# model check ``require_supported()`` first.
+_UNSUPPORTED: tuple[tuple[str, str], ...] = (
+    ("ulysses_degree", "sequence parallelism"),
+    ("ring_degree", "sequence parallelism"),
+    ("cfg_parallel_size", "CFG parallelism"),
+    ("tensor_parallel_size", "tensor parallelism"),
+    ("pipeline_parallel_size", "pipeline parallelism"),
+    ("data_parallel_size", "data parallelism"),
+    ("enable_expert_parallel", "expert parallelism"),
+)
+
+
+def _describe_value(value: Any) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def _as_positive_int(name: str, value: Any) -> int:
+    """``value`` as an int >= 1, or ValueError naming the field.
+
+    bool is rejected although it is an int subclass: ``ulysses_degree=True`` is a mistake,
+    never a degree of 1. Other integral types (NumPy integers) are accepted via ``__index__``.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be a positive int, got {_describe_value(value)}")
+    try:
+        as_int = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be a positive int, got {_describe_value(value)}") from None
+    if as_int < 1:
+        raise ValueError(f"{name} must be a positive int, got {as_int}")
+    return as_int
+
+
+def _as_shard_size(value: Any) -> int:
+    """``hsdp_shard_size``: -1 (auto) or an int >= 1."""
+    as_int: int | None = None
+    if not isinstance(value, bool):
+        try:
+            as_int = operator.index(value)
+        except TypeError:
+            pass
+    if as_int is None or (as_int != -1 and as_int < 1):
+        raise ValueError(
+            f"hsdp_shard_size must be -1 (auto) or a positive int, got {_describe_value(value)}"
+        )
+    return as_int
+
+
+def _as_bool(name: str, value: Any) -> bool:
+    # Strict: a stray 0/1 or "false" from a hand-written mapping must not flip a mode silently.
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {_describe_value(value)}")
+    return value
+
+
+@dataclass
+class DiffusionParallelConfig:
+    """Parallel degrees of a diffusion pipeline, and HSDP weight sharding on top of them.
+
+    Validated on construction. After ``__post_init__``: ``data_parallel_size`` is an int
+    (``None`` meant 1), ``sequence_parallel_size`` is ``ulysses_degree * ring_degree``,
+    ``hsdp_shard_size`` is resolved when HSDP is on and it was ``-1``, and ``world_size`` is
+    the number of ranks the job needs. Fields are not re-validated if assigned afterwards;
+    build a new config (``dataclasses.replace`` or ``from_dict``) instead.
+    """
+
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int | None = None
+    tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    sequence_parallel_size: int | None = None
+    ulysses_degree: int = 1
+    ring_degree: int = 1
+    cfg_parallel_size: int = 1
+    use_hsdp: bool = False
+    hsdp_shard_size: int = -1
+    hsdp_replicate_size: int = 1
+    world_size: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.enable_expert_parallel = _as_bool(
+            "enable_expert_parallel", self.enable_expert_parallel
+        )
+        self.use_hsdp = _as_bool("use_hsdp", self.use_hsdp)
+
+        self.pipeline_parallel_size = _as_positive_int(
+            "pipeline_parallel_size", self.pipeline_parallel_size
+        )
+        if self.data_parallel_size is None:
+            self.data_parallel_size = 1
+        self.data_parallel_size = _as_positive_int("data_parallel_size", self.data_parallel_size)
+        self.tensor_parallel_size = _as_positive_int(
+            "tensor_parallel_size", self.tensor_parallel_size
+        )
+        self.ulysses_degree = _as_positive_int("ulysses_degree", self.ulysses_degree)
+        self.ring_degree = _as_positive_int("ring_degree", self.ring_degree)
+        self.cfg_parallel_size = _as_positive_int("cfg_parallel_size", self.cfg_parallel_size)
+        self.hsdp_replicate_size = _as_positive_int("hsdp_replicate_size", self.hsdp_replicate_size)
+        self.hsdp_shard_size = _as_shard_size(self.hsdp_shard_size)
+
+        # Classifier-free guidance has exactly two branches (conditional, unconditional), so
+        # there is nothing to split across more than two ranks.
+        if self.cfg_parallel_size not in (1, 2):
+            raise ValueError(
+                f"cfg_parallel_size must be 1 or 2 (classifier-free guidance has two branches), "
+                f"got {self.cfg_parallel_size}"
+            )
+
+        derived_sp = self.ulysses_degree * self.ring_degree
+        if self.sequence_parallel_size is not None:
+            explicit_sp = _as_positive_int("sequence_parallel_size", self.sequence_parallel_size)
+            if explicit_sp != derived_sp:
+                raise ValueError(
+                    f"sequence_parallel_size={explicit_sp} must equal "
+                    f"ulysses_degree={self.ulysses_degree} "
+                    f"x ring_degree={self.ring_degree} = {derived_sp}; leave it unset to derive it"
+                )
+        self.sequence_parallel_size = derived_sp
+
+        other_world = self.other_parallel_world
+        if not self.use_hsdp:
+            # The hsdp_* fields are kept as given; they only matter once HSDP is switched on.
+            self.world_size = other_world
+            return
+
+        self._check_hsdp_exclusions()
+        replicate = self.hsdp_replicate_size
+        if self.hsdp_shard_size == -1:
+            if other_world == 1:
+                raise ValueError(
+                    "hsdp_shard_size=-1 (auto) sizes the shard group from the other parallel "
+                    "degrees, but all of them are 1; standalone HSDP mode needs an explicit "
+                    "hsdp_shard_size (e.g. hsdp_shard_size=4 to shard across 4 ranks)"
+                )
+            if other_world % replicate != 0:
+                raise ValueError(
+                    f"hsdp_replicate_size={replicate} does not divide the other-parallel world "
+                    f"{other_world} ({self._factors_text()}), so hsdp_shard_size=-1 (auto) "
+                    "cannot be resolved; choose a replicate size that divides it"
+                )
+            self.hsdp_shard_size = other_world // replicate
+
+        shard = self.hsdp_shard_size
+        if other_world == 1:
+            self.world_size = replicate * shard
+        else:
+            # Combined: the mesh reuses the ranks of the other parallelism; HSDP adds none.
+            if replicate * shard != other_world:
+                raise ValueError(
+                    f"hsdp_replicate_size={replicate} x hsdp_shard_size={shard} = "
+                    f"{replicate * shard} does not equal the other-parallel world "
+                    f"{other_world} ({self._factors_text()}); "
+                    "HSDP adds no ranks, so R x S must cover exactly those ranks "
+                    "(or use hsdp_shard_size=-1 to derive it)"
+                )
+            self.world_size = other_world
+
+    # ----------------------------------------------------------------- derived values
+
+    @property
+    def other_parallel_world(self) -> int:
+        """``pp * dp * tp * sp * cfg``: the ranks the non-HSDP parallelism needs."""
+        world = 1
+        for name, _ in _WORLD_FACTORS:
+            world *= getattr(self, name) or 1  # data_parallel_size may be None before validation
+        return world
+
+    @property
+    def hsdp_mode(self) -> HSDPMode:
+        if not self.use_hsdp:
+            return "off"
+        return "standalone" if self.other_parallel_world == 1 else "combined"
+
+    def _factors(self, short: bool) -> list[str]:
+        return [
+            f"{short_name if short else name}={getattr(self, name)}"
+            for name, short_name in _WORLD_FACTORS
+            if (getattr(self, name) or 1) > 1
+        ]
+
+    def _factors_text(self) -> str:
+        factors = self._factors(short=False)
+        return " x ".join(factors) if factors else "every other degree is 1"
+
+    def _check_hsdp_exclusions(self) -> None:
+        # Reported together so one edit fixes the config, not one round trip per conflict.
+        conflicts = []
+        if self.tensor_parallel_size > 1:
+            conflicts.append(f"tensor parallel (tensor_parallel_size={self.tensor_parallel_size})")
+        if self.data_parallel_size is not None and self.data_parallel_size > 1:
+            conflicts.append(f"data parallel (data_parallel_size={self.data_parallel_size})")
+        if self.pipeline_parallel_size > 1:
+            conflicts.append(
+                f"pipeline parallel (pipeline_parallel_size={self.pipeline_parallel_size})"
+            )
+        if self.enable_expert_parallel:
+            conflicts.append("expert parallel (enable_expert_parallel=True)")
+        if conflicts:
+            raise ValueError(
+                "use_hsdp=True cannot be combined with "
+                + ", ".join(conflicts)
+                + "; HSDP shards the weights itself and works only over sequence (ulysses/ring) "
+                "and CFG parallelism: set those degrees to 1 and enable_expert_parallel=False, "
+                "or use_hsdp=False"
+            )
+
+    def describe(self) -> str:
+        """One line for logs, e.g. ``HSDP standalone: replicate=1 x shard=4 (world 4)``."""
+        mode = self.hsdp_mode
+        if mode == "off":
+            details = self._factors(short=True)
+            extra = " x ".join(details)
+            if self.enable_expert_parallel:
+                extra = f"{extra}, expert parallel" if extra else "expert parallel"
+            return f"no HSDP: world {self.world_size}" + (f" ({extra})" if extra else "")
+        mesh = (
+            f"replicate={self.hsdp_replicate_size} x shard={self.hsdp_shard_size} "
+            f"(world {self.world_size})"
+        )
+        if mode == "standalone":
+            return f"HSDP standalone: {mesh}"
+        return f"HSDP combined over {' x '.join(self._factors(short=True))}: {mesh}"
+
+    def __str__(self) -> str:
+        return self.describe()
+
+    # ----------------------------------------------------------------- conversions
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        """The settable fields, in declaration order (``world_size`` is derived, not one)."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.init)
+
+    @classmethod
+    def from_dict(cls, mapping: Mapping[str, Any]) -> DiffusionParallelConfig:
+        """Build from a mapping of field names; every unknown key is an error, not ignored.
+
+        A typo such as ``ulysess_degree`` would otherwise fall back to the default and run
+        a different job than the one asked for.
+        """
+        if not isinstance(mapping, Mapping):
+            raise TypeError(
+                f"DiffusionParallelConfig.from_dict expects a mapping, got {type(mapping).__name__}"
+            )
+        accepted = cls.field_names()
+        problems = []
+        unknown = sorted((k for k in mapping if k not in accepted and k != "world_size"), key=str)
+        if unknown:
+            problems.append(
+                "unknown key(s) "
+                + ", ".join(repr(k) for k in unknown)
+                + "; accepted keys: "
+                + ", ".join(accepted)
+            )
+        if "world_size" in mapping:
+            problems.append(
+                "'world_size' is derived (pp * dp * tp * sp * cfg, or R * S for standalone HSDP) "
+                "and cannot be set"
+            )
+        if problems:
+            raise ValueError("DiffusionParallelConfig.from_dict: " + "; ".join(problems))
+        return cls(**dict(mapping))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The settable fields with their resolved values; ``from_dict`` rebuilds an equal one."""
+        return {name: getattr(self, name) for name in self.field_names()}
+
+    def to_hsdp_config(
+        self,
+        param_dtype: Any = "bfloat16",
+        reduce_dtype: Any = "float32",
+        output_dtype: Any = None,
+        reshard_after_forward: bool = True,
+    ) -> Any:
+        """The ``hsdp.HSDPInferenceConfig`` for ``apply_hsdp_to_model``."""
+        if not self.use_hsdp:
+            raise ValueError(
+                "HSDP is not enabled (use_hsdp=False); set use_hsdp=True to build an "
+                "HSDPInferenceConfig"
+            )
+        from hsdp._C import (
+            HSDPInferenceConfig,
+        )  # lazy: the config stays usable without the extension
+
+        return HSDPInferenceConfig(
+            enabled=True,
+            hsdp_replicate_size=self.hsdp_replicate_size,
+            hsdp_shard_size=self.hsdp_shard_size,
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
+            output_dtype=output_dtype,
+            reshard_after_forward=reshard_after_forward,
+        )
+
+    # ----------------------------------------------------------------- runtime checks
+
+    def check_world(self, world_size: int | None = None) -> None:
+        """Fail early, with the fix, when the job was launched with the wrong number of ranks."""
+        if world_size is None:
+            from hsdp.distributed import get_world_group  # lazy: needs a launched process group
+
+            world_size = get_world_group().size
+        launched = _as_positive_int("world_size", world_size)
+        if launched != self.world_size:
+            raise ValueError(
+                f"this parallel config needs {self.world_size} ranks ({self.describe()}) but the "
+                f"job was launched with {launched}; launch with "
+                f"`python -m hsdp.launch -n {self.world_size} ...` "
+                f"(or `mpiexec -n {self.world_size} ...`)"
+            )
+
+    def unsupported_degrees(self) -> list[str]:
+        """The declared degrees the runtime does not execute yet, e.g. ``["ulysses_degree=4"]``."""
+        out = []
+        for name, _ in _UNSUPPORTED:
+            value = getattr(self, name)
+            if value is True:
+                out.append(f"{name}=True")
+            elif not isinstance(value, bool) and value is not None and value > 1:
+                out.append(f"{name}={value}")
+        return out
+
+    def require_supported(self) -> None:
+        """Raise NotImplementedError naming every declared degree the runtime cannot run."""
+        features: dict[str, list[str]] = {}
+        for name, feature in _UNSUPPORTED:
+            value = getattr(self, name)
+            if value is True or (not isinstance(value, bool) and value is not None and value > 1):
+                features.setdefault(feature, []).append(f"{name}={value}")
+        if not features:
+            return
+        parts = [f"{feature} ({', '.join(items)})" for feature, items in features.items()]
+        verb = "is" if len(parts) == 1 else "are"
+        if self.use_hsdp:
+            tail = "the HSDP mesh over these ranks works, but running the model with it does not"
+        else:
+            tail = "set these to 1 to run the model"
+        raise NotImplementedError(f"{' and '.join(parts)} {verb} not built yet; {tail}")
+
+    # ----------------------------------------------------------------- command line
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> DiffusionParallelConfig:
+        """Build from a namespace parsed with :func:`add_parallel_args`.
+
+        Dests missing from the namespace take the field default, so a parser that adds only
+        some of the flags still works.
+        """
+        defaults = cls()
+        kwargs: dict[str, Any] = {}
+        for name in (
+            "use_hsdp",
+            "hsdp_shard_size",
+            "hsdp_replicate_size",
+            "ulysses_degree",
+            "ring_degree",
+            "cfg_parallel_size",
+            "tensor_parallel_size",
+            "pipeline_parallel_size",
+            "data_parallel_size",
+            "enable_expert_parallel",
+        ):
+            default = None if name == "data_parallel_size" else getattr(defaults, name)
+            kwargs[name] = getattr(args, name, default)
+        return cls(**kwargs)
+
+
+def add_parallel_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """Add the "parallelism" flags; ``DiffusionParallelConfig.from_cli_args`` reads them."""
+    group = parser.add_argument_group(
+        "parallelism",
+        "How the job's ranks are used. The product of the parallel degrees is the number of "
+        "ranks to launch; HSDP lays a (replicate, shard) mesh over them and adds none, except "
+        "in standalone mode (all other degrees 1), where the world is replicate x shard.",
+    )
+    group.add_argument(
+        "--use-hsdp",
+        action="store_true",
+        dest="use_hsdp",
+        help="shard the transformer's weights across ranks (HSDP); each rank keeps 1/shard of them "
+        "and gathers a block's full weights only while it computes. Cannot be combined with "
+        "tensor, data or pipeline parallelism.",
+    )
+    group.add_argument(
+        "--hsdp-shard-size",
+        type=int,
+        default=-1,
+        dest="hsdp_shard_size",
+        metavar="S",
+        help="ranks that share one sharded copy of the weights. -1 (default) = auto: the product "
+        "of the other parallel degrees divided by --hsdp-replicate-size; HSDP alone (no other "
+        "parallelism) needs an explicit value.",
+    )
+    group.add_argument(
+        "--hsdp-replicate-size",
+        type=int,
+        default=1,
+        dest="hsdp_replicate_size",
+        metavar="R",
+        help="number of full sharded copies of the weights (default %(default)s); "
+        "R x S ranks in all.",
+    )
+    group.add_argument(
+        "--ulysses-degree",
+        "--usp",
+        type=int,
+        default=1,
+        dest="ulysses_degree",
+        metavar="N",
+        help="Ulysses sequence-parallel degree (default %(default)s); HSDP can overlay it.",
+    )
+    group.add_argument(
+        "--ring-degree",
+        type=int,
+        default=1,
+        dest="ring_degree",
+        metavar="N",
+        help="ring-attention sequence-parallel degree (default %(default)s); HSDP can overlay it.",
+    )
+    group.add_argument(
+        "--cfg-parallel-size",
+        type=int,
+        default=1,
+        dest="cfg_parallel_size",
+        metavar="{1,2}",
+        help="run the two classifier-free-guidance branches on 2 ranks (default %(default)s); "
+        "HSDP can overlay it.",
+    )
+    group.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        dest="tensor_parallel_size",
+        metavar="N",
+        help="tensor-parallel degree (default %(default)s); must be 1 with --use-hsdp.",
+    )
+    group.add_argument(
+        "--pipeline-parallel-size",
+        type=int,
+        default=1,
+        dest="pipeline_parallel_size",
+        metavar="N",
+        help="pipeline-parallel degree (default %(default)s); must be 1 with --use-hsdp.",
+    )
+    group.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=None,
+        dest="data_parallel_size",
+        metavar="N",
+        help="data-parallel degree (default: 1); must be 1 with --use-hsdp "
+        "(use --hsdp-replicate-size for replicas of sharded weights).",
+    )
+    return group

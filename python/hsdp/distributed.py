@@ -1,0 +1,114 @@
+"""The default process group: which backend this process runs on, and its world group.
+
+``backend="auto"`` means MPI when the process was started by ``mpiexec`` (Open MPI, MPICH or
+any PMI/PMIx launcher) and a world of one otherwise. Nothing is initialised on import: MPI
+starts on the first :func:`init_process_group` (which ``apply_hsdp_to_model`` calls for you),
+and only if nobody else (mpi4py, say) has started it. hsdp finalises MPI at exit only when it
+was the one that initialised it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+from typing import TYPE_CHECKING
+
+from . import _C
+
+if TYPE_CHECKING:
+    from .mesh import DeviceMesh
+
+log = logging.getLogger("hsdp")
+
+ProcessGroup = _C.ProcessGroup
+
+# Launcher variables that mean "this process is one rank of an MPI job".
+_MPI_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "PMI_RANK", "MPI_LOCALNRANKS")
+
+_world: ProcessGroup | None = None
+_meshes: dict[tuple[str, tuple[int, ...]], "DeviceMesh"] = {}
+_atexit_registered = False
+
+
+def launched_by_mpi() -> bool:
+    """Whether an MPI launcher started this process."""
+    return any(k in os.environ for k in _MPI_ENV)
+
+
+def init_process_group(backend: str = "auto") -> ProcessGroup:
+    """Initialise (once) and return the world group.
+
+    ``backend`` is ``"auto"``, ``"mpi"``, ``"single"`` or ``"nccl"`` (not built yet). Calling
+    it again returns the existing group; asking then for a different backend is an error.
+    """
+    global _world, _atexit_registered
+    if backend not in ("auto", "mpi", "single", "nccl"):
+        raise ValueError(f"backend must be 'auto', 'mpi', 'single' or 'nccl', got {backend!r}")
+    if _world is not None:
+        if backend not in ("auto", _world.backend):
+            raise RuntimeError(
+                f"the process group is already initialised with backend {_world.backend!r}; "
+                f"cannot switch to {backend!r}"
+            )
+        return _world
+    if backend == "auto":
+        if launched_by_mpi():
+            backend = "mpi"
+        else:
+            world_env = os.environ.get("WORLD_SIZE")
+            if world_env and world_env.isdigit() and int(world_env) > 1:
+                raise RuntimeError(
+                    f"WORLD_SIZE={world_env} is set but this process was not started by an MPI "
+                    "launcher; hsdp's CPU backend is MPI: start the job with "
+                    f"`python -m hsdp.launch -n {world_env} SCRIPT` (or mpiexec -n {world_env})"
+                )
+            backend = "single"
+    _world = _C.ProcessGroup(backend)
+    if not _atexit_registered:
+        atexit.register(destroy_process_group)
+        _atexit_registered = True
+    log.debug("hsdp process group: backend=%s rank=%d size=%d", _world.backend, _world.rank, _world.size)
+    return _world
+
+
+def is_initialized() -> bool:
+    return _world is not None
+
+
+def get_world_group() -> ProcessGroup:
+    """The world group; raises if :func:`init_process_group` has not run."""
+    if _world is None:
+        raise RuntimeError(
+            "no hsdp process group exists; call hsdp.distributed.init_process_group() first "
+            "(apply_hsdp_to_model does this itself)"
+        )
+    return _world
+
+
+def get_rank() -> int:
+    return get_world_group().rank
+
+
+def get_world_size() -> int:
+    return get_world_group().size
+
+
+def cached_mesh(key: tuple[str, tuple[int, ...]]) -> "DeviceMesh | None":
+    return _meshes.get(key)
+
+
+def cache_mesh(key: tuple[str, tuple[int, ...]], mesh: "DeviceMesh") -> None:
+    _meshes[key] = mesh
+
+
+def destroy_process_group() -> None:
+    """Drop the world group and cached meshes; finalise MPI if hsdp initialised it.
+
+    MPI cannot be initialised twice in one process, so after this an MPI job cannot create a
+    new group. It runs at interpreter exit by itself.
+    """
+    global _world
+    _meshes.clear()
+    _world = None
+    _C.finalize_mpi()

@@ -1,0 +1,431 @@
+"""The HSDP API: shard a module tree into flat units over the (replicate, shard) mesh.
+
+``apply_hsdp_to_model`` is ``prepare_hsdp_shard_context`` (validation, mesh, precision,
+ignored and unshardable parameters) followed by ``shard_model`` (each selected module a
+unit, children first, then the root). The streaming path calls the same pieces one block at
+a time: ``shard_hsdp_module`` per completed child, ``finalize_hsdp_root`` at the end.
+
+Every step validates and builds its units before it touches the model, so an error leaves
+the model as it was.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import _C, distributed
+from .dtypes import DType, float8_e4m3fn, float8_e5m2
+from .mesh import DeviceMesh, init_device_mesh
+from .policy import MixedPrecisionPolicy
+from .units import ShardCondition, UnitState
+
+log = logging.getLogger("hsdp")
+
+HSDPInferenceConfig = _C.HSDPInferenceConfig
+_FP8 = (float8_e4m3fn, float8_e5m2)
+
+
+@dataclass(eq=False)
+class HSDPShardContext:
+    """Everything sharding needs, prepared once and reused block by block."""
+
+    model: Any
+    mesh: DeviceMesh
+    mp_policy: MixedPrecisionPolicy
+    reshard_after_forward: bool
+    hsdp_shard_conditions: list[ShardCondition]
+    ignored_params: set[Any]
+    target_device: Any = None
+    units: list[UnitState] = field(default_factory=list)
+    # ids of parameters already placed in a unit (Parameters hash by identity; ids keep the
+    # set cheap and never call a user's __eq__).
+    owned: set[int] = field(default_factory=set)
+    whole_bytes: list[Any] = field(default_factory=list)
+    finalized: bool = False
+
+    @property
+    def child_units(self) -> list[UnitState]:
+        return [u for u in self.units if not u.is_root]
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _require_module(model: Any, what: str = "model") -> None:
+    from .nn import Module
+
+    if isinstance(model, Module):
+        return
+    if hasattr(model, "named_modules") and type(model).__module__.startswith("torch"):
+        raise NotImplementedError(
+            f"{what} is a torch module; sharding torch modules needs the DLPack path, which is "
+            "not built yet. Build the model with hsdp.nn for now."
+        )
+    raise TypeError(f"{what} must be an hsdp.nn.Module, got {type(model).__name__}")
+
+
+def _check_device(target_device: Any) -> None:
+    if target_device is not None and str(target_device) != "cpu":
+        raise ValueError(
+            f"target_device {target_device!r} is not available: this runtime computes on the CPU "
+            "(NumPy); use 'cpu' or None"
+        )
+
+
+def _is_shardable(p: Any) -> bool:
+    return p.ndim > 0 and p.is_floating_point()
+
+
+def _describe(name: str, p: Any) -> str:
+    return f"'{name}' ({p.dtype.name}, shape {tuple(p.shape)})"
+
+
+def _resolve_sizes(config: Any, world: int) -> tuple[int, int]:
+    replicate, shard = config.hsdp_replicate_size, config.hsdp_shard_size
+    if shard == -1:
+        if world % replicate:
+            raise ValueError(
+                f"hsdp_replicate_size={replicate} does not divide the world size {world}, so "
+                "hsdp_shard_size=-1 (auto) cannot be resolved"
+            )
+        shard = world // replicate
+    if replicate * shard != world:
+        raise ValueError(
+            f"hsdp_replicate_size ({replicate}) * hsdp_shard_size ({shard}) = {replicate * shard}, "
+            f"but the world size is {world}"
+        )
+    return replicate, shard
+
+
+def _check_conditions(conditions: Any, model: Any) -> list[ShardCondition]:
+    if not conditions:
+        raise ValueError(
+            f"{type(model).__name__} declares no _hsdp_shard_conditions; HSDP needs at least one "
+            "condition (name, module) -> bool selecting the modules to shard (its transformer blocks)"
+        )
+    conds = list(conditions)
+    for c in conds:
+        if not callable(c):
+            raise TypeError(f"hsdp_shard_conditions must be callables (name, module) -> bool, got {c!r}")
+    return conds
+
+
+def _storage_dtype(p: Any, policy: MixedPrecisionPolicy) -> DType:
+    if policy.param_dtype is not None and p.dtype not in _FP8:
+        return policy.param_dtype
+    return p.dtype
+
+
+def _build_unit(ctx: HSDPShardContext, module: Any, fqn: str, is_root: bool, claimed: set[int]) -> UnitState | None:
+    """Collects the module's unclaimed parameters into a new C unit filled with this rank's
+    shard. Touches nothing on the model; the caller commits. None if there is nothing to hold."""
+    names: list[str] = []
+    params: list[Any] = []
+    for name, p in module.named_parameters():
+        if id(p) in claimed or p in ctx.ignored_params:
+            continue
+        full = f"{fqn}.{name}" if fqn else name
+        if getattr(p, "_hsdp_state", None) is not None:
+            raise RuntimeError(f"parameter {_describe(full, p)} is already sharded")
+        if not _is_shardable(p):
+            raise ValueError(
+                f"parameter {_describe(full, p)} cannot be sharded: it is 0-dim or not floating "
+                "point. Pass it in ignored_params (apply_hsdp_to_model keeps such parameters "
+                "whole on every rank for you)"
+            )
+        names.append(full)
+        params.append(p)
+    if not params and not is_root:
+        return None
+    dtypes = tuple(_storage_dtype(p, ctx.mp_policy) for p in params)
+    unit = _C.Unit(
+        ctx.mesh.shard_group,
+        [d.name for d in dtypes],
+        [tuple(p.shape) for p in params],
+        params=tuple(params),
+        name=fqn or "<root>",
+    )
+    for i, p in enumerate(params):
+        if p._data is not None:  # meta parameters are filled later by a loader
+            unit.write(i, p._data)
+    for p in params:
+        claimed.add(id(p))
+    return UnitState(
+        module, fqn, unit, tuple(params), tuple(names), dtypes, ctx.reshard_after_forward, ctx.mp_policy, is_root
+    )
+
+
+def _commit(ctx: HSDPShardContext, states: Iterable[UnitState | None], claimed: set[int]) -> None:
+    for st in states:
+        if st is not None:
+            st.commit()
+            ctx.units.append(st)
+    ctx.owned = claimed
+
+
+def _post_order(model: Any) -> list[tuple[str, Any]]:
+    """(name, module) with every module after its descendants and siblings in order, so inner
+    units claim their parameters first and units are numbered as a loader streams them."""
+    out: list[tuple[str, Any]] = []
+    seen: set[int] = set()
+
+    def walk(prefix: str, module: Any) -> None:
+        for name, child in module.named_children():
+            if id(child) not in seen:
+                seen.add(id(child))
+                walk(f"{prefix}.{name}" if prefix else name, child)
+        out.append((prefix, module))
+
+    walk("", model)
+    return out
+
+
+def _module_names(model: Any) -> dict[int, str]:
+    return {id(m): name for name, m in model.named_modules()}
+
+
+# ---------------------------------------------------------------------------- the API
+
+
+def prepare_hsdp_shard_context(model: Any, hsdp_config: Any, target_device: Any = None) -> HSDPShardContext:
+    """Validate, build the mesh and precision policy, and collect the parameters kept whole.
+
+    The returned context shards completed children (:func:`shard_hsdp_module`) and then the
+    root (:func:`finalize_hsdp_root`), so a loader can shard each block as soon as its
+    weights are in.
+    """
+    _require_module(model)
+    if not isinstance(hsdp_config, HSDPInferenceConfig):
+        raise TypeError(f"hsdp_config must be an HSDPInferenceConfig, got {type(hsdp_config).__name__}")
+    if not hsdp_config.enabled:
+        raise ValueError("HSDP is not enabled in hsdp_config (enabled=False); set enabled=True")
+    _check_device(target_device)
+    world = distributed.init_process_group()
+    replicate, shard = _resolve_sizes(hsdp_config, world.size)
+
+    named = list(model.named_parameters())
+    has_fp8 = any(p.dtype in _FP8 for _, p in named)
+    preserve = bool(getattr(model, "_hsdp_preserve_parameter_dtypes", False))
+    param_dtype = None if (has_fp8 or preserve) else hsdp_config.param_dtype
+    policy = MixedPrecisionPolicy(
+        param_dtype=param_dtype,
+        reduce_dtype=hsdp_config.reduce_dtype,
+        output_dtype=hsdp_config.output_dtype,
+    )
+
+    mesh = init_device_mesh("cpu", (replicate, shard))
+    log.info(
+        "HSDP setup: replicate_size=%d shard_size=%d world_size=%d rank=%d",
+        replicate, shard, world.size, world.rank,
+    )
+
+    conditions = _check_conditions(getattr(model, "_hsdp_shard_conditions", None), model)
+
+    ignored: set[Any] = set()
+    ignored_modules: list[Any] = []
+    ignored_names = list(getattr(model, "_hsdp_ignored_modules", None) or [])
+    if ignored_names and target_device is None:
+        raise ValueError(
+            f"{type(model).__name__} declares _hsdp_ignored_modules {ignored_names} but "
+            "target_device is None; pass the device those modules should live on"
+        )
+    for name in ignored_names:
+        try:
+            sub = model.get_submodule(name)
+        except AttributeError:
+            msg = f"_hsdp_ignored_modules names {name!r}, but {type(model).__name__} has no such submodule"
+            warnings.warn(msg, stacklevel=2)
+            log.warning(msg)
+            continue
+        ignored_modules.append(sub)
+        ignored.update(sub.parameters())
+
+    unshardable = [(n, p) for n, p in named if p not in ignored and not _is_shardable(p)]
+    if unshardable and target_device is None:
+        listed = ", ".join(_describe(n, p) for n, p in unshardable[:5])
+        more = f" and {len(unshardable) - 5} more" if len(unshardable) > 5 else ""
+        raise ValueError(
+            f"{type(model).__name__} has parameters that cannot be sharded ({listed}{more}: 0-dim "
+            "or not floating point); they are kept whole on every rank, so target_device must "
+            "be given"
+        )
+    ignored.update(p for _, p in unshardable)
+
+    for sub in ignored_modules:
+        sub.to(target_device)
+    ctx = HSDPShardContext(
+        model=model,
+        mesh=mesh,
+        mp_policy=policy,
+        reshard_after_forward=bool(hsdp_config.reshard_after_forward),
+        hsdp_shard_conditions=conditions,
+        ignored_params=ignored,
+        target_device=target_device,
+    )
+    ctx.whole_bytes.append(_C.WholeBytes(sum(p.nbytes for p in ignored)))
+    return ctx
+
+
+def _default_context(
+    model: Any,
+    reshard_after_forward: bool,
+    mp_policy: MixedPrecisionPolicy | None,
+    mesh: DeviceMesh | None,
+    conditions: list[ShardCondition],
+    ignored_params: set[Any] | None,
+) -> HSDPShardContext:
+    if mesh is None:
+        world = distributed.init_process_group()
+        mesh = init_device_mesh("cpu", (1, world.size))
+    ignored = set(ignored_params or ())
+    ctx = HSDPShardContext(
+        model=model,
+        mesh=mesh,
+        mp_policy=mp_policy or MixedPrecisionPolicy(),
+        reshard_after_forward=reshard_after_forward,
+        hsdp_shard_conditions=conditions,
+        ignored_params=ignored,
+    )
+    ctx.whole_bytes.append(_C.WholeBytes(sum(p.nbytes for p in ignored)))
+    return ctx
+
+
+def shard_model(
+    model: Any,
+    *,
+    reshard_after_forward: bool = True,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    mesh: DeviceMesh | None = None,
+    hsdp_shard_conditions: Sequence[Callable[[str, Any], bool]],
+    ignored_params: set[Any] | None = None,
+    context: HSDPShardContext | None = None,
+) -> None:
+    """Make every module a condition selects a unit (children first), then the root.
+
+    Each unit holds the parameters of its subtree that no inner unit holds, minus
+    ``ignored_params``; the root holds the rest. With ``context`` given, its mesh, policy and
+    ignored parameters are used.
+    """
+    _require_module(model)
+    conditions = _check_conditions(hsdp_shard_conditions, model)
+    if context is None:
+        context = _default_context(model, reshard_after_forward, mp_policy, mesh, conditions, ignored_params)
+    elif ignored_params:
+        context.ignored_params |= set(ignored_params)
+    if context.finalized:
+        raise RuntimeError("this HSDP context has already sharded its root; build a new one")
+    if any(c("", model) for c in conditions):
+        raise ValueError(
+            f"an HSDP shard condition selects the root module ({type(model).__name__}) itself; "
+            "conditions must select submodules (the root always becomes the last unit)"
+        )
+    selected = [(n, m) for n, m in _post_order(model) if n and any(c(n, m) for c in conditions)]
+    if not selected:
+        raise ValueError(
+            f"no submodule of {type(model).__name__} matched the HSDP shard conditions; nothing "
+            "would be sharded"
+        )
+    claimed = set(context.owned)
+    states = [_build_unit(context, m, n, False, claimed) for n, m in selected]
+    states.append(_build_unit(context, model, "", True, claimed))
+    _commit(context, states, claimed)
+    _finish(model, context)
+
+
+def shard_hsdp_module(module: Any, context: HSDPShardContext) -> None:
+    """Make one completed child module a unit, with the prepared context."""
+    _require_module(module, "module")
+    if context.finalized:
+        raise RuntimeError("this HSDP context has already sharded its root; build a new one")
+    if module is context.model:
+        raise ValueError("shard_hsdp_module got the root model; call finalize_hsdp_root(model, context) for it")
+    fqn = _module_names(context.model).get(id(module))
+    if fqn is None:
+        raise ValueError(f"{type(module).__name__} is not a submodule of the context's model")
+    if getattr(module, "_hsdp_unit", None) is not None:
+        raise RuntimeError(f"module '{fqn}' is already an HSDP unit")
+    claimed = set(context.owned)
+    _commit(context, [_build_unit(context, module, fqn, False, claimed)], claimed)
+
+
+def finalize_hsdp_root(model: Any, context: HSDPShardContext) -> None:
+    """Shard what no child unit holds into the root unit; call after every child."""
+    _require_module(model)
+    if model is not context.model:
+        raise ValueError("finalize_hsdp_root got a different model than the context was prepared for")
+    if context.finalized:
+        raise RuntimeError("this HSDP context has already sharded its root")
+    claimed = set(context.owned)
+    _commit(context, [_build_unit(context, model, "", True, claimed)], claimed)
+    _finish(model, context)
+
+
+def _finish(model: Any, context: HSDPShardContext) -> None:
+    context.finalized = True
+    for p in model.parameters():
+        p.requires_grad = False
+    object.__setattr__(model, "_hsdp_context", context)
+    log.info("Sharded %d modules + root", len(context.child_units))
+
+
+def apply_hsdp_to_model(model: Any, hsdp_config: Any, target_device: Any = None) -> Any:
+    """Shard a model whose weights are loaded; returns the same model, ready for inference."""
+    context = prepare_hsdp_shard_context(model, hsdp_config, target_device)
+    shard_model(
+        model,
+        reshard_after_forward=context.reshard_after_forward,
+        mp_policy=context.mp_policy,
+        mesh=context.mesh,
+        hsdp_shard_conditions=context.hsdp_shard_conditions,
+        context=context,
+    )
+    log.info("HSDP applied to model: %s", type(model).__name__)
+    return model
+
+
+# ---------------------------------------------------------------------------- explicit control
+
+
+def _units_of(module: Any, recurse: bool) -> list[UnitState]:
+    mods = module.modules() if recurse else [module]
+    units = [u for m in mods if (u := getattr(m, "_hsdp_unit", None)) is not None]
+    if not units:
+        raise ValueError(f"{type(module).__name__} is not an HSDP unit" + (" and holds none" if recurse else ""))
+    return units
+
+
+def unshard(module: Any, *, recurse: bool = False) -> None:
+    """Gather a unit's full weights and keep them until :func:`reshard` (forwards leave them).
+
+    With ``recurse=True``, every unit in the module's subtree.
+    """
+    for u in _units_of(module, recurse):
+        u.unshard()
+
+
+def reshard(module: Any, *, recurse: bool = False) -> None:
+    """Free a unit's full weights; its parameters go back to the sharded state."""
+    for u in _units_of(module, recurse):
+        u.reshard()
+
+
+def get_units(model: Any) -> list[UnitState]:
+    """The units of a sharded model, in the order they were made (children first, root last)."""
+    ctx = getattr(model, "_hsdp_context", None)
+    if ctx is None:
+        raise ValueError(f"{type(model).__name__} has not been sharded by hsdp")
+    return list(ctx.units)
+
+
+def memory_stats() -> dict[str, int]:
+    """Bytes this process holds for hsdp, from the C core's own counters.
+
+    ``held_bytes`` = shards + live unsharded buffers + parameters kept whole.
+    """
+    s = dict(_C.memory_stats())
+    s["held_bytes"] = s["sharded_bytes"] + s["unsharded_bytes"] + s["whole_bytes"]
+    return s

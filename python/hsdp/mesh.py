@@ -1,0 +1,107 @@
+"""The (replicate, shard) device mesh over the world group.
+
+World ranks are laid row-major, ``rank = r * S + s`` (the arithmetic and its validation are
+in the C core, mesh.c): a shard group is S consecutive ranks, a replicate group the ranks
+with the same ``s``. Creating a mesh splits the world group, a collective, so every rank
+must create the same meshes in the same order; meshes are cached per shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from . import _C, distributed
+
+_SUPPORTED_DEVICES = ("cpu",)
+
+
+def check_device_type(device_type: str) -> str:
+    if device_type in ("cuda", "gpu"):
+        raise NotImplementedError(
+            "the NCCL (GPU) backend is not built yet; use device_type='cpu' (MPI ranks) for now"
+        )
+    if device_type not in _SUPPORTED_DEVICES:
+        raise ValueError(f"device_type must be 'cpu', got {device_type!r}")
+    return device_type
+
+
+class DeviceMesh:
+    """A 2-D mesh ``(replicate, shard)`` with a process group per dimension."""
+
+    def __init__(
+        self,
+        device_type: str,
+        mesh_shape: Sequence[int],
+        *,
+        mesh_dim_names: Sequence[str] = ("replicate", "shard"),
+    ) -> None:
+        self.device_type = check_device_type(device_type)
+        shape = tuple(int(x) for x in mesh_shape)
+        if len(shape) != 2:
+            raise ValueError(f"mesh_shape must be (replicate, shard), got {tuple(mesh_shape)!r}")
+        names = tuple(mesh_dim_names)
+        if len(names) != 2 or len(set(names)) != 2:
+            raise ValueError(f"mesh_dim_names must be two distinct names, got {names!r}")
+        world = distributed.init_process_group()
+        replicate, shard = shape
+        if replicate <= 0 or shard <= 0 or replicate * shard != world.size:
+            raise ValueError(
+                f"mesh shape ({replicate}, {shard}) holds {replicate * shard} ranks but the world "
+                f"size is {world.size}"
+            )
+        coords = _C.mesh_coords(world.size, world.rank, replicate, shard)
+        self.shape: tuple[int, int] = (replicate, shard)
+        self.mesh_dim_names: tuple[str, str] = (names[0], names[1])
+        self.world = world
+        self.replicate_rank: int = coords["r"]
+        self.shard_rank: int = coords["s"]
+        self.shard_group_ranks: tuple[int, ...] = coords["shard_group"]
+        self.replicate_group_ranks: tuple[int, ...] = coords["replicate_group"]
+        # Both splits are collectives over the world: every rank runs them in this order.
+        self.shard_group = world.split(color=coords["r"], key=coords["s"])
+        self.replicate_group = world.split(color=coords["s"], key=coords["r"])
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+    def size(self, mesh_dim: int | str | None = None) -> int:
+        if mesh_dim is None:
+            return self.shape[0] * self.shape[1]
+        return self.shape[self._dim(mesh_dim)]
+
+    def get_group(self, mesh_dim: int | str) -> _C.ProcessGroup:
+        return (self.replicate_group, self.shard_group)[self._dim(mesh_dim)]
+
+    def get_local_rank(self, mesh_dim: int | str) -> int:
+        return (self.replicate_rank, self.shard_rank)[self._dim(mesh_dim)]
+
+    def _dim(self, mesh_dim: int | str) -> int:
+        if isinstance(mesh_dim, str):
+            if mesh_dim not in self.mesh_dim_names:
+                raise KeyError(f"no mesh dimension {mesh_dim!r}; the mesh has {self.mesh_dim_names}")
+            return self.mesh_dim_names.index(mesh_dim)
+        if mesh_dim not in (0, 1):
+            raise IndexError(f"mesh dimension {mesh_dim} is out of range for a 2-D mesh")
+        return mesh_dim
+
+    def __repr__(self) -> str:
+        return (
+            f"DeviceMesh({self.device_type!r}, shape={self.shape}, "
+            f"mesh_dim_names={self.mesh_dim_names}, rank={self.world.rank})"
+        )
+
+
+def init_device_mesh(
+    device_type: str,
+    mesh_shape: Sequence[int],
+    *,
+    mesh_dim_names: Sequence[str] = ("replicate", "shard"),
+) -> DeviceMesh:
+    """Return the (cached) mesh of this shape, creating it collectively the first time."""
+    key = (device_type, tuple(int(x) for x in mesh_shape), tuple(mesh_dim_names))
+    mesh = distributed.cached_mesh(key)  # type: ignore[arg-type]
+    if mesh is None:
+        mesh = DeviceMesh(device_type, mesh_shape, mesh_dim_names=mesh_dim_names)
+        distributed.cache_mesh(key, mesh)  # type: ignore[arg-type]
+    return mesh

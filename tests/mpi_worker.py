@@ -1,0 +1,222 @@
+"""One rank of a multi-rank test (started by tests/test_multirank.py under mpiexec).
+
+`python tests/mpi_worker.py REPLICATE SCENARIO...` runs each scenario on a
+(REPLICATE, world // REPLICATE) mesh and asserts, on every rank, that the sharded model
+matches an unsharded one built from the same seed in this same process. Any failure exits
+at once with status 1 (without MPI_Finalize, so mpiexec ends the other ranks instead of
+leaving them waiting in a collective).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+import traceback
+
+import numpy as np
+
+import hsdp
+from hsdp import models
+from hsdp.distributed import init_process_group
+
+F32 = hsdp.HSDPInferenceConfig  # noqa: N816 (a short alias keeps the scenarios readable)
+
+
+def round_params_to(model, dtype: str) -> None:
+    """What a bf16 shard holds: every floating weight rounded to dtype."""
+    for p in model.parameters():
+        if p.is_floating_point() and p.ndim > 0:
+            p.data = hsdp._C.round_to(np.ascontiguousarray(p.data, dtype=np.float32), dtype)
+
+
+def reference(variant: str, inputs, round_to: str | None = None, keep: tuple[str, ...] = ()):
+    model = models.make_model("tiny", variant=variant, seed=0)
+    if round_to:
+        for name, p in model.named_parameters():
+            if p.is_floating_point() and p.ndim > 0 and not name.startswith(keep):
+                p.data = hsdp._C.round_to(np.ascontiguousarray(p.data, dtype=np.float32), round_to)
+    return model(*inputs)
+
+
+def expected_unit_bytes(params, storage: tuple[str, ...], shard: int) -> int:
+    """The flat layout recomputed independently of the C core."""
+    off = 0
+    for p, dt in zip(params, storage):
+        off = -(-off // 64) * 64 + p.numel() * hsdp.dtypes.as_dtype(dt).itemsize
+    return -(-off // (64 * shard)) * (64 * shard)
+
+
+def check_accounting(model, shard: int, whole_bytes: int) -> None:
+    units = hsdp.get_units(model)
+    total = 0
+    for u in units:
+        exp = expected_unit_bytes(u.params, u.storage_dtypes, shard)
+        assert u.unit.total_bytes == exp, (u.label, u.unit.total_bytes, exp)
+        total += -(-u.unit.total_bytes // shard)
+    stats = hsdp.memory_stats()
+    assert stats["sharded_bytes"] == total, (stats, total)
+    assert stats["whole_bytes"] == whole_bytes, (stats, whole_bytes)
+    assert stats["held_bytes"] == total + whole_bytes + stats["unsharded_bytes"]
+
+
+def scenario_float32(R: int) -> None:
+    x = models.make_inputs(models.DiTConfig.preset("tiny"), seed=3)
+    ref = reference("plain", x)
+    model = models.make_model("tiny", seed=0)
+    params_before = {n: p for n, p in model.named_parameters()}
+    cfg = hsdp.HSDPInferenceConfig(enabled=True, hsdp_replicate_size=R, param_dtype="float32")
+    assert hsdp.apply_hsdp_to_model(model, cfg) is model
+    S = hsdp.distributed.get_world_size() // R
+    # identity kept, every parameter sharded and unreadable outside a forward
+    for n, p in model.named_parameters():
+        assert p is params_before[n], n
+        assert not p.requires_grad
+        try:
+            p.data
+        except RuntimeError as e:
+            assert "sharded" in str(e), e
+        else:
+            raise AssertionError(f"reading sharded {n} did not raise")
+    check_accounting(model, S, 0)
+    out1 = model(*x)
+    assert out1.dtype == np.float32
+    assert np.array_equal(out1, ref), np.abs(out1 - ref).max()
+    assert hsdp.memory_stats()["unsharded_bytes"] == 0
+    out2 = model(*x)
+    assert np.array_equal(out1, out2)
+    # explicit unshard: every parameter readable and equal to the original
+    ref_model = models.make_model("tiny", seed=0)
+    hsdp.unshard(model, recurse=True)
+    for (n, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters()):
+        assert np.array_equal(p.data, q.data), n
+        assert not p.data.flags.writeable
+    out3 = model(*x)  # a forward leaves an explicit unshard in place
+    assert np.array_equal(out3, ref)
+    assert hsdp.memory_stats()["unsharded_bytes"] > 0
+    hsdp.reshard(model, recurse=True)
+    assert hsdp.memory_stats()["unsharded_bytes"] == 0
+    del model, out1, out2, out3
+
+
+def scenario_bfloat16(R: int) -> None:
+    x = models.make_inputs(models.DiTConfig.preset("tiny"), seed=4)
+    ref = reference("plain", x, round_to="bfloat16")
+    model = models.make_model("tiny", seed=0)
+    hsdp.apply_hsdp_to_model(model, hsdp.HSDPInferenceConfig(enabled=True, hsdp_replicate_size=R))
+    assert all(p.dtype == hsdp.bfloat16 for p in model.parameters())
+    out = model(*x)
+    assert np.array_equal(out, ref), np.abs(out - ref).max()
+    assert np.array_equal(model(*x), out)
+    S = hsdp.distributed.get_world_size() // R
+    check_accounting(model, S, 0)
+
+
+def scenario_keep_unsharded(R: int) -> None:
+    x = models.make_inputs(models.DiTConfig.preset("tiny"), seed=5)
+    ref = reference("plain", x, round_to="bfloat16")
+    model = models.make_model("tiny", seed=0)
+    cfg = hsdp.HSDPInferenceConfig(enabled=True, hsdp_replicate_size=R, reshard_after_forward=False)
+    hsdp.apply_hsdp_to_model(model, cfg)
+    assert hsdp.memory_stats()["unsharded_bytes"] == 0
+    out = model(*x)
+    assert np.array_equal(out, ref)
+    units = hsdp.get_units(model)
+    assert all(u.unit.is_unsharded for u in units)
+    held = sum(u.unit.total_bytes + u.unit.widened_bytes for u in units)
+    assert hsdp.memory_stats()["unsharded_bytes"] == held
+    assert np.array_equal(model(*x), out)
+    hsdp.reshard(model, recurse=True)
+    assert hsdp.memory_stats()["unsharded_bytes"] == 0
+
+
+def scenario_ignored(R: int) -> None:
+    x = models.make_inputs(models.DiTConfig.preset("tiny"), seed=6)
+    ref = reference("ignored", x, round_to="bfloat16", keep=("time_embedder.",))
+    model = models.make_model("tiny", variant="ignored", seed=0)
+    te = {n: p for n, p in model.time_embedder.named_parameters()}
+    hsdp.apply_hsdp_to_model(model, hsdp.HSDPInferenceConfig(enabled=True, hsdp_replicate_size=R), "cpu")
+    for n, p in model.time_embedder.named_parameters():
+        assert p is te[n] and p.dtype == hsdp.float32 and p.data.dtype == np.float32, n
+        assert p.data.flags.writeable or True  # whole, ordinary arrays
+    held = {id(p) for u in hsdp.get_units(model) for p in u.params}
+    assert not held & {id(p) for p in te.values()}
+    out = model(*x)
+    assert np.array_equal(out, ref), np.abs(out - ref).max()
+    S = hsdp.distributed.get_world_size() // R
+    check_accounting(model, S, sum(p.nbytes for p in te.values()))
+
+
+def scenario_quantized(R: int) -> None:
+    x = models.make_inputs(models.DiTConfig.preset("tiny"), seed=7)
+    ref = reference("quantized", x, round_to="bfloat16")
+    model = models.make_model("tiny", variant="quantized", seed=0)
+    whole = {n: p for n, p in model.named_parameters() if p.ndim == 0 or not p.is_floating_point()}
+    assert any(p.dtype == hsdp.dtypes.int8 for p in whole.values())
+    assert any(p.ndim == 0 for p in whole.values())
+    before = {n: p.data.copy() for n, p in whole.items()}
+    hsdp.apply_hsdp_to_model(model, hsdp.HSDPInferenceConfig(enabled=True, hsdp_replicate_size=R), "cpu")
+    for n, p in model.named_parameters():
+        if n in whole:
+            assert p is whole[n] and np.array_equal(p.data, before[n]) and p.data.dtype == before[n].dtype, n
+    out = model(*x)
+    assert np.array_equal(out, ref), np.abs(out - ref).max()
+    S = hsdp.distributed.get_world_size() // R
+    check_accounting(model, S, sum(p.nbytes for p in whole.values()))
+
+
+def scenario_streaming(R: int) -> None:
+    x = models.make_inputs(models.DiTConfig.preset("tiny"), seed=8)
+    cfg = hsdp.HSDPInferenceConfig(enabled=True, hsdp_replicate_size=R)
+    whole = models.make_model("tiny", seed=0)
+    hsdp.apply_hsdp_to_model(whole, cfg)
+    expect = whole(*x)
+    model = models.make_model("tiny", seed=0)
+    ctx = hsdp.prepare_hsdp_shard_context(model, cfg)
+    for block in model.blocks:
+        hsdp.shard_hsdp_module(block, ctx)
+    hsdp.finalize_hsdp_root(model, ctx)
+    assert [u.fqn for u in hsdp.get_units(model)] == [f"blocks.{i}" for i in range(len(model.blocks))] + [""]
+    for a, b in zip(hsdp.get_units(model), hsdp.get_units(whole)):
+        assert np.array_equal(a.unit.shard_bytes(), b.unit.shard_bytes()), a.label
+    assert np.array_equal(model(*x), expect)
+
+
+def scenario_replicas(R: int) -> None:
+    """Replicas hold identical shards; a broadcast over the replicate group restores one."""
+    mesh = hsdp.init_device_mesh("cpu", (R, hsdp.distributed.get_world_size() // R))
+    model = models.make_model("tiny", seed=0)
+    hsdp.apply_hsdp_to_model(model, hsdp.HSDPInferenceConfig(enabled=True, hsdp_replicate_size=R))
+    unit = hsdp.get_units(model)[0].unit
+    mine = unit.shard_bytes().copy()
+    if mesh.replicate_rank != 0:
+        unit.write(0, np.zeros(hsdp.get_units(model)[0].params[0].shape, np.float32))
+    unit.broadcast_shard(mesh.replicate_group, 0)
+    assert np.array_equal(unit.shard_bytes(), mine)
+    x = models.make_inputs(models.DiTConfig.preset("tiny"), seed=9)
+    assert np.array_equal(model(*x), reference("plain", x, round_to="bfloat16"))
+
+
+SCENARIOS = {name[9:]: fn for name, fn in globals().items() if name.startswith("scenario_")}
+
+
+def main() -> None:
+    R = int(sys.argv[1])
+    names = sys.argv[2:] or list(SCENARIOS)
+    world = init_process_group()
+    for name in names:
+        SCENARIOS[name](R)
+        # A sharded module and its unit state refer to each other; free the scenario's model
+        # now so the next scenario's byte accounting starts from zero.
+        gc.collect()
+        world.barrier()
+    print(f"rank {world.rank}/{world.size} mesh ({R}x{world.size // R}): {' '.join(names)} OK", flush=True)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
