@@ -14,7 +14,7 @@ export OMPI_MCA_rmaps_base_oversubscribe := 1
 
 CC ?= gcc
 CFLAGS_CHECK := -std=c11 -O1 -g -Wall -Wextra -Werror -Wshadow -fsanitize=address,undefined -fno-sanitize-recover=all
-CORE_SRC := csrc/error.c csrc/dtype.c csrc/mesh.c csrc/layout.c csrc/unit.c csrc/comm_single.c csrc/comm_mpi.c
+CORE_SRC := csrc/error.c csrc/dtype.c csrc/mesh.c csrc/layout.c csrc/unit.c csrc/checkpoint.c csrc/comm_single.c csrc/comm_mpi.c
 TESTBIN := csrc/tests/bin
 
 .PHONY: all deps mpi venv build ctest pytest test demo bench clean

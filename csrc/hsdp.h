@@ -172,6 +172,17 @@ hsdp_status hsdp_unit_gather(hsdp_unit *u, void *full);
  * `full` into `widened` (widened_bytes). */
 hsdp_status hsdp_unit_widen(const hsdp_unit *u, const void *full, void *widened);
 
+/* ---------------------------------------------------------------- checkpoint data path (checkpoint.c) */
+/* Reads slot i's elements that fall in this rank's chunk from an open file: the tensor is
+ * stored contiguously at byte `tensor_off` in dtype src_dt (numel elements). Reads exactly
+ * those bytes with pread (no full tensor is ever materialised) and casts them to the storage
+ * dtype on the way in, through a bounded bounce buffer when the dtypes differ. *nread gets
+ * the number of file bytes read. */
+hsdp_status hsdp_unit_read(hsdp_unit *u, size_t i, int fd, uint64_t tensor_off, hsdp_dtype src_dt,
+                           size_t *nread);
+/* pread of exactly n bytes at off into dst (retrying short reads and EINTR). */
+hsdp_status hsdp_pread_exact(int fd, void *dst, size_t n, uint64_t off);
+
 #ifdef __cplusplus
 }
 #endif

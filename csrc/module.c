@@ -542,6 +542,28 @@ fail:
     return NULL;
 }
 
+static PyObject *unit_read(UnitObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"index", "fd", "offset", "src_dtype", NULL};
+    Py_ssize_t index;
+    int fd;
+    unsigned long long off;
+    PyObject *src_dtype;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "niKO", kwlist, &index, &fd, &off, &src_dtype)) return NULL;
+    if (unit_check_idle(self) < 0) return NULL;
+    if (index < 0 || (size_t)index >= self->u.layout.nslots)
+        return PyErr_Format(PyExc_IndexError, "parameter index %zd is out of range for unit %R of %zu parameters",
+                            index, self->name, self->u.layout.nslots);
+    hsdp_dtype src;
+    if (parse_dtype(src_dtype, &src) < 0) return NULL;
+    size_t nread = 0;
+    hsdp_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = hsdp_unit_read(&self->u, (size_t)index, fd, (uint64_t)off, src, &nread);
+    Py_END_ALLOW_THREADS
+    if (st != HSDP_OK) return raise_status(st);
+    return PyLong_FromSize_t(nread);
+}
+
 static PyObject *unit_view(UnitObject *self, size_t i) {
     const hsdp_slot *p = &self->u.layout.slots[i];
     hsdp_dtype ct = hsdp_dtype_compute(p->dtype);
@@ -750,6 +772,9 @@ static PyMethodDef unit_methods[] = {
     {"write", (PyCFunction)(void (*)(void))unit_write, METH_VARARGS | METH_KEYWORDS,
      "write(index, array, first=0, src_dtype=None): store this rank's part of elements [first, first+size) of a "
      "parameter, cast to its storage dtype."},
+    {"read", (PyCFunction)(void (*)(void))unit_read, METH_VARARGS | METH_KEYWORDS,
+     "read(index, fd, offset, src_dtype) -> bytes read: pread this rank's part of a parameter stored "
+     "contiguously at `offset` in `src_dtype`, cast to its storage dtype."},
     {"unshard", (PyCFunction)unit_unshard, METH_NOARGS,
      "Gather the full buffer and point every bound parameter's _data at its view."},
     {"reshard", (PyCFunction)unit_reshard, METH_NOARGS, "Drop the full buffer and unset every parameter's _data."},
@@ -1061,6 +1086,23 @@ static PyObject *mod_round_to(PyObject *m, PyObject *args) {
     return out;
 }
 
+/* pread_into(fd, offset, array): fills a writable C-contiguous array from the file. */
+static PyObject *mod_pread_into(PyObject *m, PyObject *args) {
+    (void)m;
+    int fd;
+    unsigned long long off;
+    PyObject *obj;
+    if (!PyArg_ParseTuple(args, "iKO", &fd, &off, &obj)) return NULL;
+    PyArrayObject *a = contiguous_writable(obj, "array");
+    if (!a) return NULL;
+    hsdp_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = hsdp_pread_exact(fd, PyArray_DATA(a), (size_t)PyArray_NBYTES(a), (uint64_t)off);
+    Py_END_ALLOW_THREADS
+    if (st != HSDP_OK) return raise_status(st);
+    Py_RETURN_NONE;
+}
+
 static PyObject *mod_memory_stats(PyObject *m, PyObject *unused) {
     (void)unused;
     hsdp_stats *s = &((modstate *)PyModule_GetState(m))->stats;
@@ -1130,6 +1172,7 @@ static PyMethodDef mod_methods[] = {
     {"encode", mod_encode, METH_VARARGS, "encode(array, dtype): raw bits of the values cast to dtype."},
     {"decode", mod_decode, METH_VARARGS, "decode(raw, dtype): raw bits of dtype -> its compute dtype."},
     {"round_to", mod_round_to, METH_VARARGS, "round_to(array, dtype): values rounded to dtype, in its compute dtype."},
+    {"pread_into", mod_pread_into, METH_VARARGS, "pread_into(fd, offset, array): fill array with file bytes."},
     {"memory_stats", mod_memory_stats, METH_NOARGS, "Bytes this process holds for hsdp, from the core's counters."},
     {"reset_peak", mod_reset_peak, METH_NOARGS, "Reset peak_unsharded_bytes to the current value."},
     {"mesh_coords", (PyCFunction)(void (*)(void))mod_mesh_coords, METH_VARARGS | METH_KEYWORDS,

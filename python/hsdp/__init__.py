@@ -31,7 +31,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str) -> object:
     # Submodules that pull in more than the core are loaded on first use.
-    if name in ("nn", "models", "config", "distributed"):
+    if name in ("nn", "models", "config", "distributed", "checkpoint", "launch"):
         import importlib
 
         return importlib.import_module(f".{name}", __name__)
@@ -39,6 +39,10 @@ def __getattr__(name: str) -> object:
         from .config import DiffusionParallelConfig
 
         return DiffusionParallelConfig
+    if name in ("load_model_sharded", "save_checkpoint", "load_checkpoint"):
+        from . import checkpoint
+
+        return getattr(checkpoint, name)
     raise AttributeError(f"module 'hsdp' has no attribute {name!r}")
 
 
@@ -46,6 +50,6 @@ __all__ = [
     "DType", "DeviceMesh", "DiffusionParallelConfig", "HSDPInferenceConfig", "HSDPShardContext",
     "MixedPrecisionPolicy", "apply_hsdp_to_model", "bfloat16", "dtypes", "finalize_hsdp_root",
     "float16", "float32", "float64", "float8_e4m3fn", "float8_e5m2", "get_units",
-    "init_device_mesh", "memory_stats", "prepare_hsdp_shard_context", "reshard",
-    "shard_hsdp_module", "shard_model", "unshard",
+    "init_device_mesh", "load_model_sharded", "memory_stats", "prepare_hsdp_shard_context", "reshard",
+    "save_checkpoint", "shard_hsdp_module", "shard_model", "unshard",
 ]

@@ -61,6 +61,8 @@ class UnitState:
         # post-hook may reshard); an explicit hsdp.unshard() stays until hsdp.reshard().
         self._hook_unsharded = False
         self._handles: list[Any] = []
+        # Set when a load into this unit failed: the model must not run on partial weights.
+        self.broken: str | None = None
 
     @property
     def label(self) -> str:
@@ -79,7 +81,18 @@ class UnitState:
         )
         object.__setattr__(self.module, "_hsdp_unit", self)
 
+    def mark_broken(self, reason: str) -> None:
+        """Makes every later use of this unit raise `reason` (a failed load, say)."""
+        self.broken = reason
+        self.unit.reshard()
+
+    def _check(self) -> None:
+        if self.broken is not None:
+            raise RuntimeError(f"unit '{self.label}' is unusable: {self.broken}")
+
     def _pre_forward(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self.broken is not None:
+            self._check()
         if not self.unit.is_unsharded:
             self.unit.unshard()
             self._hook_unsharded = True
@@ -96,6 +109,7 @@ class UnitState:
         return None
 
     def unshard(self) -> None:
+        self._check()
         self.unit.unshard()
 
     def reshard(self) -> None:
