@@ -14,7 +14,7 @@ export OMPI_MCA_rmaps_base_oversubscribe := 1
 
 CC ?= gcc
 CFLAGS_CHECK := -std=c11 -O1 -g -Wall -Wextra -Werror -Wshadow -fsanitize=address,undefined -fno-sanitize-recover=all
-CORE_SRC := csrc/error.c csrc/dtype.c csrc/mesh.c csrc/layout.c csrc/unit.c csrc/checkpoint.c csrc/comm_single.c csrc/comm_mpi.c
+CORE_SRC := csrc/error.c csrc/dtype.c csrc/mesh.c csrc/layout.c csrc/unit.c csrc/checkpoint.c csrc/exec.c csrc/comm.c csrc/comm_single.c csrc/comm_mpi.c
 TESTBIN := csrc/tests/bin
 
 .PHONY: all deps mpi venv build ctest pytest test demo bench clean
@@ -45,13 +45,13 @@ build: mpi venv
 
 $(TESTBIN)/test_dtype: csrc/tests/test_dtype.c $(CORE_SRC) csrc/*.h
 	@mkdir -p $(TESTBIN)
-	$(CC) $(CFLAGS_CHECK) -Icsrc $(CORE_SRC) $< -o $@ -lm
+	$(CC) $(CFLAGS_CHECK) -Icsrc $(CORE_SRC) $< -o $@ -lm -lpthread
 $(TESTBIN)/test_core: csrc/tests/test_core.c $(CORE_SRC) csrc/*.h csrc/tests/check.h
 	@mkdir -p $(TESTBIN)
-	$(CC) $(CFLAGS_CHECK) -Icsrc $(CORE_SRC) $< -o $@ -lm
+	$(CC) $(CFLAGS_CHECK) -Icsrc $(CORE_SRC) $< -o $@ -lm -lpthread
 $(TESTBIN)/test_mpi: csrc/tests/test_mpi.c $(CORE_SRC) csrc/*.h csrc/tests/check.h | mpi
 	@mkdir -p $(TESTBIN)
-	$(CC) $(CFLAGS_CHECK) -DHSDP_HAVE_MPI $$(mpicc --showme:compile) -Icsrc $(CORE_SRC) $< -o $@ $$(mpicc --showme:link) -ldl -lm
+	$(CC) $(CFLAGS_CHECK) -DHSDP_HAVE_MPI $$(mpicc --showme:compile) -Icsrc $(CORE_SRC) $< -o $@ $$(mpicc --showme:link) -ldl -lm -lpthread
 
 # The C core's own tests, under AddressSanitizer and UndefinedBehaviorSanitizer. Open MPI
 # keeps allocations alive past MPI_Finalize by design, so leak checking is off for its test.

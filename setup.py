@@ -19,7 +19,10 @@ import numpy as np
 from setuptools import Extension, setup
 
 HERE = Path(__file__).parent
-CORE = ["error.c", "dtype.c", "mesh.c", "layout.c", "unit.c", "checkpoint.c", "comm_single.c", "comm_mpi.c", "module.c"]
+CORE = [
+    "error.c", "dtype.c", "mesh.c", "layout.c", "unit.c", "checkpoint.c",
+    "exec.c", "comm.c", "comm_single.c", "comm_mpi.c", "module.c",
+]
 
 
 def mpi_flags() -> tuple[list[str], list[str]]:

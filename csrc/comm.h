@@ -18,28 +18,26 @@ typedef struct {
     void (*free)(hsdp_group *g);
 } hsdp_comm_ops;
 
+struct hsdp_exec;
+
 struct hsdp_group {
     const hsdp_comm_ops *ops;
     int rank, size;
-    void *impl; /* owned by the backend; released by ops->free */
+    void *impl;              /* owned by the backend; released by ops->free */
+    struct hsdp_exec *exec;  /* borrowed: the backend's worker thread, or NULL (run inline) */
 };
 
-static inline hsdp_status hsdp_all_gather(hsdp_group *g, const void *send, void *recv,
-                                          size_t nbytes) {
-    return g->ops->all_gather(g, send, recv, nbytes);
-}
-static inline hsdp_status hsdp_broadcast(hsdp_group *g, void *buf, size_t nbytes, int root) {
-    return g->ops->broadcast(g, buf, nbytes, root);
-}
-static inline hsdp_status hsdp_barrier(hsdp_group *g) { return g->ops->barrier(g); }
-static inline hsdp_status hsdp_group_split(hsdp_group *g, int color, int key,
-                                           hsdp_group **out) {
-    return g->ops->split(g, color, key, out);
-}
+/* comm.c: the collectives as callers use them. With a worker (g->exec), each call is queued
+ * on it and waited for; the _start variant returns at once. */
+hsdp_status hsdp_all_gather(hsdp_group *g, const void *send, void *recv, size_t nbytes);
+hsdp_status hsdp_broadcast(hsdp_group *g, void *buf, size_t nbytes, int root);
+hsdp_status hsdp_barrier(hsdp_group *g);
+hsdp_status hsdp_group_split(hsdp_group *g, int color, int key, hsdp_group **out);
+/* The backend's all-gather called on this thread while the worker is held idle: the raw
+ * collective that benchmarks compare hsdp's path with. */
+hsdp_status hsdp_all_gather_direct(hsdp_group *g, const void *send, void *recv, size_t nbytes);
 /* Frees the group (NULL is fine). The caller owned it. */
-static inline void hsdp_group_free(hsdp_group *g) {
-    if (g) g->ops->free(g);
-}
+void hsdp_group_free(hsdp_group *g);
 
 /* comm_single.c: a world of one rank, always available. Caller owns *out. */
 hsdp_status hsdp_world_single(hsdp_group **out);
@@ -49,6 +47,8 @@ hsdp_status hsdp_world_single(hsdp_group **out);
  * compiled in: HSDP_EUNSUPPORTED with a message that says what to install. */
 int hsdp_mpi_compiled(void);
 hsdp_status hsdp_world_mpi(hsdp_group **out, int *we_init);
+/* Whether MPI calls run on the worker thread (so gathers overlap with compute). */
+int hsdp_mpi_async(void);
 /* Finalises MPI if it is initialised and not yet finalised. Call only if we initialised it. */
 hsdp_status hsdp_mpi_finalize(void);
 

@@ -12,6 +12,23 @@
 #include <stdlib.h>
 
 #include "comm.h"
+#include "exec.h"
+
+/* The worker thread every MPI call runs on. MPI is process-wide, so is its worker: created
+ * with the first world group, stopped (not freed) before MPI_Finalize; the struct lives
+ * until the process ends so that groups freed after finalisation still find it. */
+static hsdp_exec *mpi_worker;
+
+static int mpi_done(void) {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    return finalized;
+}
+
+#define REQUIRE_LIVE()                                                                   \
+    do {                                                                                 \
+        if (mpi_done()) return hsdp_fail(HSDP_ESTATE, "MPI has already been finalised"); \
+    } while (0)
 
 static hsdp_status mpi_fail(int rc, const char *what) {
     char msg[MPI_MAX_ERROR_STRING];
@@ -42,6 +59,7 @@ static hsdp_status byte_count(size_t nbytes, int *count, MPI_Datatype *type, int
 }
 
 static hsdp_status mpi_all_gather(hsdp_group *g, const void *send, void *recv, size_t nbytes) {
+    REQUIRE_LIVE();
     int count, owned;
     MPI_Datatype type;
     hsdp_status st = byte_count(nbytes, &count, &type, &owned);
@@ -53,6 +71,7 @@ static hsdp_status mpi_all_gather(hsdp_group *g, const void *send, void *recv, s
 }
 
 static hsdp_status mpi_broadcast(hsdp_group *g, void *buf, size_t nbytes, int root) {
+    REQUIRE_LIVE();
     if (root < 0 || root >= g->size)
         return hsdp_fail(HSDP_EINVAL, "broadcast root %d is outside a group of %d", root, g->size);
     int count, owned;
@@ -65,6 +84,7 @@ static hsdp_status mpi_broadcast(hsdp_group *g, void *buf, size_t nbytes, int ro
 }
 
 static hsdp_status mpi_barrier(hsdp_group *g) {
+    REQUIRE_LIVE();
     int rc = MPI_Barrier(comm_of(g));
     return rc == MPI_SUCCESS ? HSDP_OK : mpi_fail(rc, "MPI_Barrier");
 }
@@ -72,6 +92,7 @@ static hsdp_status mpi_barrier(hsdp_group *g) {
 static hsdp_status wrap(MPI_Comm c, hsdp_group **out);
 
 static hsdp_status mpi_split(hsdp_group *g, int color, int key, hsdp_group **out) {
+    REQUIRE_LIVE();
     MPI_Comm c;
     int rc = MPI_Comm_split(comm_of(g), color, key, &c);
     if (rc != MPI_SUCCESS) return mpi_fail(rc, "MPI_Comm_split");
@@ -79,10 +100,8 @@ static hsdp_status mpi_split(hsdp_group *g, int color, int key, hsdp_group **out
 }
 
 static void mpi_free(hsdp_group *g) {
-    int finalized = 0;
-    MPI_Finalized(&finalized);
     /* After MPI_Finalize a communicator may no longer be freed; the process is ending. */
-    if (!finalized) MPI_Comm_free((MPI_Comm *)g->impl);
+    if (!mpi_done()) MPI_Comm_free((MPI_Comm *)g->impl);
     free(g->impl);
     free(g);
 }
@@ -108,7 +127,7 @@ static hsdp_status wrap(MPI_Comm c, hsdp_group **out) {
         return hsdp_fail(HSDP_ENOMEM, "could not allocate a process group");
     }
     *h = c;
-    *g = (hsdp_group){.ops = &mpi_ops, .impl = h};
+    *g = (hsdp_group){.ops = &mpi_ops, .impl = h, .exec = mpi_worker};
     MPI_Comm_rank(c, &g->rank);
     MPI_Comm_size(c, &g->size);
     *out = g;
@@ -125,30 +144,48 @@ static void promote_libmpi(void) {
 
 int hsdp_mpi_compiled(void) { return 1; }
 
-hsdp_status hsdp_world_mpi(hsdp_group **out, int *we_init) {
-    int initialized = 0, finalized = 0;
-    *we_init = 0;
-    MPI_Finalized(&finalized);
-    if (finalized) return hsdp_fail(HSDP_ESTATE, "MPI has already been finalised in this process");
-    MPI_Initialized(&initialized);
-    if (!initialized) {
-        promote_libmpi();
-        int provided = 0;
-        int rc = MPI_Init_thread(NULL, NULL, MPI_THREAD_MULTIPLE, &provided);
-        if (rc != MPI_SUCCESS) return mpi_fail(rc, "MPI_Init_thread");
-        *we_init = 1;
-    }
+static hsdp_status dup_world(void *out) {
     MPI_Comm c;
     int rc = MPI_Comm_dup(MPI_COMM_WORLD, &c);
     if (rc != MPI_SUCCESS) return mpi_fail(rc, "MPI_Comm_dup");
     return wrap(c, out);
 }
 
-hsdp_status hsdp_mpi_finalize(void) {
-    int initialized = 0, finalized = 0;
+hsdp_status hsdp_world_mpi(hsdp_group **out, int *we_init) {
+    int initialized = 0;
+    *we_init = 0;
+    if (mpi_done()) return hsdp_fail(HSDP_ESTATE, "MPI has already been finalised in this process");
     MPI_Initialized(&initialized);
-    MPI_Finalized(&finalized);
-    if (!initialized || finalized) return HSDP_OK;
+    if (!initialized) {
+        promote_libmpi();
+        int provided = 0;
+        /* One thread makes MPI calls at a time (the worker), so SERIALIZED is enough. */
+        int rc = MPI_Init_thread(NULL, NULL, MPI_THREAD_SERIALIZED, &provided);
+        if (rc != MPI_SUCCESS) return mpi_fail(rc, "MPI_Init_thread");
+        *we_init = 1;
+    }
+    if (!mpi_worker) {
+        int provided = MPI_THREAD_SINGLE;
+        MPI_Query_thread(&provided);
+        /* Whoever initialised MPI with less than SERIALIZED forbids calls from our thread:
+         * then every call runs on the caller's thread and gathers do not overlap. */
+        if (provided >= MPI_THREAD_SERIALIZED) {
+            hsdp_status st = hsdp_exec_start(&mpi_worker);
+            if (st != HSDP_OK) return st;
+        }
+    }
+    return hsdp_exec_run(mpi_worker, dup_world, out);
+}
+
+int hsdp_mpi_async(void) { return mpi_worker != NULL; }
+
+hsdp_status hsdp_mpi_finalize(void) {
+    int initialized = 0;
+    MPI_Initialized(&initialized);
+    if (!initialized || mpi_done()) return HSDP_OK;
+    /* MPI_Finalize belongs on the thread that initialised MPI (this one); the worker must be
+     * idle for good first. */
+    hsdp_exec_stop(mpi_worker);
     int rc = MPI_Finalize();
     return rc == MPI_SUCCESS ? HSDP_OK : mpi_fail(rc, "MPI_Finalize");
 }
@@ -163,6 +200,7 @@ static const char no_mpi[] =
     "from a checkout)";
 
 int hsdp_mpi_compiled(void) { return 0; }
+int hsdp_mpi_async(void) { return 0; }
 
 hsdp_status hsdp_world_mpi(hsdp_group **out, int *we_init) {
     *out = NULL;

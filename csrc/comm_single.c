@@ -41,7 +41,7 @@ static const hsdp_comm_ops single_ops = {
 hsdp_status hsdp_world_single(hsdp_group **out) {
     hsdp_group *g = malloc(sizeof *g); /* owned by the caller; hsdp_group_free */
     if (!g) return hsdp_fail(HSDP_ENOMEM, "could not allocate a process group");
-    *g = (hsdp_group){.ops = &single_ops, .rank = 0, .size = 1, .impl = NULL};
+    *g = (hsdp_group){.ops = &single_ops, .rank = 0, .size = 1, .impl = NULL, .exec = NULL};
     *out = g;
     return HSDP_OK;
 }

@@ -88,6 +88,7 @@ typedef struct {
     _Atomic size_t unsharded_bytes;     /* live gather/widen buffers */
     _Atomic size_t peak_unsharded_bytes;
     _Atomic size_t whole_bytes;         /* ignored / unshardable parameters kept whole */
+    _Atomic size_t pooled_bytes;        /* idle unsharded buffers kept for reuse */
     _Atomic uint64_t buffer_allocs;     /* unsharded buffers allocated so far */
     _Atomic uint64_t gathers;           /* unit gathers issued so far */
 } hsdp_stats;
@@ -168,6 +169,16 @@ hsdp_status hsdp_unit_write(hsdp_unit *u, size_t i, size_t first, size_t count, 
                             hsdp_dtype src_dt);
 /* All-gathers every rank's chunk into `full` (layout.total_bytes). */
 hsdp_status hsdp_unit_gather(hsdp_unit *u, void *full);
+/* Asynchronous gather + widen: runs on the group's worker thread when it has one (the
+ * caller's thread otherwise, before returning). req is owned by the caller and must stay
+ * alive until hsdp_unit_gather_wait returns; one request per unit at a time. */
+typedef struct hsdp_gather_req hsdp_gather_req;
+hsdp_status hsdp_unit_gather_start(hsdp_unit *u, void *full, void *widened, hsdp_gather_req *req);
+hsdp_status hsdp_unit_gather_wait(hsdp_unit *u, hsdp_gather_req *req);
+int hsdp_unit_gather_done(const hsdp_gather_req *req);
+/* Span of the last completed request on the worker (CLOCK_MONOTONIC ns), for traces. */
+void hsdp_unit_gather_times(const hsdp_gather_req *req, uint64_t *submit_ns, uint64_t *start_ns,
+                            uint64_t *end_ns);
 /* Widens the slots whose storage dtype NumPy cannot compute in (see hsdp_dtype_compute) from
  * `full` into `widened` (widened_bytes). */
 hsdp_status hsdp_unit_widen(const hsdp_unit *u, const void *full, void *widened);

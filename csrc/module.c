@@ -13,7 +13,10 @@
 #include <string.h>
 
 #include "comm.h"
+#include "exec.h"
 #include "hsdp.h"
+
+#define POOL_SLOTS 256
 
 typedef struct {
     PyTypeObject *group_type;
@@ -24,6 +27,12 @@ typedef struct {
     PyObject *data_attr; /* interned "_data": the attribute a unit sets on its parameters */
     hsdp_stats stats;
     int mpi_we_init;
+    /* Idle unsharded buffers kept for reuse, so that a steady-state forward allocates
+     * nothing. Strong references; capacity set by the Python schedule from the recorded
+     * order (0: no pooling). */
+    struct BufferObject *pool[POOL_SLOTS];
+    int pool_n, pool_cap;
+    long live_buffers, peak_live_buffers;
 } modstate;
 
 static struct PyModuleDef hsdp_module;
@@ -148,7 +157,7 @@ static PyType_Spec token_spec = {"hsdp._C.WholeBytes", sizeof(TokenObject), 0, P
 /* ------------------------------------------------------------------ buffer */
 /* An unsharded buffer. NumPy views use it as their base, so the memory lives exactly as long
  * as the unit or any view needs it, and the accounting follows. */
-typedef struct {
+typedef struct BufferObject {
     PyObject_HEAD
     void *p; /* owned: hsdp_buffer_free in dealloc */
     size_t n;
@@ -157,6 +166,15 @@ typedef struct {
 } BufferObject;
 
 static BufferObject *buffer_create(modstate *ms, PyObject *module, size_t n) {
+    /* An idle pooled buffer of exactly this size first: units of one model repeat sizes. */
+    for (int i = ms->pool_n - 1; i >= 0; i--) {
+        BufferObject *b = ms->pool[i];
+        if (b->n != n) continue;
+        ms->pool[i] = ms->pool[--ms->pool_n];
+        atomic_fetch_sub(&ms->stats.pooled_bytes, n);
+        atomic_fetch_add(&ms->stats.unsharded_bytes, n);
+        return b;
+    }
     void *p = hsdp_buffer_alloc(&ms->stats, n);
     if (!p) return (BufferObject *)raise_status(HSDP_ENOMEM);
     BufferObject *b = PyObject_New(BufferObject, ms->buffer_type);
@@ -169,6 +187,29 @@ static BufferObject *buffer_create(modstate *ms, PyObject *module, size_t n) {
     b->stats = &ms->stats;
     b->module = Py_NewRef(module);
     return b;
+}
+
+/* Gives a unit's buffer back: to the pool when nothing else (no NumPy view a user kept)
+ * refers to it and the pool has room, else it is released. Steals the reference. */
+static void buffer_release(modstate *ms, BufferObject *b) {
+    if (!b) return;
+    if (Py_REFCNT(b) == 1 && ms->pool_n < ms->pool_cap && ms->pool_n < POOL_SLOTS) {
+        ms->pool[ms->pool_n++] = b;
+        atomic_fetch_sub(&ms->stats.unsharded_bytes, b->n);
+        atomic_fetch_add(&ms->stats.pooled_bytes, b->n);
+        return;
+    }
+    Py_DECREF(b);
+}
+
+static void pool_trim(modstate *ms, int keep) {
+    while (ms->pool_n > keep) {
+        BufferObject *b = ms->pool[--ms->pool_n];
+        /* back to "unsharded" so buffer_dealloc's accounting balances */
+        atomic_fetch_sub(&ms->stats.pooled_bytes, b->n);
+        atomic_fetch_add(&ms->stats.unsharded_bytes, b->n);
+        Py_DECREF(b);
+    }
 }
 
 static void buffer_dealloc(BufferObject *self) {
@@ -318,7 +359,7 @@ static PyObject *group_all_gather(GroupObject *self, PyObject *args, PyObject *k
                             PyArray_NBYTES(r), n, self->g->size, n * (size_t)self->g->size);
     hsdp_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = hsdp_all_gather(self->g, PyArray_DATA((PyArrayObject *)so), PyArray_DATA(r), n);
+    st = hsdp_all_gather_direct(self->g, PyArray_DATA((PyArrayObject *)so), PyArray_DATA(r), n);
     Py_END_ALLOW_THREADS
     if (st != HSDP_OK) return raise_status(st);
     Py_RETURN_NONE;
@@ -343,7 +384,8 @@ static PyMethodDef group_methods[] = {
     {"broadcast", (PyCFunction)(void (*)(void))group_broadcast, METH_VARARGS | METH_KEYWORDS,
      "broadcast(array, root=0): in place, from the group rank `root`."},
     {"all_gather", (PyCFunction)(void (*)(void))group_all_gather, METH_VARARGS | METH_KEYWORDS,
-     "all_gather(send, recv): the raw collective; recv receives size * send.nbytes bytes."},
+     "all_gather(send, recv): the backend's raw collective on this thread (the worker held idle); recv "
+     "receives size * send.nbytes bytes."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -372,12 +414,21 @@ typedef struct {
     int *ndims;            /* owned */
     npy_intp *dims;        /* owned: all shapes laid end to end */
     size_t *dim_off;       /* owned: where slot i's dims start */
-    BufferObject *full;    /* strong while unsharded */
-    BufferObject *widened; /* strong while unsharded, when anything widens */
+    BufferObject *full;    /* strong while unsharded or pending */
+    BufferObject *widened; /* strong while unsharded or pending, when anything widens */
+    int pending;           /* a gather is in flight into full/widened (req) */
+    hsdp_gather_req req;   /* the in-flight gather; embedded so starting one allocates nothing */
 } UnitObject;
 
 static void unit_dealloc(UnitObject *self) {
     PyTypeObject *tp = Py_TYPE(self);
+    if (self->pending) {
+        /* The worker still writes into our buffers: let it finish first. */
+        Py_BEGIN_ALLOW_THREADS
+        (void)hsdp_unit_gather_wait(&self->u, &self->req);
+        Py_END_ALLOW_THREADS
+        self->pending = 0;
+    }
     Py_CLEAR(self->full);
     Py_CLEAR(self->widened);
     if (self->initialised) hsdp_unit_free(&self->u);
@@ -498,8 +549,8 @@ fail_seq:
 }
 
 static int unit_check_idle(UnitObject *self) {
-    if (self->busy) {
-        PyErr_Format(PyExc_RuntimeError, "unit %R is in the middle of a gather on another thread", self->name);
+    if (self->busy || self->pending) {
+        PyErr_Format(PyExc_RuntimeError, "unit %R has a gather in flight; wait for it first", self->name);
         return -1;
     }
     return 0;
@@ -604,59 +655,124 @@ static int unit_bind(UnitObject *self, int unsharded) {
     return 0;
 }
 
-static PyObject *unit_reshard(UnitObject *self, PyObject *unused);
+static void unit_drop_buffers(UnitObject *self) {
+    modstate *ms = state_of_type(Py_TYPE(self));
+    BufferObject *f = self->full, *w = self->widened;
+    self->full = self->widened = NULL;
+    buffer_release(ms, f);
+    buffer_release(ms, w);
+}
 
-static PyObject *unit_unshard(UnitObject *self, PyObject *unused) {
-    (void)unused;
-    if (unit_check_idle(self) < 0) return NULL;
-    if (self->full) Py_RETURN_NONE;
+/* Starts the gather into (pooled) buffers; the parameters stay unset until unit_finish. */
+static int unit_start(UnitObject *self) {
     modstate *ms = state_of_type(Py_TYPE(self));
     PyObject *module = PyType_GetModule(Py_TYPE(self));
     BufferObject *full = buffer_create(ms, module, self->u.layout.total_bytes);
-    if (!full) return NULL;
+    if (!full) return -1;
     BufferObject *wide = NULL;
     if (self->u.widened_bytes) {
         wide = buffer_create(ms, module, self->u.widened_bytes);
         if (!wide) {
-            Py_DECREF(full);
-            return NULL;
+            buffer_release(ms, full);
+            return -1;
         }
-    }
-    hsdp_status st;
-    self->busy = 1;
-    Py_BEGIN_ALLOW_THREADS
-    st = hsdp_unit_gather(&self->u, full->p);
-    if (st == HSDP_OK && wide) st = hsdp_unit_widen(&self->u, full->p, wide->p);
-    Py_END_ALLOW_THREADS
-    self->busy = 0;
-    if (st != HSDP_OK) {
-        Py_DECREF(full);
-        Py_XDECREF(wide);
-        return raise_status(st);
     }
     self->full = full;
     self->widened = wide;
+    ms->live_buffers += wide ? 2 : 1;
+    if (ms->live_buffers > ms->peak_live_buffers) ms->peak_live_buffers = ms->live_buffers;
+    self->pending = 1;
+    hsdp_status st = hsdp_unit_gather_start(&self->u, full->p, wide ? wide->p : NULL, &self->req);
+    if (st != HSDP_OK) { /* nothing was queued */
+        self->pending = 0;
+        ms->live_buffers -= wide ? 2 : 1;
+        unit_drop_buffers(self);
+        raise_status(st);
+        return -1;
+    }
+    return 0;
+}
+
+/* Waits for the in-flight gather (GIL released) and binds the parameter views. */
+static int unit_finish(UnitObject *self) {
+    hsdp_status st;
+    self->busy = 1;
+    Py_BEGIN_ALLOW_THREADS
+    st = hsdp_unit_gather_wait(&self->u, &self->req);
+    Py_END_ALLOW_THREADS
+    self->busy = 0;
+    self->pending = 0;
+    if (st != HSDP_OK) {
+        modstate *ms = state_of_type(Py_TYPE(self));
+        ms->live_buffers -= self->widened ? 2 : 1;
+        unit_drop_buffers(self);
+        raise_status(st);
+        return -1;
+    }
     if (unit_bind(self, 1) < 0) {
         /* Leave the unit sharded and every parameter unset rather than half-bound. */
         PyObject *et, *ev, *tb;
         PyErr_Fetch(&et, &ev, &tb);
-        PyObject *r = unit_reshard(self, NULL);
-        Py_XDECREF(r);
+        (void)unit_bind(self, 0);
+        modstate *ms = state_of_type(Py_TYPE(self));
+        ms->live_buffers -= self->widened ? 2 : 1;
+        unit_drop_buffers(self);
         PyErr_Restore(et, ev, tb);
-        return NULL;
+        return -1;
     }
+    return 0;
+}
+
+static PyObject *unit_start_unshard(UnitObject *self, PyObject *unused) {
+    (void)unused;
+    if (self->busy) return PyErr_Format(PyExc_RuntimeError, "unit %R is busy on another thread", self->name);
+    if (self->full) Py_RETURN_FALSE; /* already unsharded or in flight */
+    if (unit_start(self) < 0) return NULL;
+    Py_RETURN_TRUE;
+}
+
+static PyObject *unit_wait(UnitObject *self, PyObject *unused) {
+    (void)unused;
+    if (self->busy) return PyErr_Format(PyExc_RuntimeError, "unit %R is busy on another thread", self->name);
+    if (!self->pending) Py_RETURN_NONE;
+    if (unit_finish(self) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *unit_unshard(UnitObject *self, PyObject *unused) {
+    (void)unused;
+    if (self->busy) return PyErr_Format(PyExc_RuntimeError, "unit %R is busy on another thread", self->name);
+    if (!self->full && unit_start(self) < 0) return NULL;
+    if (self->pending && unit_finish(self) < 0) return NULL;
     Py_RETURN_NONE;
 }
 
 static PyObject *unit_reshard(UnitObject *self, PyObject *unused) {
     (void)unused;
-    if (unit_check_idle(self) < 0) return NULL;
+    if (self->busy) return PyErr_Format(PyExc_RuntimeError, "unit %R is busy on another thread", self->name);
     if (!self->full) Py_RETURN_NONE;
-    int rc = unit_bind(self, 0);
-    Py_CLEAR(self->full);
-    Py_CLEAR(self->widened);
+    int rc = 0;
+    if (self->pending) {
+        /* a prefetch that was never used: finish it so the worker lets go of the buffers */
+        Py_BEGIN_ALLOW_THREADS
+        (void)hsdp_unit_gather_wait(&self->u, &self->req);
+        Py_END_ALLOW_THREADS
+        self->pending = 0;
+    } else {
+        rc = unit_bind(self, 0);
+    }
+    modstate *ms = state_of_type(Py_TYPE(self));
+    ms->live_buffers -= self->widened ? 2 : 1;
+    unit_drop_buffers(self);
     if (rc < 0) return NULL;
     Py_RETURN_NONE;
+}
+
+static PyObject *unit_gather_times(UnitObject *self, PyObject *unused) {
+    (void)unused;
+    uint64_t a, b, c;
+    hsdp_unit_gather_times(&self->req, &a, &b, &c);
+    return Py_BuildValue("(KKK)", (unsigned long long)a, (unsigned long long)b, (unsigned long long)c);
 }
 
 static PyObject *unit_broadcast_shard(UnitObject *self, PyObject *args, PyObject *kw) {
@@ -742,6 +858,14 @@ static PyObject *unit_get_widened(UnitObject *self, void *c) {
 }
 static PyObject *unit_get_unsharded(UnitObject *self, void *c) {
     (void)c;
+    return PyBool_FromLong(self->full != NULL && !self->pending);
+}
+static PyObject *unit_get_pending(UnitObject *self, void *c) {
+    (void)c;
+    return PyBool_FromLong(self->pending);
+}
+static PyObject *unit_get_held(UnitObject *self, void *c) {
+    (void)c;
     return PyBool_FromLong(self->full != NULL);
 }
 static PyObject *unit_get_nparams(UnitObject *self, void *c) {
@@ -763,7 +887,9 @@ static PyGetSetDef unit_getset[] = {
     {"used_bytes", (getter)unit_get_used, NULL, "end of the last parameter in the flat buffer", NULL},
     {"chunk_bytes", (getter)unit_get_chunk, NULL, "bytes this rank holds: total_bytes / shard", NULL},
     {"widened_bytes", (getter)unit_get_widened, NULL, "float32 bytes for bfloat16/float8 while unsharded", NULL},
-    {"is_unsharded", (getter)unit_get_unsharded, NULL, "whether the full buffer is held", NULL},
+    {"is_unsharded", (getter)unit_get_unsharded, NULL, "whether the full weights are ready and bound", NULL},
+    {"is_pending", (getter)unit_get_pending, NULL, "whether a gather is in flight", NULL},
+    {"holds_buffers", (getter)unit_get_held, NULL, "unsharded or pending: the unit holds full buffers", NULL},
     {"nparams", (getter)unit_get_nparams, NULL, "number of parameters", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
@@ -776,8 +902,15 @@ static PyMethodDef unit_methods[] = {
      "read(index, fd, offset, src_dtype) -> bytes read: pread this rank's part of a parameter stored "
      "contiguously at `offset` in `src_dtype`, cast to its storage dtype."},
     {"unshard", (PyCFunction)unit_unshard, METH_NOARGS,
-     "Gather the full buffer and point every bound parameter's _data at its view."},
-    {"reshard", (PyCFunction)unit_reshard, METH_NOARGS, "Drop the full buffer and unset every parameter's _data."},
+     "Gather the full buffer and point every bound parameter's _data at its view (waits for an in-flight "
+     "gather)."},
+    {"start_unshard", (PyCFunction)unit_start_unshard, METH_NOARGS,
+     "Start the gather on the collective worker and return at once (True if one was started); wait() binds."},
+    {"wait", (PyCFunction)unit_wait, METH_NOARGS, "Wait for an in-flight gather and bind the views."},
+    {"gather_times", (PyCFunction)unit_gather_times, METH_NOARGS,
+     "(submit, start, end) CLOCK_MONOTONIC ns of the last gather, for traces."},
+    {"reshard", (PyCFunction)unit_reshard, METH_NOARGS,
+     "Drop the full buffer (to the pool when no view holds it) and unset every parameter's _data."},
     {"broadcast_shard", (PyCFunction)(void (*)(void))unit_broadcast_shard, METH_VARARGS | METH_KEYWORDS,
      "broadcast_shard(group, root=0): copy the shard of group rank `root` to the group (replicas)."},
     {"shard_bytes", (PyCFunction)unit_shard_bytes_view, METH_NOARGS, "A read-only uint8 view of this rank's chunk."},
@@ -1106,19 +1239,52 @@ static PyObject *mod_pread_into(PyObject *m, PyObject *args) {
 static PyObject *mod_memory_stats(PyObject *m, PyObject *unused) {
     (void)unused;
     hsdp_stats *s = &((modstate *)PyModule_GetState(m))->stats;
-    return Py_BuildValue("{s:n,s:n,s:n,s:n,s:K,s:K}", "sharded_bytes", (Py_ssize_t)atomic_load(&s->sharded_bytes),
+    modstate *ms = PyModule_GetState(m);
+    return Py_BuildValue("{s:n,s:n,s:n,s:n,s:n,s:K,s:K,s:l,s:l,s:i}", "sharded_bytes",
+                         (Py_ssize_t)atomic_load(&s->sharded_bytes), "pooled_bytes",
+                         (Py_ssize_t)atomic_load(&s->pooled_bytes),
                          "unsharded_bytes", (Py_ssize_t)atomic_load(&s->unsharded_bytes), "peak_unsharded_bytes",
                          (Py_ssize_t)atomic_load(&s->peak_unsharded_bytes), "whole_bytes",
                          (Py_ssize_t)atomic_load(&s->whole_bytes), "buffer_allocs",
                          (unsigned long long)atomic_load(&s->buffer_allocs), "gathers",
-                         (unsigned long long)atomic_load(&s->gathers));
+                         (unsigned long long)atomic_load(&s->gathers), "live_buffers", ms->live_buffers,
+                         "peak_live_buffers", ms->peak_live_buffers, "pool_capacity", ms->pool_cap);
 }
 
 static PyObject *mod_reset_peak(PyObject *m, PyObject *unused) {
     (void)unused;
-    hsdp_stats *s = &((modstate *)PyModule_GetState(m))->stats;
-    atomic_store(&s->peak_unsharded_bytes, atomic_load(&s->unsharded_bytes));
+    modstate *ms = PyModule_GetState(m);
+    atomic_store(&ms->stats.peak_unsharded_bytes, atomic_load(&ms->stats.unsharded_bytes));
+    ms->peak_live_buffers = ms->live_buffers;
     Py_RETURN_NONE;
+}
+
+/* set_pool_capacity(n): keep up to n idle buffers for reuse; shrinking releases extras. */
+static PyObject *mod_set_pool_capacity(PyObject *m, PyObject *args) {
+    int n;
+    if (!PyArg_ParseTuple(args, "i", &n)) return NULL;
+    if (n < 0 || n > POOL_SLOTS) return PyErr_Format(PyExc_ValueError, "pool capacity must be in [0, %d], got %d",
+                                                     POOL_SLOTS, n);
+    modstate *ms = PyModule_GetState(m);
+    ms->pool_cap = n;
+    pool_trim(ms, n);
+    Py_RETURN_NONE;
+}
+
+static PyObject *mod_empty_pool(PyObject *m, PyObject *unused) {
+    (void)unused;
+    pool_trim(PyModule_GetState(m), 0);
+    Py_RETURN_NONE;
+}
+
+static PyObject *mod_mpi_async(PyObject *m, PyObject *unused) {
+    (void)m, (void)unused;
+    return PyBool_FromLong(hsdp_mpi_async());
+}
+
+static PyObject *mod_now_ns(PyObject *m, PyObject *unused) {
+    (void)m, (void)unused;
+    return PyLong_FromUnsignedLongLong((unsigned long long)hsdp_now_ns());
 }
 
 static PyObject *mod_mesh_coords(PyObject *m, PyObject *args, PyObject *kw) {
@@ -1174,7 +1340,11 @@ static PyMethodDef mod_methods[] = {
     {"round_to", mod_round_to, METH_VARARGS, "round_to(array, dtype): values rounded to dtype, in its compute dtype."},
     {"pread_into", mod_pread_into, METH_VARARGS, "pread_into(fd, offset, array): fill array with file bytes."},
     {"memory_stats", mod_memory_stats, METH_NOARGS, "Bytes this process holds for hsdp, from the core's counters."},
-    {"reset_peak", mod_reset_peak, METH_NOARGS, "Reset peak_unsharded_bytes to the current value."},
+    {"reset_peak", mod_reset_peak, METH_NOARGS, "Reset the peak counters to the current values."},
+    {"set_pool_capacity", mod_set_pool_capacity, METH_VARARGS, "Keep up to n idle unsharded buffers for reuse."},
+    {"empty_pool", mod_empty_pool, METH_NOARGS, "Release every idle pooled buffer."},
+    {"mpi_async", mod_mpi_async, METH_NOARGS, "Whether MPI calls run on the collective worker thread."},
+    {"now_ns", mod_now_ns, METH_NOARGS, "CLOCK_MONOTONIC in ns (the clock of gather_times)."},
     {"mesh_coords", (PyCFunction)(void (*)(void))mod_mesh_coords, METH_VARARGS | METH_KEYWORDS,
      "mesh_coords(world_size, rank, replicate, shard): validated sizes, coordinates and group ranks."},
     {"mpi_compiled", mod_mpi_compiled, METH_NOARGS, "Whether the MPI backend was compiled in."},
@@ -1192,12 +1362,15 @@ static int mod_traverse(PyObject *m, visitproc visit, void *arg) {
     Py_VISIT(ms->config_type);
     Py_VISIT(ms->token_type);
     Py_VISIT(ms->data_attr);
+    for (int i = 0; i < ms->pool_n; i++) Py_VISIT(ms->pool[i]);
     return 0;
 }
 
 static int mod_clear(PyObject *m) {
     modstate *ms = PyModule_GetState(m);
     if (!ms) return 0;
+    ms->pool_cap = 0;
+    pool_trim(ms, 0);
     Py_CLEAR(ms->group_type);
     Py_CLEAR(ms->unit_type);
     Py_CLEAR(ms->buffer_type);

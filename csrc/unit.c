@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "comm.h"
+#include "exec.h"
 #include "hsdp.h"
 
 static size_t round_up(size_t x, size_t m) { return (x + m - 1) / m * m; }
@@ -91,4 +92,36 @@ hsdp_status hsdp_unit_widen(const hsdp_unit *u, const void *full, void *widened)
         if (st != HSDP_OK) return st;
     }
     return HSDP_OK;
+}
+
+static hsdp_status gather_job(void *arg) {
+    hsdp_gather_req *r = arg;
+    hsdp_status st = hsdp_unit_gather(r->u, r->full);
+    if (st == HSDP_OK && r->u->widened_bytes) st = hsdp_unit_widen(r->u, r->full, r->widened);
+    return st;
+}
+
+hsdp_status hsdp_unit_gather_start(hsdp_unit *u, void *full, void *widened, hsdp_gather_req *req) {
+    req->u = u;
+    req->full = full;
+    req->widened = widened;
+    req->exec = u->group->exec;
+    req->task.fn = gather_job;
+    req->task.arg = req;
+    hsdp_exec_submit(req->exec, &req->task);
+    return HSDP_OK;
+}
+
+hsdp_status hsdp_unit_gather_wait(hsdp_unit *u, hsdp_gather_req *req) {
+    (void)u;
+    return hsdp_task_wait(req->exec, &req->task);
+}
+
+int hsdp_unit_gather_done(const hsdp_gather_req *req) { return hsdp_task_done(&req->task); }
+
+void hsdp_unit_gather_times(const hsdp_gather_req *req, uint64_t *submit_ns, uint64_t *start_ns,
+                            uint64_t *end_ns) {
+    *submit_ns = req->task.submit_ns;
+    *start_ns = req->task.start_ns;
+    *end_ns = req->task.end_ns;
 }

@@ -4,6 +4,7 @@
 #include <string.h>
 
 #include "../comm.h"
+#include "../exec.h"
 #include "../hsdp.h"
 #include "check.h"
 
@@ -169,7 +170,48 @@ static void test_unit_single(void) {
     hsdp_group_free(g);
 }
 
+typedef struct {
+    int *log, *n, id;
+} order_arg;
+
+static hsdp_status record(void *p) {
+    order_arg *a = p;
+    a->log[(*a->n)++] = a->id;
+    return a->id == 7 ? hsdp_fail(HSDP_ECOMM, "task %d failed on purpose", a->id) : HSDP_OK;
+}
+
+static void test_exec(void) {
+    hsdp_exec *ex = NULL;
+    CHECK(hsdp_exec_start(&ex) == HSDP_OK);
+    int log[33], n = 0;
+    hsdp_task tasks[32];
+    order_arg args[32];
+    for (int i = 0; i < 32; i++) {
+        args[i] = (order_arg){log, &n, i};
+        tasks[i] = (hsdp_task){.fn = record, .arg = &args[i]};
+        hsdp_exec_submit(ex, &tasks[i]);
+    }
+    int ok = 1;
+    for (int i = 0; i < 32; i++) {
+        hsdp_status st = hsdp_task_wait(ex, &tasks[i]);
+        ok &= i == 7 ? st == HSDP_ECOMM : st == HSDP_OK;
+        if (i == 7) CHECK(strstr(hsdp_last_error(), "task 7 failed on purpose") != NULL);
+        ok &= tasks[i].end_ns >= tasks[i].start_ns && tasks[i].start_ns >= tasks[i].submit_ns;
+    }
+    CHECK(ok);
+    CHECK(n == 32);
+    for (int i = 0; i < 32; i++) ok &= log[i] == i; /* FIFO: collectives keep program order */
+    CHECK(ok);
+    hsdp_exec_quiesce(ex);
+    hsdp_exec_resume(ex);
+    hsdp_exec_stop(ex);
+    order_arg late = {log, &n, 99};
+    CHECK(hsdp_exec_run(ex, record, &late) == HSDP_OK && n == 33 && log[32] == 99); /* inline after stop */
+    hsdp_exec_free(ex);
+}
+
 int main(void) {
+    test_exec();
     test_mesh();
     test_layout();
     test_unit_ranks();

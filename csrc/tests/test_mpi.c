@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "../comm.h"
+#include "../exec.h"
 #include "../hsdp.h"
 #include "check.h"
 
@@ -46,6 +47,29 @@ int main(void) {
     CHECK(hsdp_unit_gather(&u, full) == HSDP_OK);
     CHECK(memcmp((char *)full + u.layout.slots[0].offset, src, 1000 * sizeof(float)) == 0);
     CHECK(hsdp_broadcast(rep, u.shard, 8, R) == HSDP_EINVAL);
+    /* two gathers in flight on the worker at once, waited out of order */
+    CHECK(hsdp_mpi_async() == 1 && shard->exec != NULL);
+    hsdp_unit u2;
+    CHECK(hsdp_unit_init(&u2, numels, dts, 3, shard, &st) == HSDP_OK);
+    for (size_t i = 0; i < 3; i++) CHECK(hsdp_unit_write(&u2, i, 0, numels[i], src, HSDP_F32) == HSDP_OK);
+    void *full2 = hsdp_buffer_alloc(&st, u2.layout.total_bytes); /* owned here */
+    void *wide2 = hsdp_buffer_alloc(&st, u2.widened_bytes);       /* owned here */
+    memset(full, 0, u.layout.total_bytes);
+    hsdp_gather_req r1, r2;
+    CHECK(hsdp_unit_gather_start(&u, full, wide, &r1) == HSDP_OK);
+    CHECK(hsdp_unit_gather_start(&u2, full2, wide2, &r2) == HSDP_OK);
+    CHECK(hsdp_unit_gather_wait(&u2, &r2) == HSDP_OK);
+    CHECK(hsdp_unit_gather_wait(&u, &r1) == HSDP_OK);
+    CHECK(hsdp_unit_gather_done(&r1) == 0); /* waited: back to idle */
+    CHECK(memcmp((char *)full + u.layout.slots[0].offset, src, 1000 * sizeof(float)) == 0);
+    CHECK(memcmp((char *)full2 + u2.layout.slots[0].offset, src, 1000 * sizeof(float)) == 0);
+    CHECK(memcmp((char *)wide2 + u2.widen_offset[1], src, 3 * sizeof(float)) == 0);
+    /* the raw collective on this thread, with the worker held idle */
+    CHECK(hsdp_all_gather_direct(shard, u.shard, full, u.layout.chunk_bytes) == HSDP_OK);
+    CHECK(memcmp((char *)full + u.layout.slots[0].offset, src, 1000 * sizeof(float)) == 0);
+    hsdp_buffer_free(&st, full2, u2.layout.total_bytes);
+    hsdp_buffer_free(&st, wide2, u2.widened_bytes);
+    hsdp_unit_free(&u2);
     CHECK(hsdp_barrier(world) == HSDP_OK);
     hsdp_buffer_free(&st, full, u.layout.total_bytes);
     hsdp_buffer_free(&st, wide, u.widened_bytes);
