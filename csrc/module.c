@@ -939,6 +939,8 @@ typedef struct {
     int reduce_dtype;
     int output_dtype;
     int reshard_after_forward;
+    int prefetch_depth;          /* units gathered ahead of the one computing (0: none) */
+    long long max_unsharded_bytes; /* cap on bytes in flight + unsharded; -1 = None */
 } ConfigObject;
 
 /* None -> -1; else a floating dtype code. `what` names the parameter in errors. */
@@ -977,15 +979,41 @@ static int config_check_sizes(int replicate, int shard) {
     return 0;
 }
 
+static int parse_max_bytes(PyObject *v, long long *out) {
+    if (v == Py_None) {
+        *out = -1;
+        return 0;
+    }
+    if (!PyLong_Check(v) || PyBool_Check(v)) {
+        PyErr_Format(PyExc_TypeError, "max_unsharded_bytes must be an int or None, got %R", v);
+        return -1;
+    }
+    long long x = PyLong_AsLongLong(v);
+    if (x == -1 && PyErr_Occurred()) return -1;
+    if (x <= 0) {
+        PyErr_Format(PyExc_ValueError, "max_unsharded_bytes must be positive or None, got %lld", x);
+        return -1;
+    }
+    *out = x;
+    return 0;
+}
+
 static int config_init(ConfigObject *self, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"enabled", "hsdp_replicate_size", "hsdp_shard_size", "param_dtype", "reduce_dtype",
-                             "output_dtype", "reshard_after_forward", NULL};
-    int enabled = 0, replicate = 1, shard = -1, reshard = 1;
-    PyObject *pd = NULL, *rd = NULL, *od = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|piiOOOp", kwlist, &enabled, &replicate, &shard, &pd, &rd, &od,
-                                     &reshard))
+    static char *kwlist[] = {"enabled",      "hsdp_replicate_size",   "hsdp_shard_size", "param_dtype",
+                             "reduce_dtype", "output_dtype",          "reshard_after_forward",
+                             "prefetch_depth", "max_unsharded_bytes", NULL};
+    int enabled = 0, replicate = 1, shard = -1, reshard = 1, depth = 1;
+    PyObject *pd = NULL, *rd = NULL, *od = Py_None, *maxb = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|piiOOOp$iO", kwlist, &enabled, &replicate, &shard, &pd, &rd, &od,
+                                     &reshard, &depth, &maxb))
         return -1;
     if (config_check_sizes(replicate, shard) < 0) return -1;
+    if (depth < 0) {
+        PyErr_Format(PyExc_ValueError, "prefetch_depth must be >= 0, got %d", depth);
+        return -1;
+    }
+    long long mb = -1;
+    if (maxb != Py_None && parse_max_bytes(maxb, &mb) < 0) return -1;
     int p = (int)HSDP_BF16, r = (int)HSDP_F32, o = -1;
     if (pd && parse_optional_float_dtype(pd, "param_dtype", &p) < 0) return -1;
     if (rd && parse_optional_float_dtype(rd, "reduce_dtype", &r) < 0) return -1;
@@ -997,6 +1025,8 @@ static int config_init(ConfigObject *self, PyObject *args, PyObject *kw) {
     self->reduce_dtype = r;
     self->output_dtype = o;
     self->reshard_after_forward = reshard;
+    self->prefetch_depth = depth;
+    self->max_unsharded_bytes = mb;
     return 0;
 }
 
@@ -1010,6 +1040,8 @@ static PyObject *config_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
         self->reduce_dtype = (int)HSDP_F32;
         self->output_dtype = -1;
         self->reshard_after_forward = 1;
+        self->prefetch_depth = 1;
+        self->max_unsharded_bytes = -1;
     }
     return (PyObject *)self;
 }
@@ -1021,10 +1053,10 @@ static void config_dealloc(ConfigObject *self) {
 }
 
 /* Field access by offset keeps the getters and setters to one function each. */
-enum { F_ENABLED, F_REPLICATE, F_SHARD, F_PARAM, F_REDUCE, F_OUTPUT, F_RESHARD };
-static const char *const field_names[] = {"enabled",      "hsdp_replicate_size", "hsdp_shard_size",
-                                          "param_dtype",  "reduce_dtype",        "output_dtype",
-                                          "reshard_after_forward"};
+enum { F_ENABLED, F_REPLICATE, F_SHARD, F_PARAM, F_REDUCE, F_OUTPUT, F_RESHARD, F_DEPTH, F_MAXBYTES };
+static const char *const field_names[] = {"enabled",         "hsdp_replicate_size", "hsdp_shard_size",
+                                          "param_dtype",     "reduce_dtype",        "output_dtype",
+                                          "reshard_after_forward", "prefetch_depth", "max_unsharded_bytes"};
 
 static int *config_field(ConfigObject *self, intptr_t f) {
     switch (f) {
@@ -1034,15 +1066,20 @@ static int *config_field(ConfigObject *self, intptr_t f) {
     case F_PARAM: return &self->param_dtype;
     case F_REDUCE: return &self->reduce_dtype;
     case F_OUTPUT: return &self->output_dtype;
+    case F_DEPTH: return &self->prefetch_depth;
     default: return &self->reshard_after_forward;
     }
 }
 
 static PyObject *config_get(ConfigObject *self, void *closure) {
     intptr_t f = (intptr_t)closure;
+    if (f == F_MAXBYTES) {
+        if (self->max_unsharded_bytes < 0) Py_RETURN_NONE;
+        return PyLong_FromLongLong(self->max_unsharded_bytes);
+    }
     int v = *config_field(self, f);
     if (f == F_ENABLED || f == F_RESHARD) return PyBool_FromLong(v);
-    if (f == F_REPLICATE || f == F_SHARD) return PyLong_FromLong(v);
+    if (f == F_REPLICATE || f == F_SHARD || f == F_DEPTH) return PyLong_FromLong(v);
     return dtype_name_or_none(v);
 }
 
@@ -1052,11 +1089,12 @@ static int config_set(ConfigObject *self, PyObject *value, void *closure) {
         PyErr_Format(PyExc_AttributeError, "cannot delete %s", field_names[f]);
         return -1;
     }
+    if (f == F_MAXBYTES) return parse_max_bytes(value, &self->max_unsharded_bytes);
     int v;
     if (f == F_ENABLED || f == F_RESHARD) {
         v = PyObject_IsTrue(value);
         if (v < 0) return -1;
-    } else if (f == F_REPLICATE || f == F_SHARD) {
+    } else if (f == F_REPLICATE || f == F_SHARD || f == F_DEPTH) {
         if (!PyLong_Check(value) || PyBool_Check(value)) {
             PyErr_Format(PyExc_TypeError, "%s must be an int, got %R", field_names[f], value);
             return -1;
@@ -1068,7 +1106,11 @@ static int config_set(ConfigObject *self, PyObject *value, void *closure) {
             return -1;
         }
         v = (int)lv;
-        if (config_check_sizes(f == F_REPLICATE ? v : 1, f == F_SHARD ? v : 1) < 0) return -1;
+        if (f == F_DEPTH && v < 0) {
+            PyErr_Format(PyExc_ValueError, "prefetch_depth must be >= 0, got %d", v);
+            return -1;
+        }
+        if (f != F_DEPTH && config_check_sizes(f == F_REPLICATE ? v : 1, f == F_SHARD ? v : 1) < 0) return -1;
     } else if (parse_optional_float_dtype(value, field_names[f], &v) < 0) {
         return -1;
     }
@@ -1080,11 +1122,14 @@ static PyObject *config_repr(ConfigObject *self) {
     PyObject *p = dtype_name_or_none(self->param_dtype), *r = dtype_name_or_none(self->reduce_dtype),
              *o = dtype_name_or_none(self->output_dtype);
     PyObject *s = NULL;
-    if (p && r && o)
+    PyObject *mb = config_get(self, (void *)(intptr_t)F_MAXBYTES);
+    if (p && r && o && mb)
         s = PyUnicode_FromFormat("HSDPInferenceConfig(enabled=%s, hsdp_replicate_size=%d, hsdp_shard_size=%d, "
-                                 "param_dtype=%R, reduce_dtype=%R, output_dtype=%R, reshard_after_forward=%s)",
+                                 "param_dtype=%R, reduce_dtype=%R, output_dtype=%R, reshard_after_forward=%s, "
+                                 "prefetch_depth=%d, max_unsharded_bytes=%R)",
                                  self->enabled ? "True" : "False", self->replicate, self->shard, p, r, o,
-                                 self->reshard_after_forward ? "True" : "False");
+                                 self->reshard_after_forward ? "True" : "False", self->prefetch_depth, mb);
+    Py_XDECREF(mb);
     Py_XDECREF(p);
     Py_XDECREF(r);
     Py_XDECREF(o);
@@ -1096,7 +1141,8 @@ static PyObject *config_richcompare(PyObject *a, PyObject *b, int op) {
     ConfigObject *x = (ConfigObject *)a, *y = (ConfigObject *)b;
     int eq = x->enabled == y->enabled && x->replicate == y->replicate && x->shard == y->shard &&
              x->param_dtype == y->param_dtype && x->reduce_dtype == y->reduce_dtype &&
-             x->output_dtype == y->output_dtype && x->reshard_after_forward == y->reshard_after_forward;
+             x->output_dtype == y->output_dtype && x->reshard_after_forward == y->reshard_after_forward &&
+             x->prefetch_depth == y->prefetch_depth && x->max_unsharded_bytes == y->max_unsharded_bytes;
     return PyBool_FromLong(op == Py_EQ ? eq : !eq);
 }
 
@@ -1110,6 +1156,9 @@ static PyGetSetDef config_getset[] = {
     CONFIG_FIELD(F_REDUCE, "reduce_dtype", "dtype for reductions (default 'float32'; inference does none)"),
     CONFIG_FIELD(F_OUTPUT, "output_dtype", "dtype the root's floating outputs are cast to (default None)"),
     CONFIG_FIELD(F_RESHARD, "reshard_after_forward", "free each unit's full weights after its forward (default True)"),
+    CONFIG_FIELD(F_DEPTH, "prefetch_depth", "units whose gather starts ahead of the one computing (default 1; 0 = off)"),
+    CONFIG_FIELD(F_MAXBYTES, "max_unsharded_bytes",
+                 "cap on full-weight bytes held or in flight that prefetch respects (default None: no cap)"),
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -1122,7 +1171,8 @@ static PyType_Slot config_slots[] = {
     {Py_tp_richcompare, config_richcompare},
     {Py_tp_hash, PyObject_HashNotImplemented},
     {Py_tp_doc, "HSDPInferenceConfig(enabled=False, hsdp_replicate_size=1, hsdp_shard_size=-1, "
-                "param_dtype='bfloat16', reduce_dtype='float32', output_dtype=None, reshard_after_forward=True)\n\n"
+                "param_dtype='bfloat16', reduce_dtype='float32', output_dtype=None, reshard_after_forward=True, *, "
+                "prefetch_depth=1, max_unsharded_bytes=None)\n\n"
                 "The runtime HSDP settings. Dtypes accept names, NumPy dtypes and torch dtypes."},
     {0, NULL},
 };
@@ -1271,6 +1321,73 @@ static PyObject *mod_set_pool_capacity(PyObject *m, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* pool_reserve(sizes): make the pool hold (at least) one idle buffer per entry of sizes,
+ * allocating what is missing, and keep that many. The schedule calls it with the buffers a
+ * steady-state forward of the recorded order needs, so no later forward allocates. */
+static PyObject *mod_pool_reserve(PyObject *m, PyObject *arg) {
+    modstate *ms = PyModule_GetState(m);
+    PyObject *seq = PySequence_Fast(arg, "pool_reserve needs a sequence of sizes");
+    if (!seq) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n > POOL_SLOTS) {
+        Py_DECREF(seq);
+        return PyErr_Format(PyExc_ValueError, "at most %d pooled buffers, asked for %zd", POOL_SLOTS, n);
+    }
+    ms->pool_cap = (int)n;
+    /* Take every idle buffer out, then put back one per wanted size (reusing when it fits). */
+    BufferObject *idle[POOL_SLOTS];
+    int nidle = ms->pool_n;
+    memcpy(idle, ms->pool, sizeof(idle[0]) * (size_t)nidle);
+    ms->pool_n = 0;
+    PyObject *module = PyType_GetModule(ms->buffer_type);
+    int rc = 0;
+    for (Py_ssize_t i = 0; i < n && rc == 0; i++) {
+        size_t want = PyLong_AsSize_t(PySequence_Fast_GET_ITEM(seq, i));
+        if (want == (size_t)-1 && PyErr_Occurred()) {
+            rc = -1;
+            break;
+        }
+        BufferObject *b = NULL;
+        for (int k = 0; k < nidle; k++)
+            if (idle[k] && idle[k]->n == want) {
+                b = idle[k];
+                idle[k] = NULL;
+                break;
+            }
+        if (!b) {
+            void *p = hsdp_buffer_alloc(&ms->stats, want);
+            if (!p) {
+                raise_status(HSDP_ENOMEM);
+                rc = -1;
+                break;
+            }
+            b = PyObject_New(BufferObject, ms->buffer_type);
+            if (!b) {
+                hsdp_buffer_free(&ms->stats, p, want);
+                rc = -1;
+                break;
+            }
+            b->p = p;
+            b->n = want;
+            b->stats = &ms->stats;
+            b->module = Py_NewRef(module);
+            /* fresh buffers are accounted unsharded; move them to pooled */
+            atomic_fetch_sub(&ms->stats.unsharded_bytes, want);
+            atomic_fetch_add(&ms->stats.pooled_bytes, want);
+        }
+        ms->pool[ms->pool_n++] = b;
+    }
+    for (int k = 0; k < nidle; k++)
+        if (idle[k]) {
+            atomic_fetch_sub(&ms->stats.pooled_bytes, idle[k]->n);
+            atomic_fetch_add(&ms->stats.unsharded_bytes, idle[k]->n);
+            Py_DECREF(idle[k]);
+        }
+    Py_DECREF(seq);
+    if (rc < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyObject *mod_empty_pool(PyObject *m, PyObject *unused) {
     (void)unused;
     pool_trim(PyModule_GetState(m), 0);
@@ -1343,6 +1460,8 @@ static PyMethodDef mod_methods[] = {
     {"reset_peak", mod_reset_peak, METH_NOARGS, "Reset the peak counters to the current values."},
     {"set_pool_capacity", mod_set_pool_capacity, METH_VARARGS, "Keep up to n idle unsharded buffers for reuse."},
     {"empty_pool", mod_empty_pool, METH_NOARGS, "Release every idle pooled buffer."},
+    {"pool_reserve", mod_pool_reserve, METH_O, "pool_reserve(sizes): hold one idle buffer per size, allocating what "
+                                               "is missing; capacity becomes len(sizes)."},
     {"mpi_async", mod_mpi_async, METH_NOARGS, "Whether MPI calls run on the collective worker thread."},
     {"now_ns", mod_now_ns, METH_NOARGS, "CLOCK_MONOTONIC in ns (the clock of gather_times)."},
     {"mesh_coords", (PyCFunction)(void (*)(void))mod_mesh_coords, METH_VARARGS | METH_KEYWORDS,

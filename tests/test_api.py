@@ -58,7 +58,8 @@ def test_config_defaults_and_repr():
         "bfloat16", "float32", None, True)
     assert repr(c) == (
         "HSDPInferenceConfig(enabled=False, hsdp_replicate_size=1, hsdp_shard_size=-1, "
-        "param_dtype='bfloat16', reduce_dtype='float32', output_dtype=None, reshard_after_forward=True)"
+        "param_dtype='bfloat16', reduce_dtype='float32', output_dtype=None, reshard_after_forward=True, "
+        "prefetch_depth=1, max_unsharded_bytes=None)"
     )
 
 

@@ -8,17 +8,19 @@ nothing: MPI starts on the first process-group use.
 
 from __future__ import annotations
 
-from . import _C, dtypes
+from . import _C, dtypes, trace
 from .dtypes import DType, bfloat16, float16, float32, float64, float8_e4m3fn, float8_e5m2
 from .hsdp import (
     HSDPInferenceConfig,
     HSDPShardContext,
     apply_hsdp_to_model,
+    empty_pool,
     finalize_hsdp_root,
     get_units,
     memory_stats,
     prepare_hsdp_shard_context,
     reshard,
+    resident,
     shard_hsdp_module,
     shard_model,
     unshard,
@@ -48,8 +50,8 @@ def __getattr__(name: str) -> object:
 
 __all__ = [
     "DType", "DeviceMesh", "DiffusionParallelConfig", "HSDPInferenceConfig", "HSDPShardContext",
-    "MixedPrecisionPolicy", "apply_hsdp_to_model", "bfloat16", "dtypes", "finalize_hsdp_root",
+    "MixedPrecisionPolicy", "apply_hsdp_to_model", "bfloat16", "dtypes", "empty_pool", "finalize_hsdp_root",
     "float16", "float32", "float64", "float8_e4m3fn", "float8_e5m2", "get_units",
     "init_device_mesh", "load_model_sharded", "memory_stats", "prepare_hsdp_shard_context", "reshard",
-    "save_checkpoint", "shard_hsdp_module", "shard_model", "unshard",
+    "resident", "save_checkpoint", "shard_hsdp_module", "shard_model", "trace", "unshard",
 ]

@@ -21,7 +21,8 @@ from . import _C, distributed
 from .dtypes import DType, float8_e4m3fn, float8_e5m2
 from .mesh import DeviceMesh, init_device_mesh
 from .policy import MixedPrecisionPolicy
-from .units import ShardCondition, UnitState
+from .schedule import Schedule
+from .units import ShardCondition, UnitShardHandle, UnitState
 
 log = logging.getLogger("hsdp")
 
@@ -46,6 +47,9 @@ class HSDPShardContext:
     owned: set[int] = field(default_factory=set)
     whole_bytes: list[Any] = field(default_factory=list)
     finalized: bool = False
+    prefetch_depth: int = 1
+    max_unsharded_bytes: int | None = None
+    schedule: Schedule | None = None
 
     @property
     def child_units(self) -> list[UnitState]:
@@ -160,8 +164,11 @@ def _build_unit(ctx: HSDPShardContext, module: Any, fqn: str, is_root: bool, cla
 
 
 def _commit(ctx: HSDPShardContext, states: Iterable[UnitState | None], claimed: set[int]) -> None:
+    if ctx.schedule is None:
+        ctx.schedule = Schedule(ctx.prefetch_depth, ctx.max_unsharded_bytes)
     for st in states:
         if st is not None:
+            st.schedule = ctx.schedule
             st.commit()
             ctx.units.append(st)
     ctx.owned = claimed
@@ -265,6 +272,8 @@ def prepare_hsdp_shard_context(model: Any, hsdp_config: Any, target_device: Any 
         hsdp_shard_conditions=conditions,
         ignored_params=ignored,
         target_device=target_device,
+        prefetch_depth=hsdp_config.prefetch_depth,
+        max_unsharded_bytes=hsdp_config.max_unsharded_bytes,
     )
     ctx.whole_bytes.append(_C.WholeBytes(sum(p.nbytes for p in ignored)))
     return ctx
@@ -398,19 +407,55 @@ def _units_of(module: Any, recurse: bool) -> list[UnitState]:
     return units
 
 
-def unshard(module: Any, *, recurse: bool = False) -> None:
+def unshard(module: Any, *, recurse: bool = False, async_op: bool = False) -> UnitShardHandle | None:
     """Gather a unit's full weights and keep them until :func:`reshard` (forwards leave them).
 
-    With ``recurse=True``, every unit in the module's subtree.
+    With ``recurse=True``, every unit in the module's subtree. With ``async_op=True`` the
+    gathers run on the collective worker and a handle is returned; ``handle.wait()`` blocks
+    until they are done (a forward of the unit also waits for them).
     """
-    for u in _units_of(module, recurse):
-        u.unshard()
+    units = _units_of(module, recurse)
+    for u in units:
+        u.unshard(async_op=True)
+    handle = UnitShardHandle(*units)
+    if async_op:
+        return handle
+    handle.wait()
+    return None
 
 
 def reshard(module: Any, *, recurse: bool = False) -> None:
     """Free a unit's full weights; its parameters go back to the sharded state."""
     for u in _units_of(module, recurse):
         u.reshard()
+
+
+class resident:  # noqa: N801 (a context manager named like the verb users write)
+    """``with hsdp.resident(model):`` gathers every unit once and keeps the full weights for
+    the whole block (a denoising loop, say), then reshards on exit, also when it raises.
+
+    It trades memory (the whole model per rank while inside) for no gathers per step.
+    """
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    def __enter__(self) -> Any:
+        units = get_units(self.model)
+        try:
+            # start every gather first so they pipeline on the worker, then wait for each
+            for u in units:
+                u.unshard(async_op=True)
+            UnitShardHandle(*units).wait()
+        except BaseException:
+            for u in units:
+                u.reshard()
+            raise
+        return self.model
+
+    def __exit__(self, *exc: object) -> None:
+        for u in get_units(self.model):
+            u.reshard()
 
 
 def get_units(model: Any) -> list[UnitState]:
@@ -424,8 +469,16 @@ def get_units(model: Any) -> list[UnitState]:
 def memory_stats() -> dict[str, int]:
     """Bytes this process holds for hsdp, from the C core's own counters.
 
-    ``held_bytes`` = shards + live unsharded buffers + parameters kept whole.
+    ``held_bytes`` = shards + unsharded buffers in use + idle pooled buffers + parameters
+    kept whole. ``buffer_allocs`` counts unsharded buffers ever allocated (a steady-state
+    forward adds none).
     """
     s = dict(_C.memory_stats())
-    s["held_bytes"] = s["sharded_bytes"] + s["unsharded_bytes"] + s["whole_bytes"]
+    s["held_bytes"] = s["sharded_bytes"] + s["unsharded_bytes"] + s["pooled_bytes"] + s["whole_bytes"]
     return s
+
+
+def empty_pool() -> None:
+    """Release the idle unsharded buffers kept for reuse (like torch.cuda.empty_cache); the
+    next forward allocates again."""
+    _C.empty_pool()

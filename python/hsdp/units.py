@@ -11,9 +11,10 @@ from typing import Any
 
 import numpy as np
 
-from . import _C
+from . import _C, trace
 from .dtypes import DType
 from .policy import MixedPrecisionPolicy
+from .schedule import Schedule
 
 
 def _cast_tree(obj: Any, dtype: np.dtype) -> Any:
@@ -57,10 +58,13 @@ class UnitState:
         self.is_root = is_root
         self._input_dtype = policy.input_dtype
         self._output_dtype = policy.output_dtype.compute if (is_root and policy.output_dtype) else None
-        # True while the unit is unsharded because a forward pre-hook did it (so the
-        # post-hook may reshard); an explicit hsdp.unshard() stays until hsdp.reshard().
-        self._hook_unsharded = False
+        # Set by an explicit hsdp.unshard() (or hsdp.resident): forwards then leave the
+        # unit unsharded until hsdp.reshard().
+        self._explicit = False
         self._handles: list[Any] = []
+        self.schedule: Schedule | None = None  # shared by the units of one model
+        self.full_bytes = unit.total_bytes + unit.widened_bytes
+        self.buffer_sizes = tuple(n for n in (unit.total_bytes, unit.widened_bytes) if n)
         # Set when a load into this unit failed: the model must not run on partial weights.
         self.broken: str | None = None
 
@@ -93,31 +97,77 @@ class UnitState:
     def _pre_forward(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self.broken is not None:
             self._check()
+        sched = self.schedule
+        if sched is not None:
+            if self.is_root:
+                sched.begin()
+            if sched.in_forward:
+                sched.enter(self)  # may start the next units' gathers first
         if not self.unit.is_unsharded:
-            self.unit.unshard()
-            self._hook_unsharded = True
+            if trace.enabled:
+                trace.unshard(self)
+            else:
+                self.unit.unshard()  # waits for a prefetched gather, or gathers now
+        if trace.enabled:
+            trace.compute_begin(self)
         if self._input_dtype is not None:
             return _cast_tree(args, self._input_dtype), _cast_tree(kwargs, self._input_dtype)
         return None
 
     def _post_forward(self, module: Any, args: Any, kwargs: Any, output: Any) -> Any:
-        if self._hook_unsharded and self.reshard_after_forward:
+        if trace.enabled:
+            trace.compute_end(self)
+        sched = self.schedule
+        if sched is not None and sched.in_forward:
+            sched.leave(self)
+        if self.reshard_after_forward and not self._explicit:
             self.unit.reshard()
-            self._hook_unsharded = False
+        if sched is not None and self.is_root and sched.in_forward:
+            sched.end()
         if self._output_dtype is not None:
             return _cast_tree(output, self._output_dtype)
         return None
 
-    def unshard(self) -> None:
+    def prefetched_by_schedule(self) -> None:
+        """The schedule started this unit's gather ahead of its forward."""
+        if trace.enabled:
+            trace.prefetch_started(self)
+
+    def release_prefetch(self) -> None:
+        """A prefetched unit the forward did not reach: give its buffers back."""
+        if not self._explicit:
+            self.unit.reshard()
+
+    def unshard(self, async_op: bool = False) -> "UnitShardHandle | None":
         self._check()
+        self._explicit = True
+        if async_op:
+            self.unit.start_unshard()
+            return UnitShardHandle(self)
         self.unit.unshard()
+        return None
 
     def reshard(self) -> None:
+        self._explicit = False
         self.unit.reshard()
-        self._hook_unsharded = False
 
     def __repr__(self) -> str:
         return f"UnitState({self.label!r}, params={len(self.params)}, {self.unit!r})"
+
+
+class UnitShardHandle:
+    """Returned by ``hsdp.unshard(module, async_op=True)``: the gather runs on the collective
+    worker; ``wait()`` blocks until it is done and the parameters are bound."""
+
+    def __init__(self, *units: UnitState) -> None:
+        self._units = units
+
+    def wait(self) -> None:
+        for u in self._units:
+            u.unit.wait()
+
+    def is_completed(self) -> bool:
+        return not any(u.unit.is_pending for u in self._units)
 
 
 ShardCondition = Callable[[str, Any], bool]

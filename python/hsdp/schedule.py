@@ -1,0 +1,167 @@
+"""Prefetch: the order units run in, recorded on the first forward, and the gathers started
+ahead of it on every later forward.
+
+Why every rank of a shard group issues the same gathers in the same order: a rank's
+gathers are started only from forward hooks, in the order its forward calls them, and the
+decision to prefetch depends only on the recorded order, the position in it and the sizes
+of units (never on timing or on measured memory). Ranks that run the same forward (the same
+module calls in the same order, which sharded inference requires anyway) therefore make the
+same decisions, and the collective worker keeps each rank's gathers in program order.
+
+A forward that departs from the recorded order (a block skipped on some calls, say) is
+detected at the first unit that differs: the prefetched but unused units are released, and
+the order is recorded again from that point. Nothing waits on a gather that another rank
+will not issue, so a departure can cost overlap, never a deadlock.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from . import _C
+
+if TYPE_CHECKING:
+    from .units import UnitState
+
+
+class Schedule:
+    """One sharded model's unit order and prefetch state."""
+
+    def __init__(self, depth: int, max_bytes: int | None) -> None:
+        self.depth = depth
+        self.max_bytes = max_bytes
+        self.order: list[UnitState] = []            # units by pre-forward, frozen once recorded
+        self.events: list[tuple[bool, UnitState]] = []  # (is_pre, unit) of the recording forward
+        self.recording = True
+        self.in_forward = False
+        self.pos = 0                                # next expected index in `order`
+        self.prefetched: list[UnitState] = []       # started by us, not yet entered
+        self.rerecords = 0
+        self.forwards = 0
+        self.prefetches = 0                         # gathers started ahead, for tests and benches
+
+    # ---------------------------------------------------------------- forward boundaries
+
+    def begin(self) -> None:
+        """The root's pre-forward: a new forward starts."""
+        self.in_forward = True
+        self.pos = 0
+        if self.recording:
+            self.order = []
+            self.events = []
+
+    def end(self) -> None:
+        """The root's post-forward (also after an exception)."""
+        self.in_forward = False
+        self.forwards += 1
+        if self.recording:
+            self.recording = False
+            self._reserve_pool()
+        elif self.pos != len(self.order):
+            # This forward ran fewer units than recorded: record again next time.
+            self._release_prefetched()
+            self._rerecord_from(self.pos)
+        self._release_prefetched()
+
+    # ---------------------------------------------------------------- per unit
+
+    def enter(self, unit: UnitState) -> None:
+        """A unit's pre-forward, before it unshards."""
+        if self.recording:
+            self.order.append(unit)
+            self.events.append((True, unit))
+            return
+        if self.pos < len(self.order) and self.order[self.pos] is unit:
+            self.pos += 1
+            if unit in self.prefetched:
+                self.prefetched.remove(unit)
+            self._prefetch()
+            return
+        # Departure from the recorded order.
+        self._release_prefetched(keep=unit)
+        self._rerecord_from(self.pos)
+        self.order.append(unit)
+        self.events.append((True, unit))
+        self.pos += 1
+
+    def leave(self, unit: UnitState) -> None:
+        if self.recording:
+            self.events.append((False, unit))
+
+    # ---------------------------------------------------------------- internals
+
+    def _rerecord_from(self, pos: int) -> None:
+        self.rerecords += 1
+        self.recording = True
+        kept = set(map(id, self.order[:pos]))
+        self.order = self.order[:pos]
+        # Keep the events of the kept prefix so the pool sizing sees the whole forward.
+        cut = 0
+        seen = 0
+        for i, (is_pre, u) in enumerate(self.events):
+            if is_pre:
+                if seen == pos:
+                    break
+                seen += 1
+            cut = i + 1
+        self.events = [e for e in self.events[:cut] if id(e[1]) in kept]
+
+    def _held_bytes(self) -> int:
+        return sum(u.full_bytes for u in self.order if u.unit.holds_buffers)
+
+    def _prefetch(self) -> None:
+        if self.depth <= 0:
+            return
+        held = self._held_bytes() if self.max_bytes is not None else 0
+        for nxt in self.order[self.pos : self.pos + self.depth]:
+            if nxt.unit.holds_buffers or nxt.broken is not None:
+                continue
+            if self.max_bytes is not None:
+                if held + nxt.full_bytes > self.max_bytes:
+                    break
+                held += nxt.full_bytes
+            if nxt.unit.start_unshard():
+                self.prefetches += 1
+                nxt.prefetched_by_schedule()
+                self.prefetched.append(nxt)
+
+    def _release_prefetched(self, keep: UnitState | None = None) -> None:
+        for u in self.prefetched:
+            if u is not keep:
+                u.release_prefetch()
+        self.prefetched = [keep] if keep is not None and keep in self.prefetched else []
+
+    def _reserve_pool(self) -> None:
+        """Simulates a steady-state forward of the recorded events (prefetch included) and
+        reserves the buffers it holds at once, per size, so no later forward allocates."""
+        pre_order = [u for is_pre, u in self.events if is_pre]
+        live: set[int] = set()
+        by_id: dict[int, UnitState] = {}
+        peak: Counter[int] = Counter()
+        k = 0
+        for is_pre, u in self.events:
+            if is_pre:
+                k += 1
+                held = sum(by_id[i].full_bytes for i in live)
+                for cand in [u, *pre_order[k : k + self.depth]]:
+                    if id(cand) in live:
+                        continue
+                    if cand is not u and self.max_bytes is not None:
+                        if held + cand.full_bytes > self.max_bytes:
+                            break
+                    live.add(id(cand))
+                    by_id[id(cand)] = cand
+                    held += cand.full_bytes
+                now: Counter[int] = Counter()
+                for i in live:
+                    for size in by_id[i].buffer_sizes:
+                        now[size] += 1
+                for size, n in now.items():
+                    peak[size] = max(peak[size], n)
+            elif u.reshard_after_forward:
+                live.discard(id(u))
+        sizes = sorted(peak.elements())
+        current = _C.memory_stats()["pool_capacity"]
+        if len(sizes) >= current:  # several models share the pool: never shrink it here
+            _C.pool_reserve(sizes)
