@@ -135,10 +135,33 @@ hsdp_status hsdp_task_wait(hsdp_exec *ex, hsdp_task *t) {
     return HSDP_OK;
 }
 
+hsdp_status hsdp_exec_call(hsdp_exec *ex, hsdp_task *t) {
+    if (ex && !ex->stopped && !hsdp_exec_on_worker(ex)) {
+        pthread_mutex_lock(&ex->mu);
+        if (!ex->head && !ex->busy) {
+            /* Idle worker, empty queue: run here while holding the lock, so MPI still sees
+             * one calling thread at a time and nothing queued can overtake this call. The
+             * handoff to the worker costs microseconds a synchronous call need not pay. */
+            t->next = NULL;
+            t->submit_ns = hsdp_now_ns();
+            /* while it runs, this thread is the worker: nested calls run inline too */
+            const hsdp_exec *prev = current_worker;
+            current_worker = ex;
+            run_task(t);
+            current_worker = prev;
+            atomic_store(&t->state, HSDP_TASK_DONE);
+            pthread_mutex_unlock(&ex->mu);
+            return hsdp_task_wait(ex, t);
+        }
+        pthread_mutex_unlock(&ex->mu);
+    }
+    hsdp_exec_submit(ex, t);
+    return hsdp_task_wait(ex, t);
+}
+
 hsdp_status hsdp_exec_run(hsdp_exec *ex, hsdp_status (*fn)(void *), void *arg) {
     hsdp_task t = {.fn = fn, .arg = arg};
-    hsdp_exec_submit(ex, &t);
-    return hsdp_task_wait(ex, &t);
+    return hsdp_exec_call(ex, &t);
 }
 
 void hsdp_exec_quiesce(hsdp_exec *ex) {

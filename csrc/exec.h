@@ -42,7 +42,10 @@ void hsdp_exec_submit(hsdp_exec *ex, hsdp_task *t);
 int hsdp_task_done(const hsdp_task *t);
 /* Waits for t and returns its status (its message becomes this thread's last error). */
 hsdp_status hsdp_task_wait(hsdp_exec *ex, hsdp_task *t);
-/* submit + wait. */
+/* Runs t and waits: on this thread when the worker is idle with an empty queue (holding the
+ * queue lock, so calls stay serialised and in order), else queued behind the others. */
+hsdp_status hsdp_exec_call(hsdp_exec *ex, hsdp_task *t);
+/* hsdp_exec_call with a task of its own. */
 hsdp_status hsdp_exec_run(hsdp_exec *ex, hsdp_status (*fn)(void *), void *arg);
 int hsdp_exec_on_worker(const hsdp_exec *ex);
 /* Waits until the worker is idle with an empty queue and keeps it so until resume: lets the

@@ -175,6 +175,8 @@ hsdp_status hsdp_unit_gather(hsdp_unit *u, void *full);
 typedef struct hsdp_gather_req hsdp_gather_req;
 hsdp_status hsdp_unit_gather_start(hsdp_unit *u, void *full, void *widened, hsdp_gather_req *req);
 hsdp_status hsdp_unit_gather_wait(hsdp_unit *u, hsdp_gather_req *req);
+/* Synchronous gather + widen through the same request (so traces see its times). */
+hsdp_status hsdp_unit_gather_now(hsdp_unit *u, void *full, void *widened, hsdp_gather_req *req);
 int hsdp_unit_gather_done(const hsdp_gather_req *req);
 /* Span of the last completed request on the worker (CLOCK_MONOTONIC ns), for traces. */
 void hsdp_unit_gather_times(const hsdp_gather_req *req, uint64_t *submit_ns, uint64_t *start_ns,

@@ -170,7 +170,8 @@ static BufferObject *buffer_create(modstate *ms, PyObject *module, size_t n) {
     for (int i = ms->pool_n - 1; i >= 0; i--) {
         BufferObject *b = ms->pool[i];
         if (b->n != n) continue;
-        ms->pool[i] = ms->pool[--ms->pool_n];
+        memmove(ms->pool + i, ms->pool + i + 1, sizeof(ms->pool[0]) * (size_t)(ms->pool_n - i - 1));
+        ms->pool_n--;
         atomic_fetch_sub(&ms->stats.pooled_bytes, n);
         atomic_fetch_add(&ms->stats.unsharded_bytes, n);
         return b;
@@ -193,7 +194,16 @@ static BufferObject *buffer_create(modstate *ms, PyObject *module, size_t n) {
  * refers to it and the pool has room, else it is released. Steals the reference. */
 static void buffer_release(modstate *ms, BufferObject *b) {
     if (!b) return;
-    if (Py_REFCNT(b) == 1 && ms->pool_n < ms->pool_cap && ms->pool_n < POOL_SLOTS) {
+    if (Py_REFCNT(b) == 1 && ms->pool_cap > 0) {
+        if (ms->pool_n >= ms->pool_cap || ms->pool_n >= POOL_SLOTS) {
+            /* full: the oldest idle buffer goes, the newest (likeliest to be reused) stays */
+            BufferObject *old = ms->pool[0];
+            memmove(ms->pool, ms->pool + 1, sizeof(ms->pool[0]) * (size_t)(ms->pool_n - 1));
+            ms->pool_n--;
+            atomic_fetch_sub(&ms->stats.pooled_bytes, old->n);
+            atomic_fetch_add(&ms->stats.unsharded_bytes, old->n);
+            Py_DECREF(old);
+        }
         ms->pool[ms->pool_n++] = b;
         atomic_fetch_sub(&ms->stats.unsharded_bytes, b->n);
         atomic_fetch_add(&ms->stats.pooled_bytes, b->n);
@@ -663,8 +673,15 @@ static void unit_drop_buffers(UnitObject *self) {
     buffer_release(ms, w);
 }
 
+static int unit_start_impl(UnitObject *self, int sync);
+
 /* Starts the gather into (pooled) buffers; the parameters stay unset until unit_finish. */
-static int unit_start(UnitObject *self) {
+static int unit_start(UnitObject *self) { return unit_start_impl(self, 0); }
+
+/* Gathers now (on this thread when the worker is idle); unit_finish then only binds. */
+static int unit_start_sync(UnitObject *self) { return unit_start_impl(self, 1); }
+
+static int unit_start_impl(UnitObject *self, int sync) {
     modstate *ms = state_of_type(Py_TYPE(self));
     PyObject *module = PyType_GetModule(Py_TYPE(self));
     BufferObject *full = buffer_create(ms, module, self->u.layout.total_bytes);
@@ -682,8 +699,19 @@ static int unit_start(UnitObject *self) {
     ms->live_buffers += wide ? 2 : 1;
     if (ms->live_buffers > ms->peak_live_buffers) ms->peak_live_buffers = ms->live_buffers;
     self->pending = 1;
-    hsdp_status st = hsdp_unit_gather_start(&self->u, full->p, wide ? wide->p : NULL, &self->req);
-    if (st != HSDP_OK) { /* nothing was queued */
+    hsdp_status st;
+    if (sync) {
+        self->busy = 1;
+        Py_BEGIN_ALLOW_THREADS
+        st = hsdp_unit_gather_now(&self->u, full->p, wide ? wide->p : NULL, &self->req);
+        Py_END_ALLOW_THREADS
+        self->busy = 0;
+        /* the request is complete and waited: mark it done so unit_finish's wait returns at once */
+        if (st == HSDP_OK) atomic_store(&self->req.task.state, HSDP_TASK_DONE);
+    } else {
+        st = hsdp_unit_gather_start(&self->u, full->p, wide ? wide->p : NULL, &self->req);
+    }
+    if (st != HSDP_OK) { /* nothing in flight */
         self->pending = 0;
         ms->live_buffers -= wide ? 2 : 1;
         unit_drop_buffers(self);
@@ -742,7 +770,7 @@ static PyObject *unit_wait(UnitObject *self, PyObject *unused) {
 static PyObject *unit_unshard(UnitObject *self, PyObject *unused) {
     (void)unused;
     if (self->busy) return PyErr_Format(PyExc_RuntimeError, "unit %R is busy on another thread", self->name);
-    if (!self->full && unit_start(self) < 0) return NULL;
+    if (!self->full && unit_start_sync(self) < 0) return NULL;
     if (self->pending && unit_finish(self) < 0) return NULL;
     Py_RETURN_NONE;
 }
@@ -1394,6 +1422,37 @@ static PyObject *mod_empty_pool(PyObject *m, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+/* empty_aligned(nbytes): a uint8 array in memory from the same allocator as unsharded
+ * buffers (64-byte aligned), so a benchmark's raw collective uses the same kind of memory. */
+static PyObject *mod_empty_aligned(PyObject *m, PyObject *arg) {
+    Py_ssize_t n = PyNumber_AsSsize_t(arg, PyExc_OverflowError);
+    if (n < 0) {
+        if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "nbytes must be >= 0, got %zd", n);
+        return NULL;
+    }
+    modstate *ms = PyModule_GetState(m);
+    void *p = hsdp_buffer_alloc(&ms->stats, (size_t)n);
+    if (!p) return raise_status(HSDP_ENOMEM);
+    BufferObject *b = PyObject_New(BufferObject, ms->buffer_type);
+    if (!b) {
+        hsdp_buffer_free(&ms->stats, p, (size_t)n);
+        return NULL;
+    }
+    b->p = p;
+    b->n = (size_t)n;
+    b->stats = &ms->stats;
+    b->module = Py_NewRef(m);
+    npy_intp dim = (npy_intp)n;
+    PyObject *arr = PyArray_New(&PyArray_Type, 1, &dim, NPY_UINT8, NULL, p, 0,
+                                NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED | NPY_ARRAY_WRITEABLE, NULL);
+    if (!arr || PyArray_SetBaseObject((PyArrayObject *)arr, (PyObject *)b) < 0) {
+        Py_XDECREF(arr);
+        if (!arr) Py_DECREF(b);
+        return NULL;
+    }
+    return arr;
+}
+
 static PyObject *mod_mpi_async(PyObject *m, PyObject *unused) {
     (void)m, (void)unused;
     return PyBool_FromLong(hsdp_mpi_async());
@@ -1462,6 +1521,8 @@ static PyMethodDef mod_methods[] = {
     {"empty_pool", mod_empty_pool, METH_NOARGS, "Release every idle pooled buffer."},
     {"pool_reserve", mod_pool_reserve, METH_O, "pool_reserve(sizes): hold one idle buffer per size, allocating what "
                                                "is missing; capacity becomes len(sizes)."},
+    {"empty_aligned", mod_empty_aligned, METH_O, "empty_aligned(nbytes): a writable uint8 array from hsdp's "
+                                                 "64-byte-aligned allocator (counted as unsharded bytes)."},
     {"mpi_async", mod_mpi_async, METH_NOARGS, "Whether MPI calls run on the collective worker thread."},
     {"now_ns", mod_now_ns, METH_NOARGS, "CLOCK_MONOTONIC in ns (the clock of gather_times)."},
     {"mesh_coords", (PyCFunction)(void (*)(void))mod_mesh_coords, METH_VARARGS | METH_KEYWORDS,

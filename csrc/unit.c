@@ -112,6 +112,16 @@ hsdp_status hsdp_unit_gather_start(hsdp_unit *u, void *full, void *widened, hsdp
     return HSDP_OK;
 }
 
+hsdp_status hsdp_unit_gather_now(hsdp_unit *u, void *full, void *widened, hsdp_gather_req *req) {
+    req->u = u;
+    req->full = full;
+    req->widened = widened;
+    req->exec = u->group->exec;
+    req->task.fn = gather_job;
+    req->task.arg = req;
+    return hsdp_exec_call(req->exec, &req->task);
+}
+
 hsdp_status hsdp_unit_gather_wait(hsdp_unit *u, hsdp_gather_req *req) {
     (void)u;
     return hsdp_task_wait(req->exec, &req->task);

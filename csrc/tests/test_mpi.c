@@ -64,6 +64,12 @@ int main(void) {
     CHECK(memcmp((char *)full + u.layout.slots[0].offset, src, 1000 * sizeof(float)) == 0);
     CHECK(memcmp((char *)full2 + u2.layout.slots[0].offset, src, 1000 * sizeof(float)) == 0);
     CHECK(memcmp((char *)wide2 + u2.widen_offset[1], src, 3 * sizeof(float)) == 0);
+    /* a synchronous gather runs on this thread when the worker is idle; its nested
+     * collective must not wait for the queue lock it already holds */
+    memset(full, 0, u.layout.total_bytes);
+    CHECK(hsdp_unit_gather_now(&u, full, wide, &r1) == HSDP_OK);
+    CHECK(memcmp((char *)full + u.layout.slots[0].offset, src, 1000 * sizeof(float)) == 0);
+    CHECK(memcmp((char *)wide + u.widen_offset[1], src, 3 * sizeof(float)) == 0);
     /* the raw collective on this thread, with the worker held idle */
     CHECK(hsdp_all_gather_direct(shard, u.shard, full, u.layout.chunk_bytes) == HSDP_OK);
     CHECK(memcmp((char *)full + u.layout.slots[0].offset, src, 1000 * sizeof(float)) == 0);

@@ -1,0 +1,70 @@
+"""Shared pieces of the benchmarks: launching ranks, timing, and markdown tables.
+
+Every figure is a ratio of two paths measured side by side in the same run, interleaved
+repetition by repetition, so the machine's drift hits both alike; absolute times on a
+shared machine are noise, ratios are not.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MPI_ENV = {
+    "OMPI_ALLOW_RUN_AS_ROOT": "1",
+    "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+    "OMPI_MCA_btl_vader_single_copy_mechanism": "none",
+    "OMPI_MCA_mpi_yield_when_idle": "1",
+    "OMPI_MCA_rmaps_base_oversubscribe": "1",
+    "PYTHONUNBUFFERED": "1",
+    "OMP_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+}
+
+
+def launch(n: int, script: str, *args: str, timeout: float = 1800) -> str:
+    """Runs `python script args` on n ranks and returns rank 0's lines (stdout)."""
+    env = {**os.environ, **MPI_ENV}
+    cmd = ["mpiexec", "-n", str(n), sys.executable, script, *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc.stdout
+
+
+def interleaved(fns: Sequence[Callable[[], object]], reps: int, sync: Callable[[], object] | None = None) -> list[float]:
+    """Median seconds of each fn, run in turn rep by rep (a barrier before each when given)."""
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(reps):
+        for i, fn in enumerate(fns):
+            if sync is not None:
+                sync()
+            t0 = time.perf_counter()
+            fn()
+            times[i].append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
+    return "\n".join([line(cells[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, cells[1:])])
+
+
+def machine() -> str:
+    mem = ""
+    try:
+        with open("/proc/meminfo") as f:
+            kb = int(f.readline().split()[1])
+        mem = f", {kb / 2**20:.0f} GiB"
+    except OSError:
+        pass
+    return f"{os.cpu_count()} cores{mem}, {platform.processor() or platform.machine()}, Python {platform.python_version()}"
