@@ -210,7 +210,18 @@ static void test_exec(void) {
     hsdp_exec_free(ex);
 }
 
+/* test_core is built without MPI: asking for it says what to install. */
+static void test_no_mpi(void) {
+    hsdp_group *g = (hsdp_group *)1;
+    int we = 1;
+    CHECK(hsdp_mpi_compiled() == 0 && hsdp_mpi_async() == 0);
+    CHECK(hsdp_world_mpi(&g, &we) == HSDP_EUNSUPPORTED && g == NULL && we == 0);
+    CHECK(strstr(hsdp_last_error(), "apt-get install libopenmpi-dev openmpi-bin") != NULL);
+    CHECK(hsdp_mpi_finalize() == HSDP_OK);
+}
+
 int main(void) {
+    test_no_mpi();
     test_exec();
     test_mesh();
     test_layout();
