@@ -17,21 +17,29 @@ CFLAGS_CHECK := -std=c11 -O1 -g -Wall -Wextra -Werror -Wshadow -fsanitize=addres
 CORE_SRC := csrc/error.c csrc/dtype.c csrc/mesh.c csrc/layout.c csrc/unit.c csrc/checkpoint.c csrc/exec.c csrc/comm.c csrc/comm_single.c csrc/comm_mpi.c
 TESTBIN := csrc/tests/bin
 
-.PHONY: all deps mpi venv build ctest pytest test demo bench clean
+.PHONY: all sysdeps venv build ctest pytest test demo bench clean
 
 all: build
 
-mpi:
-	@if ! command -v mpicc >/dev/null || ! command -v mpiexec >/dev/null; then \
+# System packages: Open MPI (with mpicc), a C compiler, Python's venv module and headers.
+# Installed with apt-get when missing and running as root; otherwise the message says what.
+sysdeps:
+	@missing=""; \
+	{ command -v mpicc && command -v mpiexec; } >/dev/null || missing="$$missing libopenmpi-dev openmpi-bin"; \
+	command -v cc >/dev/null || missing="$$missing gcc make"; \
+	$(PYTHON) -c "import venv, ensurepip" 2>/dev/null || missing="$$missing python3-venv"; \
+	$(PYTHON) -c "import os, sysconfig; assert os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h'))" \
+	  2>/dev/null || missing="$$missing python3-dev"; \
+	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	    echo "installing Open MPI (apt-get)"; \
-	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libopenmpi-dev openmpi-bin >/dev/null; \
+	    echo "installing:$$missing (apt-get)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
 	  else \
-	    echo "Open MPI is missing: install libopenmpi-dev and openmpi-bin (or another MPI with mpicc and mpiexec)"; exit 1; \
+	    echo "missing system packages:$$missing (install them, e.g. with apt-get, then rerun)"; exit 1; \
 	  fi; \
 	fi
 
-$(VENV)/.stamp: pyproject.toml
+$(VENV)/.stamp: pyproject.toml | sysdeps
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "setuptools>=64" wheel "numpy>=2.0" "pytest>=7" "safetensors>=0.4"
@@ -40,7 +48,7 @@ $(VENV)/.stamp: pyproject.toml
 venv: $(VENV)/.stamp
 
 # Editable install: the extension is rebuilt from csrc/ each time; warnings are errors.
-build: mpi venv
+build: sysdeps venv
 	HSDP_WERROR=1 $(PY) -m pip install -q --no-build-isolation --no-deps -e .
 
 $(TESTBIN)/test_dtype: csrc/tests/test_dtype.c $(CORE_SRC) csrc/*.h
@@ -49,7 +57,7 @@ $(TESTBIN)/test_dtype: csrc/tests/test_dtype.c $(CORE_SRC) csrc/*.h
 $(TESTBIN)/test_core: csrc/tests/test_core.c $(CORE_SRC) csrc/*.h csrc/tests/check.h
 	@mkdir -p $(TESTBIN)
 	$(CC) $(CFLAGS_CHECK) -Icsrc $(CORE_SRC) $< -o $@ -lm -lpthread
-$(TESTBIN)/test_mpi: csrc/tests/test_mpi.c $(CORE_SRC) csrc/*.h csrc/tests/check.h | mpi
+$(TESTBIN)/test_mpi: csrc/tests/test_mpi.c $(CORE_SRC) csrc/*.h csrc/tests/check.h | sysdeps
 	@mkdir -p $(TESTBIN)
 	$(CC) $(CFLAGS_CHECK) -DHSDP_HAVE_MPI $$(mpicc --showme:compile) -Icsrc $(CORE_SRC) $< -o $@ $$(mpicc --showme:link) -ldl -lm -lpthread
 

@@ -173,7 +173,10 @@ static BufferObject *buffer_create(modstate *ms, PyObject *module, size_t n) {
         memmove(ms->pool + i, ms->pool + i + 1, sizeof(ms->pool[0]) * (size_t)(ms->pool_n - i - 1));
         ms->pool_n--;
         atomic_fetch_sub(&ms->stats.pooled_bytes, n);
-        atomic_fetch_add(&ms->stats.unsharded_bytes, n);
+        size_t now = atomic_fetch_add(&ms->stats.unsharded_bytes, n) + n;
+        size_t peak = atomic_load(&ms->stats.peak_unsharded_bytes);
+        while (now > peak && !atomic_compare_exchange_weak(&ms->stats.peak_unsharded_bytes, &peak, now)) {
+        }
         return b;
     }
     void *p = hsdp_buffer_alloc(&ms->stats, n);
@@ -709,7 +712,12 @@ static int unit_start_impl(UnitObject *self, int sync) {
         /* the request is complete and waited: mark it done so unit_finish's wait returns at once */
         if (st == HSDP_OK) atomic_store(&self->req.task.state, HSDP_TASK_DONE);
     } else {
+        /* With a worker this only queues; without one it gathers and widens inline. */
+        self->busy = 1;
+        Py_BEGIN_ALLOW_THREADS
         st = hsdp_unit_gather_start(&self->u, full->p, wide ? wide->p : NULL, &self->req);
+        Py_END_ALLOW_THREADS
+        self->busy = 0;
     }
     if (st != HSDP_OK) { /* nothing in flight */
         self->pending = 0;

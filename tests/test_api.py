@@ -171,6 +171,19 @@ def test_sharded_parameter_errors():
         hsdp.unshard(model.blocks[0].ffn)
 
 
+def test_output_dtype_bfloat16_rounds():
+    x = models.make_inputs(TINY, seed=2)
+    model = models.make_model("tiny", seed=0)
+    hsdp.apply_hsdp_to_model(model, cfg(output_dtype="bfloat16"))
+    out = model(*x)
+    assert out.dtype == np.float32
+    assert np.array_equal(out, hsdp._C.round_to(out, "bfloat16"))
+    raw = models.make_model("tiny", seed=0)
+    for p in raw.parameters():
+        p.data = hsdp._C.round_to(p.data, "bfloat16")
+    assert np.array_equal(out, hsdp._C.round_to(raw(*x), "bfloat16"))
+
+
 def test_output_dtype_and_input_cast():
     x = models.make_inputs(TINY, seed=2)
     model = models.make_model("tiny", seed=0)
@@ -182,7 +195,7 @@ def test_output_dtype_and_input_cast():
     assert np.array_equal(out64, out)
 
 
-def test_float16_param_dtype_computes_in_float16():
+def test_float16_param_dtype_unshards_float16_views():
     x = models.make_inputs(TINY, seed=2)
     model = models.make_model("tiny", seed=0)
     hsdp.apply_hsdp_to_model(model, cfg(param_dtype="float16"))

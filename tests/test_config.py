@@ -627,7 +627,7 @@ def test_to_hsdp_config_passes_every_field(monkeypatch: pytest.MonkeyPatch) -> N
     fake.HSDPInferenceConfig = fake_config  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "hsdp._C", fake)
     C(use_hsdp=True, cfg_parallel_size=2, ulysses_degree=2, hsdp_replicate_size=2).to_hsdp_config(
-        output_dtype="float16", reshard_after_forward=False
+        output_dtype="float16", reshard_after_forward=False, prefetch_depth=2
     )
     assert seen == {
         "enabled": True,
@@ -637,6 +637,8 @@ def test_to_hsdp_config_passes_every_field(monkeypatch: pytest.MonkeyPatch) -> N
         "reduce_dtype": "float32",
         "output_dtype": "float16",
         "reshard_after_forward": False,
+        "prefetch_depth": 2,
+        "max_unsharded_bytes": None,
     }
 
 

@@ -21,3 +21,20 @@ def test_mesh_all_scenarios(replicate: int, shard: int) -> None:
     # Ranks share stdout, so their lines may run together: count ranks, not lines.
     done = set(re.findall(r"rank (\d+)/\d+ mesh \(\d+x\d+\): [\w ]+ OK", proc.stdout))
     assert done == {str(r) for r in range(replicate * shard)}, proc.stdout
+
+
+def test_failing_rank_ends_job_under_plain_mpiexec() -> None:
+    """Design decision 9: a peer that dies ends the job with an error in bounded time. The
+    failing rank skips MPI_Finalize at exit, so mpiexec terminates the waiting one."""
+    import os
+    import subprocess
+    import sys
+
+    from mpirun import MPI_ENV, ROOT, mpiexec
+
+    cmd = [mpiexec(), "-n", "2", sys.executable, "tests/mpi_fail.py", "1"]
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **MPI_ENV}, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode != 0
+    assert "rank 1 fails on purpose" in proc.stderr
+    assert "passed a barrier" not in proc.stdout

@@ -52,6 +52,6 @@ __all__ = [
     "DType", "DeviceMesh", "DiffusionParallelConfig", "HSDPInferenceConfig", "HSDPShardContext",
     "MixedPrecisionPolicy", "apply_hsdp_to_model", "bfloat16", "dtypes", "empty_pool", "finalize_hsdp_root",
     "float16", "float32", "float64", "float8_e4m3fn", "float8_e5m2", "get_units",
-    "init_device_mesh", "load_model_sharded", "memory_stats", "prepare_hsdp_shard_context", "reshard",
+    "init_device_mesh", "load_checkpoint", "load_model_sharded", "memory_stats", "prepare_hsdp_shard_context", "reshard",
     "resident", "save_checkpoint", "shard_hsdp_module", "shard_model", "trace", "unshard",
 ]

@@ -317,6 +317,9 @@ class DiffusionParallelConfig:
         reduce_dtype: Any = "float32",
         output_dtype: Any = None,
         reshard_after_forward: bool = True,
+        *,
+        prefetch_depth: int = 1,
+        max_unsharded_bytes: int | None = None,
     ) -> Any:
         """The ``hsdp.HSDPInferenceConfig`` for ``apply_hsdp_to_model``."""
         if not self.use_hsdp:
@@ -336,6 +339,8 @@ class DiffusionParallelConfig:
             reduce_dtype=reduce_dtype,
             output_dtype=output_dtype,
             reshard_after_forward=reshard_after_forward,
+            prefetch_depth=prefetch_depth,
+            max_unsharded_bytes=max_unsharded_bytes,
         )
 
     # ----------------------------------------------------------------- runtime checks

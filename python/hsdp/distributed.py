@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import sys
 from typing import TYPE_CHECKING
 
 from . import _C
@@ -29,6 +30,21 @@ _MPI_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "PMI_RANK", "MPI_LO
 _world: ProcessGroup | None = None
 _meshes: dict[tuple[str, tuple[int, ...]], "DeviceMesh"] = {}
 _atexit_registered = False
+_failed = False  # an exception ended the program: peers may be waiting in a collective
+
+
+def _note_failure(hook):  # type: ignore[no-untyped-def]
+    """Wraps sys.excepthook: an uncaught exception means this rank must not MPI_Finalize at
+    exit (finalising waits for peers that may be blocked in a collective this rank will never
+    join); exiting without it makes the MPI launcher end the whole job instead."""
+
+    def excepthook(*args):  # type: ignore[no-untyped-def]
+        global _failed
+        _failed = True
+        return hook(*args)
+
+    excepthook.__wrapped__ = hook  # type: ignore[attr-defined]
+    return excepthook
 
 
 def launched_by_mpi() -> bool:
@@ -65,6 +81,8 @@ def init_process_group(backend: str = "auto") -> ProcessGroup:
                 )
             backend = "single"
     _world = _C.ProcessGroup(backend)
+    if _world.backend == "mpi" and not hasattr(sys.excepthook, "__wrapped__"):
+        sys.excepthook = _note_failure(sys.excepthook)
     if not _atexit_registered:
         atexit.register(destroy_process_group)
         _atexit_registered = True
@@ -111,4 +129,7 @@ def destroy_process_group() -> None:
     global _world
     _meshes.clear()
     _world = None
+    if _failed:
+        log.error("hsdp: an uncaught exception ended this rank; leaving MPI unfinalised so the launcher ends the job")
+        return
     _C.finalize_mpi()

@@ -84,6 +84,11 @@ def _is_shardable(p: Any) -> bool:
     return p.ndim > 0 and p.is_floating_point()
 
 
+def _held_nbytes(params: Iterable[Any]) -> int:
+    """Bytes whole parameters occupy in memory: NumPy holds bfloat16/float8 values widened."""
+    return sum(p.numel() * p.dtype.compute.itemsize for p in params)
+
+
 def _describe(name: str, p: Any) -> str:
     return f"'{name}' ({p.dtype.name}, shape {tuple(p.shape)})"
 
@@ -275,7 +280,7 @@ def prepare_hsdp_shard_context(model: Any, hsdp_config: Any, target_device: Any 
         prefetch_depth=hsdp_config.prefetch_depth,
         max_unsharded_bytes=hsdp_config.max_unsharded_bytes,
     )
-    ctx.whole_bytes.append(_C.WholeBytes(sum(p.nbytes for p in ignored)))
+    ctx.whole_bytes.append(_C.WholeBytes(_held_nbytes(ignored)))
     return ctx
 
 
@@ -299,7 +304,7 @@ def _default_context(
         hsdp_shard_conditions=conditions,
         ignored_params=ignored,
     )
-    ctx.whole_bytes.append(_C.WholeBytes(sum(p.nbytes for p in ignored)))
+    ctx.whole_bytes.append(_C.WholeBytes(_held_nbytes(ignored)))
     return ctx
 
 
@@ -321,11 +326,7 @@ def shard_model(
     """
     _require_module(model)
     conditions = _check_conditions(hsdp_shard_conditions, model)
-    if context is None:
-        context = _default_context(model, reshard_after_forward, mp_policy, mesh, conditions, ignored_params)
-    elif ignored_params:
-        context.ignored_params |= set(ignored_params)
-    if context.finalized:
+    if context is not None and context.finalized:
         raise RuntimeError("this HSDP context has already sharded its root; build a new one")
     if any(c("", model) for c in conditions):
         raise ValueError(
@@ -338,6 +339,12 @@ def shard_model(
             f"no submodule of {type(model).__name__} matched the HSDP shard conditions; nothing "
             "would be sharded"
         )
+    if context is None:
+        context = _default_context(model, reshard_after_forward, mp_policy, mesh, conditions, ignored_params)
+    elif ignored_params:
+        extra = set(ignored_params) - context.ignored_params
+        context.ignored_params |= extra
+        context.whole_bytes.append(_C.WholeBytes(_held_nbytes(extra)))
     claimed = set(context.owned)
     states = [_build_unit(context, m, n, False, claimed) for n, m in selected]
     states.append(_build_unit(context, model, "", True, claimed))

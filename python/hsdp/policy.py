@@ -1,9 +1,10 @@
 """MixedPrecisionPolicy: which dtype shards are stored and gathered in.
 
 Inference has no master weights, so ``param_dtype`` is applied once, when a parameter is
-sharded: the shard and the wire are in ``param_dtype``. NumPy computes bfloat16 and float8
-widened to float32 (the widening happens in C as part of unsharding); float16, float32 and
-float64 compute natively.
+sharded: the shard and the wire are in ``param_dtype``. NumPy has no bfloat16 or float8, so
+those are widened to float32 in C as part of unsharding; float16, float32 and float64
+parameters are unsharded as views of their own dtype. (hsdp.nn's layers then compute in
+float32, or float64 when both operands are float64.)
 """
 
 from __future__ import annotations

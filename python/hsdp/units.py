@@ -17,18 +17,21 @@ from .policy import MixedPrecisionPolicy
 from .schedule import Schedule
 
 
-def _cast_tree(obj: Any, dtype: np.dtype) -> Any:
-    """Casts floating NumPy arrays in (nested) tuples, lists and dicts to dtype."""
+def _cast_tree(obj: Any, dtype: np.dtype, round_to: str | None = None) -> Any:
+    """Casts floating NumPy arrays in (nested) tuples, lists and dicts to dtype; with
+    round_to (bfloat16, float8), values are first rounded to that dtype."""
     if isinstance(obj, np.ndarray):
-        if obj.dtype.kind == "f" and obj.dtype != dtype:
-            return obj.astype(dtype)
-        return obj
+        if obj.dtype.kind != "f":
+            return obj
+        if round_to is not None:
+            return _C.round_to(np.ascontiguousarray(obj, dtype=np.float32), round_to)
+        return obj.astype(dtype) if obj.dtype != dtype else obj
     if isinstance(obj, tuple):
-        return tuple(_cast_tree(x, dtype) for x in obj)
+        return tuple(_cast_tree(x, dtype, round_to) for x in obj)
     if isinstance(obj, list):
-        return [_cast_tree(x, dtype) for x in obj]
+        return [_cast_tree(x, dtype, round_to) for x in obj]
     if isinstance(obj, dict):
-        return {k: _cast_tree(v, dtype) for k, v in obj.items()}
+        return {k: _cast_tree(v, dtype, round_to) for k, v in obj.items()}
     return obj
 
 
@@ -57,7 +60,10 @@ class UnitState:
         self.policy = policy
         self.is_root = is_root
         self._input_dtype = policy.input_dtype
-        self._output_dtype = policy.output_dtype.compute if (is_root and policy.output_dtype) else None
+        out = policy.output_dtype if is_root else None
+        self._output_dtype = out.compute if out is not None else None
+        # NumPy holds bfloat16/float8 outputs as float32 values rounded to that dtype
+        self._output_round = out.name if out is not None and out.compute.itemsize != out.itemsize else None
         # Set by an explicit hsdp.unshard() (or hsdp.resident): forwards then leave the
         # unit unsharded until hsdp.reshard().
         self._explicit = False
@@ -125,7 +131,7 @@ class UnitState:
         if sched is not None and self.is_root and sched.in_forward:
             sched.end()
         if self._output_dtype is not None:
-            return _cast_tree(output, self._output_dtype)
+            return _cast_tree(output, self._output_dtype, self._output_round)
         return None
 
     def prefetched_by_schedule(self) -> None:

@@ -1,0 +1,154 @@
+"""A checkpoint: one safetensors file, or several tied together by a ``*.index.json``.
+
+The index's ``weight_map`` says which file holds each tensor. Opening a checkpoint validates
+the index and the header of every file it names, and checks that the map and the files
+agree (each tensor in exactly one file, the one the map names), before any data is read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from .errors import CheckpointError
+from .format import SafetensorsFile, TensorEntry, open_safetensors
+
+CheckpointPath = str | os.PathLike[str]
+
+
+def _index_error(path: Path, what: str, tensor: str | None = None) -> CheckpointError:
+    t = f", tensor '{tensor}'" if tensor is not None else ""
+    return CheckpointError(f"checkpoint index '{path}'{t}: {what}")
+
+
+class Checkpoint:
+    """Validated tensors by name, across one or more open files. Close it (or use ``with``)."""
+
+    def __init__(self, path: str, files: list[SafetensorsFile], metadata: dict[str, Any] | None) -> None:
+        self.path = path
+        self.files = files
+        self.metadata = metadata
+        self.entries: dict[str, TensorEntry] = {}
+        for f in files:
+            self.entries.update(f.entries)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.entries.values())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.entries
+
+    def __getitem__(self, name: str) -> TensorEntry:
+        return self.entries[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def close(self) -> None:
+        for f in self.files:
+            f.close()
+
+    def __enter__(self) -> "Checkpoint":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Checkpoint({self.path!r}, files={len(self.files)}, tensors={len(self.entries)})"
+
+
+def open_checkpoint(path: CheckpointPath) -> Checkpoint:
+    """Open ``path``: a ``.safetensors`` file, a ``*.index.json``, or a directory holding
+    exactly one index (or else exactly one ``.safetensors`` file)."""
+    p = _resolve(Path(os.fspath(path)))
+    if p.name.endswith(".json"):
+        return _open_index(p)
+    f = open_safetensors(p)
+    return Checkpoint(str(p), [f], f.metadata)
+
+
+def _resolve(p: Path) -> Path:
+    if not p.is_dir():
+        if not p.exists():
+            raise FileNotFoundError(f"checkpoint '{p}' does not exist")
+        return p
+    for pattern in ("*.index.json", "*.safetensors"):
+        found = sorted(p.glob(pattern))
+        if len(found) == 1:
+            return found[0]
+        if len(found) > 1:
+            names = ", ".join(f.name for f in found)
+            raise CheckpointError(f"checkpoint directory '{p}' holds several {pattern} files ({names}); name one")
+    raise FileNotFoundError(f"checkpoint directory '{p}' holds no *.index.json and no *.safetensors file")
+
+
+def _read_index(path: Path) -> tuple[dict[str, str], dict[str, Any] | None]:
+    def no_dups(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in pairs:
+            if k in out:
+                raise _index_error(path, "the name appears more than once", k)
+            out[k] = v
+        return out
+
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=no_dups)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _index_error(path, f"not valid UTF-8 JSON: {e}") from None
+    wm = obj.get("weight_map") if isinstance(obj, dict) else None
+    if not isinstance(wm, dict):
+        raise _index_error(path, "must be a JSON object with a 'weight_map' object")
+    for name, fname in wm.items():
+        # Plain file names only: an index must not point outside its own directory.
+        if not isinstance(fname, str) or not fname or fname != os.path.basename(fname) or fname in (".", ".."):
+            what = f"weight_map entry must be a file name in the index's directory, got {fname!r}"
+            raise _index_error(path, what, name)
+    meta = obj.get("metadata")
+    return wm, meta if isinstance(meta, dict) else None
+
+
+def _open_index(path: Path) -> Checkpoint:
+    weight_map, metadata = _read_index(path)
+    files: list[SafetensorsFile] = []
+    try:
+        by_name: dict[str, SafetensorsFile] = {}
+        for fname in dict.fromkeys(weight_map.values()):  # each file once, in map order
+            fp = path.parent / fname
+            if not fp.is_file():
+                first = next(n for n, v in weight_map.items() if v == fname)
+                what = f"the weight_map puts it in '{fname}', which does not exist in {path.parent}"
+                raise _index_error(path, what, first)
+            f = open_safetensors(fp)
+            files.append(f)
+            by_name[fname] = f
+        _check_agreement(path, weight_map, by_name)
+    except BaseException:
+        for f in files:
+            f.close()
+        raise
+    return Checkpoint(str(path), files, metadata)
+
+
+def _check_agreement(path: Path, weight_map: dict[str, str], files: dict[str, SafetensorsFile]) -> None:
+    seen: dict[str, str] = {}
+    for fname, f in files.items():
+        for name in f.entries:
+            if name in seen:
+                raise _index_error(path, f"the tensor is stored in both '{seen[name]}' and '{fname}'", name)
+            seen[name] = fname
+            if name not in weight_map:
+                raise _index_error(path, f"'{fname}' holds the tensor but the weight_map does not list it", name)
+            if weight_map[name] != fname:
+                what = f"the weight_map puts it in '{weight_map[name]}' but it is stored in '{fname}'"
+                raise _index_error(path, what, name)
+    for name, fname in weight_map.items():
+        if name not in seen:
+            raise _index_error(path, f"the weight_map puts it in '{fname}', which does not hold it", name)
