@@ -1,0 +1,135 @@
+"""Measuring and reporting an inference run: progress lines, memory, the final table and JSON.
+
+Kept apart from text_to_video.py so that the pipeline itself reads like a pipeline.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+class Progress:
+    """Progress of a long phase, printed on one rank only (stderr: stdout stays the report)."""
+
+    def __init__(self, enabled: bool, label: str, total: int = 0) -> None:
+        self.enabled = enabled
+        self.label = label
+        self.total = total
+        self._start = time.perf_counter()
+
+    def note(self, message: str) -> None:
+        if self.enabled:
+            print(message, file=sys.stderr, flush=True)
+
+    def step(self, done: int, seconds: float) -> None:
+        """One line per step: the step's own time and the time left at the mean pace."""
+        elapsed = time.perf_counter() - self._start
+        eta = elapsed / done * (self.total - done)
+        self.note(f"{self.label} {done}/{self.total}  {seconds:.2f} s/step  (eta {eta:.0f} s)")
+
+    def done(self) -> None:
+        self.note(f"{self.label}: done in {time.perf_counter() - self._start:.2f} s")
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set (VmHWM), or -1 where /proc is not available."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # the kernel reports kB
+    except OSError:
+        pass
+    return -1
+
+
+def gather_ints(group: Any, values: Sequence[int]) -> np.ndarray:
+    """Every rank's ``values`` as a (world size, len(values)) int64 array, on every rank."""
+    send = np.asarray(values, dtype=np.int64)
+    recv = np.empty(group.size * send.size, dtype=np.int64)
+    group.all_gather(send, recv)
+    return recv.reshape(group.size, send.size)
+
+
+def broadcast_int(group: Any, value: int, root: int = 0) -> int:
+    buf = np.array([value], dtype=np.int64)
+    group.broadcast(buf, root)
+    return int(buf[0])
+
+
+def fmt_bytes(n: int) -> str:
+    if n < 0:
+        return "n/a"
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def _held_text(report: dict[str, Any]) -> str:
+    held = report["held_bytes_per_rank"]
+    low, high = min(held), max(held)
+    amount = fmt_bytes(high) if low == high else f"{fmt_bytes(low)} .. {fmt_bytes(high)}"
+    text = f"{amount} = {report['held_ratio']:.3f} x the {report['held_ratio_of']} model"
+    if report["expected_ratio"] < 1:
+        text += f" (1/S = {report['expected_ratio']:.3f})"
+    return text
+
+
+def _verify_text(verify: dict[str, Any] | None) -> str:
+    if verify is None:
+        return "not run (pass --verify)"
+    verdict = "exact" if verify["exact"] else "MISMATCH"
+    return f"max |diff| vs an unsharded run = {verify['max_abs_diff']:.3g} ({verdict})"
+
+
+def _later_steps(steps: int) -> str:
+    return "step 2" if steps == 2 else f"steps 2-{steps}"
+
+
+def report_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
+    """The table's (label, value) rows, in reading order."""
+    mesh = report["mesh"]
+    params = report["params"]
+    steps = report["timing"]
+    rows = [
+        ("world size", str(report["world_size"])),
+        ("mesh (replicate x shard)", f"{mesh['replicate']} x {mesh['shard']}" if mesh else "none (unsharded)"),
+        ("parallel config", report["parallel"]),
+        ("model", f"{report['preset']}: {params['count']:,} parameters, stored as {report['param_dtype']}"),
+        (f"unsharded params ({report['param_dtype']})", fmt_bytes(params["unsharded_bytes"])),
+    ]
+    if report["param_dtype"] != "float32":
+        rows.append(("unsharded params (float32)", fmt_bytes(params["unsharded_bytes_float32"])))
+    rows.append(("params held per rank", _held_text(report)))
+    for rank, rss in enumerate(report["peak_rss_bytes_per_rank"]):
+        rows.append((f"peak RSS, rank {rank}", fmt_bytes(rss)))
+    mean = steps["seconds_per_step"]
+    rows.append(
+        (
+            "seconds per step",
+            (f"{mean:.3f} (mean of {_later_steps(steps['steps'])})" if mean is not None else "n/a (one step)")
+            + f"; first step {steps['first_step_seconds']:.3f}",
+        )
+    )
+    rows.append(("verify", _verify_text(report["verify"])))
+    return rows
+
+
+def format_table(title: str, rows: Sequence[tuple[str, str]]) -> str:
+    width = max(len(label) for label, _ in rows)
+    body = [f"{label:<{width}}  {value}" for label, value in rows]
+    rule = "-" * max(len(line) for line in body + [title])
+    return "\n".join([title, rule, *body, rule])
+
+
+def write_json(path: Path, report: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")

@@ -1,0 +1,307 @@
+"""Text-to-video with the reference diffusion transformer, its weights sharded by HSDP.
+
+A small offline pipeline: build the transformer from a size preset, shard it across the ranks
+(``--use-hsdp``), then run a flow-matching Euler sampler for ``--num-inference-steps`` steps
+from seeded noise and a seeded stand-in for the text embedding. Rank 0 saves the final
+latents, prints one table (memory, speed, and with ``--verify`` the largest difference from
+an unsharded run of the same loop) and writes the same data as JSON next to the latents.
+
+    python -m hsdp.launch -n 4 -- examples/offline_inference/text_to_video.py \\
+        --use-hsdp --hsdp-shard-size 4 --verify
+
+Exit status: 0 on success, 1 when --verify finds a difference, 2 for a configuration error
+or a parallel degree the runtime cannot execute yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import hsdp
+from hsdp import models
+from hsdp.config import DiffusionParallelConfig, add_parallel_args
+from hsdp.distributed import init_process_group
+
+# A module next to this script: `python SCRIPT` and hsdp.launch both put its folder on sys.path.
+from inference_report import (
+    Progress,
+    broadcast_int,
+    format_table,
+    gather_ints,
+    peak_rss_bytes,
+    report_rows,
+    write_json,
+)
+
+TEXT_LEN = 16  # tokens of the stand-in text embedding
+EXIT_MISMATCH = 1
+EXIT_CONFIG = 2
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Text-to-video on the reference DiT, weights sharded with HSDP.")
+    p.add_argument("--preset", default="small", choices=models.preset_names(),
+                   help="model size (default: %(default)s)")
+    p.add_argument("--num-inference-steps", type=int, default=8, metavar="N",
+                   help="denoising steps (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the weights, the noise and the text (default: %(default)s)")
+    p.add_argument("--output", type=Path, default=Path("outputs/text_to_video.npy"), metavar="PATH",
+                   help="final latents (.npy); the report goes next to it as .json (default: %(default)s)")
+    p.add_argument("--checkpoint-dir", type=Path, default=Path("outputs/checkpoints"), metavar="DIR",
+                   help="where the generated checkpoint will live once hsdp.checkpoint is wired "
+                   "in; unused for now: weights are generated in memory (default: %(default)s)")
+    p.add_argument("--batch", type=int, default=1, help="videos per run (default: %(default)s)")
+    p.add_argument("--frames", type=int, default=4, help="latent frames (default: %(default)s)")
+    p.add_argument("--height", type=int, default=32, help="latent height (default: %(default)s)")
+    p.add_argument("--width", type=int, default=32, help="latent width (default: %(default)s)")
+    p.add_argument("--param-dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                   help="dtype the weights are stored (and gathered) in (default: %(default)s)")
+    p.add_argument("--verify", action="store_true",
+                   help="also run the loop unsharded on rank 0 and report the largest difference")
+    add_parallel_args(p)
+    args = p.parse_args(argv)
+    _check_sizes(p, args)
+    if args.output.suffix != ".npy":  # np.save would add it anyway; keep the report path in step
+        args.output = args.output.with_name(args.output.name + ".npy")
+    return args
+
+
+def _check_sizes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    # Checked before any rank builds a model, so a typo costs nothing.
+    for name in ("num_inference_steps", "batch", "frames", "height", "width"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    patch = models.DiTConfig.preset(args.preset).patch_size
+    for name, size, p in zip(("frames", "height", "width"), (args.frames, args.height, args.width), patch):
+        if size % p:
+            parser.error(f"--{name} {size} must be a multiple of the patch size {p} ({args.preset} preset)")
+
+
+# ------------------------------------------------------------------------------------ model
+
+
+def _round_weights(model: Any, dtype: str) -> None:
+    """Round every floating weight to ``dtype``: the values a ``dtype`` shard holds."""
+    if dtype == "float32":
+        return
+    for p in model.parameters():
+        if p.is_floating_point() and p.ndim > 0:
+            p.data = hsdp._C.round_to(np.ascontiguousarray(p.data, dtype=np.float32), dtype)
+
+
+def unsharded_model(args: argparse.Namespace) -> Any:
+    """The whole model on this rank, with the values a ``--param-dtype`` shard would hold (the
+    NumPy runtime computes bfloat16 widened to float32, so the arrays stay float32)."""
+    model = models.make_model(args.preset, seed=args.seed)
+    _round_weights(model, args.param_dtype)
+    return model
+
+
+def build_model(args: argparse.Namespace, hsdp_cfg: Any | None) -> Any:
+    """The transformer this rank runs: sharded when ``hsdp_cfg`` is given, else whole."""
+    if hsdp_cfg is None:
+        return unsharded_model(args)
+    # TODO(checkpoint): write a deterministic checkpoint to args.checkpoint_dir on first use
+    # (rank 0, hsdp.save_checkpoint), then hsdp.load_model_sharded(model, path, hsdp_cfg) on a
+    # meta-initialised model, so that no rank ever holds the whole model. Until then every rank
+    # generates all the weights and keeps only its shard.
+    model = models.make_model(args.preset, seed=args.seed)
+    return hsdp.apply_hsdp_to_model(model, hsdp_cfg)
+
+
+# ------------------------------------------------------------------------------------ sampling
+
+
+def initial_noise(args: argparse.Namespace, config: models.DiTConfig) -> np.ndarray:
+    """x_T ~ N(0, 1), from --seed alone, so every rank starts from the same latents."""
+    rng = np.random.default_rng([args.seed, 1])
+    shape = (args.batch, config.in_channels, args.frames, args.height, args.width)
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def text_context(args: argparse.Namespace, config: models.DiTConfig) -> np.ndarray:
+    """A stand-in for the text encoder's output: a seeded embedding (no tokenizer, no download)."""
+    rng = np.random.default_rng([args.seed, 2])
+    return rng.standard_normal((args.batch, TEXT_LEN, config.text_dim)).astype(np.float32)
+
+
+def denoise(
+    model: Any, x: np.ndarray, context: np.ndarray, steps: int, progress: Progress
+) -> tuple[np.ndarray, list[float]]:
+    """Flow-matching Euler: t from 1 (noise) to 0 (data), x <- x + (t_next - t) * v(x, t)."""
+    timesteps = np.linspace(1.0, 0.0, steps + 1, dtype=np.float32)
+    seconds = []
+    for i in range(steps):
+        start = time.perf_counter()
+        t = np.full((x.shape[0],), timesteps[i] * 1000.0, dtype=np.float32)
+        v = model(x, t, context)
+        x = (x + (timesteps[i + 1] - timesteps[i]) * v).astype(np.float32)
+        seconds.append(time.perf_counter() - start)
+        progress.step(i + 1, seconds[-1])
+    return x, seconds
+
+
+# ------------------------------------------------------------------------------------ report
+
+
+def _param_bytes(model: Any, param_dtype: str) -> dict[str, int]:
+    """Count and unsharded size of the weights, in the storage dtype and in float32."""
+    itemsize = hsdp.dtypes.as_dtype(param_dtype).itemsize
+    count = stored = f32 = 0
+    for p in model.parameters():
+        n = p.numel()
+        count += n
+        f32 += n * 4
+        stored += n * (itemsize if p.is_floating_point() and p.ndim > 0 else p.dtype.itemsize)
+    return {"count": count, "unsharded_bytes": stored, "unsharded_bytes_float32": f32}
+
+
+def _held_bytes(model: Any, sharded: bool) -> int:
+    """Weight bytes this rank keeps between forwards: its shards plus what is kept whole.
+
+    Unsharded buffers live only while a block computes and are left out. Unsharded, the
+    whole model is held, in float32 arrays.
+    """
+    if not sharded:
+        return sum(p.data.nbytes for p in model.parameters())
+    stats = hsdp.memory_stats()
+    return stats["sharded_bytes"] + stats["whole_bytes"]
+
+
+def _timing(seconds: list[float]) -> dict[str, Any]:
+    later = seconds[1:]
+    return {
+        "steps": len(seconds),
+        "first_step_seconds": seconds[0],
+        # The first step also records the prefetch order and warms caches: reported apart.
+        "seconds_per_step": sum(later) / len(later) if later else None,
+        "step_seconds": seconds,
+    }
+
+
+def _verify(args: argparse.Namespace, x_t: np.ndarray, context: np.ndarray, result: np.ndarray) -> dict[str, Any]:
+    """The same loop on an unsharded model with the same weights; the largest difference."""
+    progress = Progress(True, "verify step", args.num_inference_steps)
+    progress.note("verify: running the same loop unsharded on rank 0")
+    reference, _ = denoise(unsharded_model(args), x_t, context, args.num_inference_steps, progress)
+    diff = float(np.max(np.abs(result - reference)))
+    return {"max_abs_diff": diff, "exact": diff == 0.0}  # NaN compares unequal: not exact
+
+
+# ------------------------------------------------------------------------------------ main
+
+
+def _configure(args: argparse.Namespace, world: Any) -> tuple[DiffusionParallelConfig, Any | None]:
+    """The parallel config, checked against the launched world; ValueError says what to fix."""
+    parallel = DiffusionParallelConfig.from_cli_args(args)
+    parallel.check_world(world.size)
+    hsdp_cfg = parallel.to_hsdp_config(param_dtype=args.param_dtype) if parallel.use_hsdp else None
+    return parallel, hsdp_cfg
+
+
+def _config_error(is_rank0: bool, message: str) -> int:
+    # Every rank reaches the same verdict from the same arguments: rank 0 alone says it, in
+    # one write so that other ranks' output cannot split the line.
+    if is_rank0:
+        sys.stderr.write(f"text_to_video: error: {message}\n")
+        sys.stderr.flush()
+    return EXIT_CONFIG
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    world = init_process_group()
+    is_rank0 = world.rank == 0
+    # hsdp's own log lines (mesh setup, units made) on rank 0 only: every rank says the same.
+    logging.basicConfig(level=logging.INFO if is_rank0 else logging.WARNING, format="%(name)s: %(message)s")
+
+    try:
+        parallel, hsdp_cfg = _configure(args, world)
+    except ValueError as exc:
+        return _config_error(is_rank0, str(exc))
+
+    phase = Progress(is_rank0, "build")
+    phase.note(f"building the '{args.preset}' model (seed {args.seed}) on {world.size} rank(s): {parallel}")
+    model = build_model(args, hsdp_cfg)
+    phase.done()
+    held = _held_bytes(model, hsdp_cfg is not None)
+
+    try:
+        # The mesh above works over sequence/CFG-parallel ranks; running the model with them
+        # would silently compute redundantly, so stop here until they exist.
+        parallel.require_supported()
+    except NotImplementedError as exc:
+        return _config_error(is_rank0, f"NotImplementedError: {exc}")
+
+    config = model.config
+    x_t, context = initial_noise(args, config), text_context(args, config)
+    loop = Progress(is_rank0, "step", args.num_inference_steps)
+    latents, seconds = denoise(model, x_t, context, args.num_inference_steps, loop)
+    loop.done()
+
+    # Measured before verification, which builds a whole model on rank 0.
+    per_rank = gather_ints(world, [held, peak_rss_bytes()])
+
+    status = 0
+    if is_rank0:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        np.save(args.output, latents)
+        verify = _verify(args, x_t, context, latents) if args.verify else None
+        report = _report(args, parallel, model, per_rank, seconds, verify)
+        print("\n" + format_table("text_to_video report", report_rows(report)), flush=True)
+        json_path = args.output.with_suffix(".json")
+        write_json(json_path, report)
+        print(f"latents: {args.output}  report: {json_path}", file=sys.stderr)
+        if verify is not None and not verify["exact"]:
+            status = EXIT_MISMATCH
+    # Every rank leaves with rank 0's verdict, so a plain mpiexec reports it too.
+    return broadcast_int(world, status)
+
+
+def _report(
+    args: argparse.Namespace,
+    parallel: DiffusionParallelConfig,
+    model: Any,
+    per_rank: np.ndarray,
+    seconds: list[float],
+    verify: dict[str, Any] | None,
+) -> dict[str, Any]:
+    params = _param_bytes(model, args.param_dtype)
+    sharded = parallel.use_hsdp
+    held = [int(v) for v in per_rank[:, 0]]
+    # Sharded, a rank holds the storage dtype; unsharded, float32 arrays (see unsharded_model).
+    ratio_of = args.param_dtype if sharded else "float32"
+    whole = params["unsharded_bytes"] if sharded else params["unsharded_bytes_float32"]
+    return {
+        "world_size": int(per_rank.shape[0]),
+        "mesh": {"replicate": parallel.hsdp_replicate_size, "shard": parallel.hsdp_shard_size} if sharded else None,
+        "hsdp_mode": parallel.hsdp_mode,
+        "parallel": parallel.describe(),
+        "parallel_config": parallel.to_dict(),
+        "preset": args.preset,
+        "param_dtype": args.param_dtype,
+        "seed": args.seed,
+        "latent_shape": [args.batch, model.config.in_channels, args.frames, args.height, args.width],
+        "params": params,
+        "held_bytes_per_rank": held,
+        "held_ratio": max(held) / whole,
+        "held_ratio_of": ratio_of,
+        "expected_ratio": 1 / parallel.hsdp_shard_size if sharded else 1.0,
+        "peak_rss_bytes_per_rank": [int(v) for v in per_rank[:, 1]],
+        "timing": _timing(seconds),
+        "verify": verify,
+        "output": str(args.output),
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())
