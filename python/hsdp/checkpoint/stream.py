@@ -15,6 +15,7 @@ waiting in a collective, and every unit already made is marked unusable.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -28,6 +29,8 @@ from .index import Checkpoint, CheckpointPath, open_checkpoint
 from .plan import KeyMap, LoadPlan, plan_load
 from .progress import LoadReport, Progress, ProgressArg, set_report
 from .whole import read_tensor
+
+log = logging.getLogger("hsdp")
 
 _MSG = 1024  # bytes of an error message shared with the other ranks
 
@@ -217,7 +220,8 @@ def _load(
     ctx = prepare_hsdp_shard_context(model, cfg, target_device)
     blocks = _blocks(model, ctx)
     t0 = time.perf_counter()
-    prog = Progress(plan.checkpoint.path, len(blocks) + 1, plan.nbytes(it.param for it in plan.items), progress)
+    total = plan.nbytes(it.param for it in plan.items)
+    prog = Progress(plan.checkpoint.path, len(blocks) + 1, total, progress)
     loader = _Loader(plan, ctx, agree, prog, every_replica)
     try:
         loader.load_whole()
@@ -231,4 +235,5 @@ def _load(
     units = len(ctx.units)
     seconds = time.perf_counter() - t0
     set_report(model, LoadReport(plan.checkpoint.path, "streaming", units, loader.bytes_read, prog.bytes_read, seconds))
+    log.info("HSDP applied to model: %s", type(model).__name__)  # the line apply_hsdp_to_model logs
     return model

@@ -1,0 +1,163 @@
+"""One rank of a multi-rank checkpoint test (started by tests/test_checkpoint_multirank.py).
+
+`python tests/ckpt_worker.py REPLICATE DIR` runs every check below on a
+(REPLICATE, world // REPLICATE) mesh with the checkpoints the test wrote into DIR. On every
+rank, the model loaded streaming must equal one loaded whole and then sharded, bit for bit,
+and the bytes each rank read must add up to each byte read once per shard group. Any failure
+exits at once with status 1 (without MPI_Finalize, so mpiexec ends the other ranks instead
+of leaving them waiting in a collective).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+import hsdp
+from hsdp import models, nn
+from hsdp.checkpoint import (
+    CheckpointKeyError,
+    load_model_sharded,
+    load_model_whole,
+    load_report,
+    open_checkpoint,
+    stream,
+)
+from hsdp.distributed import init_process_group
+
+
+def meta(preset: str, variant: str):
+    with nn.meta_init():
+        return models.make_model(preset, variant=variant)
+
+
+def all_ranks_sum(world, value: int) -> int:
+    send = np.array([value], dtype=np.uint64)
+    recv = np.zeros(world.size, dtype=np.uint64)
+    world.all_gather(send, recv)
+    return int(recv.sum())
+
+
+def expected_bytes(model, path, R: int, world_size: int, every_replica: bool) -> int:
+    """Sharded parameters: once per shard group position (R times if every replica reads);
+    parameters kept whole: once per rank."""
+    sharded = {id(p) for u in hsdp.get_units(model) for p in u.params}
+    with open_checkpoint(path) as ck:
+        total = 0
+        for n, p in model.named_parameters():
+            nbytes = ck[n].nbytes
+            total += nbytes * ((R if every_replica else 1) if id(p) in sharded else world_size)
+    return total
+
+
+def check_same_load(world, R: int, path: Path, preset: str, variant: str, every_replica: bool = False) -> None:
+    config = hsdp.HSDPInferenceConfig(enabled=True, hsdp_replicate_size=R)
+    device = None if variant == "plain" else "cpu"
+    ref = models.make_model(preset, variant=variant, seed=42)  # other values: the load must replace them
+    load_model_whole(ref, path, progress=False)
+    hsdp.apply_hsdp_to_model(ref, config, device)
+    seen: list = []
+    model = load_model_sharded(meta(preset, variant), path, config, device, progress=seen.append,
+                               read_on_every_replica=every_replica)
+    for a, b in zip(hsdp.get_units(model), hsdp.get_units(ref), strict=True):
+        assert a.fqn == b.fqn and np.array_equal(a.unit.shard_bytes(), b.unit.shard_bytes()), a.label
+    x = models.make_inputs(preset, seed=3)
+    out = model(*x)
+    assert np.array_equal(out, ref(*x)), (path.name, np.abs(out - ref(*x)).max())
+    report = load_report(model)
+    total = all_ranks_sum(world, report.bytes_read)
+    assert total == expected_bytes(model, path, R, world.size, every_replica), (path.name, total)
+    assert report.bytes_read_total == total
+    if world.rank == 0:  # progress only on rank 0, every unit, all ranks' bytes
+        assert [s.done for s in seen] == list(range(1, len(model.blocks) + 2)) and seen[-1].bytes_read == total
+    else:
+        assert seen == []
+    if R > 1 and not every_replica:
+        mesh = hsdp.init_device_mesh("cpu", (R, world.size // R))
+        sharded = {id(p) for u in hsdp.get_units(model) for p in u.params}
+        with open_checkpoint(path) as ck:
+            whole = sum(ck[n].nbytes for n, p in model.named_parameters() if id(p) not in sharded)
+        # replica 0 reads the shards, the other replicas receive them
+        assert (report.bytes_read > whole) == (mesh.replicate_rank == 0), (report.bytes_read, whole)
+
+
+def check_failure_on_one_rank(world, R: int, path: Path) -> None:
+    """An I/O error on rank 1 only: every rank raises, none hangs, no unit stays usable."""
+    config = hsdp.HSDPInferenceConfig(enabled=True, hsdp_replicate_size=R)
+    real = stream._fill
+
+    def failing(st, plan):
+        if world.rank == 1 and st.label == "blocks.1":
+            raise OSError(5, "injected read failure")
+        return real(st, plan)
+
+    stream._fill = failing
+    model = meta("tiny", "plain")
+    try:
+        load_model_sharded(model, path, config, progress=False)
+    except OSError as e:
+        assert world.rank == 1 and "injected read failure" in str(e), e
+    except RuntimeError as e:
+        assert world.rank != 1 and "loading unit 'blocks.1' failed on rank 1" in str(e) and "injected" in str(e), e
+    else:
+        raise AssertionError("the load did not fail")
+    finally:
+        stream._fill = real
+    units = [m._hsdp_unit for m in model.modules() if getattr(m, "_hsdp_unit", None)]
+    assert [u.label for u in units] == ["blocks.0", "blocks.1"] and all(u.broken for u in units)
+    try:
+        model(*models.make_inputs("tiny"))
+    except RuntimeError:
+        pass
+    else:
+        raise AssertionError("a model whose load failed ran a forward")
+
+
+def check_missing_key(world, R: int, path: Path) -> None:
+    """Validation fails the same way on every rank, before anything is sharded."""
+    config = hsdp.HSDPInferenceConfig(enabled=True, hsdp_replicate_size=R)
+    model = meta("tiny", "plain")
+    try:
+        load_model_sharded(model, path, config, key_map=lambda n: None if n == "head.bias" else n, progress=False)
+    except CheckpointKeyError as e:
+        assert "1 missing: 'head.bias'" in str(e), e
+    else:
+        raise AssertionError("a missing key was not reported")
+    assert all(p.is_meta for p in model.parameters())
+
+
+def main() -> None:
+    R, root = int(sys.argv[1]), Path(sys.argv[2])
+    world = init_process_group()
+    checks = [
+        ("reference file", lambda: check_same_load(world, R, root / "ref_tiny.safetensors", "tiny", "plain")),
+        ("multi-file", lambda: check_same_load(
+            world, R, root / "small" / "model.safetensors.index.json", "small", "plain")),
+        ("quantized", lambda: check_same_load(world, R, root / "quant_tiny.safetensors", "tiny", "quantized")),
+        ("ignored", lambda: check_same_load(world, R, root / "ignored_tiny.safetensors", "tiny", "ignored")),
+        ("failure", lambda: check_failure_on_one_rank(world, R, root / "ref_tiny.safetensors")),
+        ("missing key", lambda: check_missing_key(world, R, root / "ref_tiny.safetensors")),
+    ]
+    if R > 1:
+        checks.append(("every replica reads", lambda: check_same_load(
+            world, R, root / "ref_tiny.safetensors", "tiny", "plain", every_replica=True)))
+    for _, fn in checks:
+        fn()
+        gc.collect()
+        world.barrier()
+    names = ", ".join(n for n, _ in checks)
+    print(f"rank {world.rank}/{world.size} mesh ({R}x{world.size // R}): {names} OK", flush=True)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
