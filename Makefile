@@ -74,7 +74,8 @@ pytest: build
 test: ctest pytest
 
 demo: build
-	$(PY) -m hsdp.launch -n $(NP) -- examples/offline_inference/text_to_video.py --use-hsdp --hsdp-shard-size $(NP) --verify
+	$(PY) -m hsdp.launch -n $(NP) -- examples/offline_inference/text_to_video.py --use-hsdp --hsdp-shard-size $(NP) --verify \
+	  --preset base --frames 2 --height 32 --width 32
 
 bench: build
 	$(PY) bench/run_all.py

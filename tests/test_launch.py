@@ -210,6 +210,7 @@ def test_example_report_on_two_ranks(tmp_path) -> None:
     proc = run_launch(
         "-n", "2", "--", EXAMPLE, "--use-hsdp", "--hsdp-shard-size", "2", "--param-dtype", "float32",
         "--verify", "--preset", "tiny", "--num-inference-steps", "2", "--output", str(out),
+        "--checkpoint-dir", str(tmp_path / "ckpt"),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "text_to_video report" in proc.stdout
@@ -224,12 +225,16 @@ def test_example_report_on_two_ranks(tmp_path) -> None:
     assert 0.5 <= report["held_ratio"] < 0.5 + 0.02
     assert report["verify"] == {"max_abs_diff": 0.0, "exact": True}
     assert os.path.getsize(out) > 0
+    # the weights went through a checkpoint written on first use and streamed per rank
+    assert "writing the checkpoint" in proc.stderr
+    assert [p.name for p in (tmp_path / "ckpt").iterdir()] == ["dit-tiny-seed0.safetensors"]
 
 
 def test_example_with_ulysses_raises_not_implemented(tmp_path) -> None:
     proc = run_launch(
         "-n", "2", "--", EXAMPLE, "--use-hsdp", "--ulysses-degree", "2", "--preset", "tiny",
         "--num-inference-steps", "1", "--output", str(tmp_path / "never.npy"),
+        "--checkpoint-dir", str(tmp_path / "ckpt"),
     )
     assert proc.returncode != 0
     assert "NotImplementedError" in proc.stderr and "ulysses_degree=2" in proc.stderr

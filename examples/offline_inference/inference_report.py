@@ -38,6 +38,16 @@ class Progress:
         self.note(f"{self.label}: done in {time.perf_counter() - self._start:.2f} s")
 
 
+def reset_peak_rss() -> None:
+    """Restart the kernel's peak-RSS count (VmHWM) from the current RSS (Linux; a no-op
+    elsewhere): writing 5 to /proc/self/clear_refs does exactly that."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
 def peak_rss_bytes() -> int:
     """This process's peak resident set (VmHWM), or -1 where /proc is not available."""
     try:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -37,6 +38,7 @@ from inference_report import (
     format_table,
     gather_ints,
     peak_rss_bytes,
+    reset_peak_rss,
     report_rows,
     write_json,
 )
@@ -57,8 +59,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output", type=Path, default=Path("outputs/text_to_video.npy"), metavar="PATH",
                    help="final latents (.npy); the report goes next to it as .json (default: %(default)s)")
     p.add_argument("--checkpoint-dir", type=Path, default=Path("outputs/checkpoints"), metavar="DIR",
-                   help="where the generated checkpoint will live once hsdp.checkpoint is wired "
-                   "in; unused for now: weights are generated in memory (default: %(default)s)")
+                   help="where the model's safetensors checkpoint is written on first use and "
+                   "loaded from (default: %(default)s)")
     p.add_argument("--batch", type=int, default=1, help="videos per run (default: %(default)s)")
     p.add_argument("--frames", type=int, default=4, help="latent frames (default: %(default)s)")
     p.add_argument("--height", type=int, default=32, help="latent height (default: %(default)s)")
@@ -98,24 +100,46 @@ def _round_weights(model: Any, dtype: str) -> None:
             p.data = hsdp._C.round_to(np.ascontiguousarray(p.data, dtype=np.float32), dtype)
 
 
-def unsharded_model(args: argparse.Namespace) -> Any:
-    """The whole model on this rank, with the values a ``--param-dtype`` shard would hold (the
-    NumPy runtime computes bfloat16 widened to float32, so the arrays stay float32)."""
-    model = models.make_model(args.preset, seed=args.seed)
+def checkpoint_path(args: argparse.Namespace) -> Path:
+    return args.checkpoint_dir / f"dit-{args.preset}-seed{args.seed}.safetensors"
+
+
+def ensure_checkpoint(args: argparse.Namespace, world: Any, progress: Progress) -> Path:
+    """The model's weights as a safetensors file, written by rank 0 on first use (no
+    downloads: the weights come from --seed). Written to a temporary name and renamed, so an
+    interrupted write never leaves a file that looks complete."""
+    path = checkpoint_path(args)
+    if world.rank == 0 and not path.exists():
+        progress.note(f"writing the checkpoint {path} (first use)")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        hsdp.save_checkpoint(models.make_model(args.preset, seed=args.seed), tmp)
+        os.replace(tmp, path)
+    world.barrier()
+    return path
+
+
+def _meta_model(args: argparse.Namespace) -> Any:
+    with hsdp.nn.meta_init():  # shapes and dtypes only: no weight memory
+        return models.make_model(args.preset)
+
+
+def unsharded_model(args: argparse.Namespace, path: Path) -> Any:
+    """The whole model on this rank, loaded from the checkpoint, with the values a
+    ``--param-dtype`` shard would hold (the NumPy runtime computes bfloat16 widened to
+    float32, so the arrays stay float32)."""
+    model = hsdp.checkpoint.load_model_whole(_meta_model(args), path, progress=False)
     _round_weights(model, args.param_dtype)
     return model
 
 
-def build_model(args: argparse.Namespace, hsdp_cfg: Any | None) -> Any:
-    """The transformer this rank runs: sharded when ``hsdp_cfg`` is given, else whole."""
+def build_model(args: argparse.Namespace, hsdp_cfg: Any | None, path: Path) -> Any:
+    """The transformer this rank runs: sharded when ``hsdp_cfg`` is given, else whole. Sharded,
+    each rank reads only its own shard of every block from the file: no rank ever holds the
+    whole model."""
     if hsdp_cfg is None:
-        return unsharded_model(args)
-    # TODO(checkpoint): write a deterministic checkpoint to args.checkpoint_dir on first use
-    # (rank 0, hsdp.save_checkpoint), then hsdp.load_model_sharded(model, path, hsdp_cfg) on a
-    # meta-initialised model, so that no rank ever holds the whole model. Until then every rank
-    # generates all the weights and keeps only its shard.
-    model = models.make_model(args.preset, seed=args.seed)
-    return hsdp.apply_hsdp_to_model(model, hsdp_cfg)
+        return unsharded_model(args, path)
+    return hsdp.load_model_sharded(_meta_model(args), path, hsdp_cfg)
 
 
 # ------------------------------------------------------------------------------------ sampling
@@ -192,7 +216,8 @@ def _verify(args: argparse.Namespace, x_t: np.ndarray, context: np.ndarray, resu
     """The same loop on an unsharded model with the same weights; the largest difference."""
     progress = Progress(True, "verify step", args.num_inference_steps)
     progress.note("verify: running the same loop unsharded on rank 0")
-    reference, _ = denoise(unsharded_model(args), x_t, context, args.num_inference_steps, progress)
+    reference, _ = denoise(unsharded_model(args, checkpoint_path(args)), x_t, context, args.num_inference_steps,
+                           progress)
     diff = float(np.max(np.abs(result - reference)))
     return {"max_abs_diff": diff, "exact": diff == 0.0}  # NaN compares unequal: not exact
 
@@ -230,8 +255,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _config_error(is_rank0, str(exc))
 
     phase = Progress(is_rank0, "build")
-    phase.note(f"building the '{args.preset}' model (seed {args.seed}) on {world.size} rank(s): {parallel}")
-    model = build_model(args, hsdp_cfg)
+    path = ensure_checkpoint(args, world, phase)
+    # Writing the checkpoint on first use materialises the whole model once on rank 0; the
+    # report's peak memory is about loading and running, so start its count here.
+    reset_peak_rss()
+    phase.note(f"loading the '{args.preset}' model (seed {args.seed}) on {world.size} rank(s): {parallel}")
+    model = build_model(args, hsdp_cfg, path)
     phase.done()
     held = _held_bytes(model, hsdp_cfg is not None)
 
