@@ -11,6 +11,7 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 export OMPI_MCA_btl_vader_single_copy_mechanism := none
 export OMPI_MCA_mpi_yield_when_idle := 1
 export OMPI_MCA_rmaps_base_oversubscribe := 1
+export OMPI_MCA_hwloc_base_binding_policy := none
 
 CC ?= gcc
 CFLAGS_CHECK := -std=c11 -O1 -g -Wall -Wextra -Werror -Wshadow -fsanitize=address,undefined -fno-sanitize-recover=all

@@ -23,6 +23,8 @@ MPI_ENV = {
     "OMPI_MCA_btl_vader_single_copy_mechanism": "none",
     "OMPI_MCA_mpi_yield_when_idle": "1",
     "OMPI_MCA_rmaps_base_oversubscribe": "1",
+    # unbound, so each rank's collective worker thread can run beside its compute
+    "OMPI_MCA_hwloc_base_binding_policy": "none",
     "PYTHONUNBUFFERED": "1",
     "OMP_NUM_THREADS": "1",
     "OPENBLAS_NUM_THREADS": "1",

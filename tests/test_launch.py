@@ -77,7 +77,7 @@ def test_dry_run_openmpi_oversubscribed_as_root(tmp_path, capsys, clean_env) -> 
         "export MKL_NUM_THREADS=1",
         "export PYTHONUNBUFFERED=1",
     }
-    assert " -n 4 --oversubscribe " in cmd
+    assert " -n 4 --oversubscribe --bind-to none " in cmd  # the worker thread needs a free core
     assert "-x OMP_NUM_THREADS" in cmd and "-x OPENBLAS_NUM_THREADS" not in cmd
     assert cmd.endswith(f"{sys.executable} -m hsdp._rank {SCRIPT} --x")
 
@@ -88,6 +88,8 @@ def test_dry_run_openmpi_within_cores_not_root(tmp_path, capsys, clean_env) -> N
     exports, cmd = dry_run(capsys, "--mpiexec", fake_mpiexec(tmp_path, "openmpi"), "-n", "4", SCRIPT)
     assert "--oversubscribe" not in cmd
     assert not any("ALLOW_RUN_AS_ROOT" in line for line in exports)
+    _, bound = dry_run(capsys, "--mpiexec", fake_mpiexec(tmp_path, "openmpi"), "-n", "4", "--bind-to", "core", SCRIPT)
+    assert " --bind-to core " in bound and "--bind-to none" not in bound
     assert "export OMPI_MCA_mpi_yield_when_idle=1" in exports
 
 
@@ -96,7 +98,7 @@ def test_dry_run_mpich_gets_no_open_mpi_flags(tmp_path, capsys, clean_env) -> No
     clean_env.setattr(launch, "_running_as_root", lambda: True)
     exports, cmd = dry_run(capsys, "--mpiexec", fake_mpiexec(tmp_path, "mpich"), "-n", "8", SCRIPT)
     # Hydra oversubscribes by itself and rejects Open MPI's flags.
-    assert "--oversubscribe" not in cmd and " -x " not in cmd
+    assert "--oversubscribe" not in cmd and " -x " not in cmd and "--bind-to" not in cmd
     assert not any("OMPI_" in line for line in exports)
     assert "export OMP_NUM_THREADS=1" in exports
 

@@ -4,8 +4,11 @@ A thin front for ``mpiexec`` that adds what a single machine (often a container,
 root, often with fewer cores than ranks) needs, so that the same one line works everywhere:
 
 - Open MPI: ``OMPI_ALLOW_RUN_AS_ROOT[_CONFIRM]`` only when running as root, ``--oversubscribe``
-  only when N exceeds the cores, idle ranks yield the CPU (``mpi_yield_when_idle``), and the
-  single-copy shared-memory path (CMA), which fails in many containers, is switched off.
+  only when N exceeds the cores, idle ranks yield the CPU (``mpi_yield_when_idle``), the
+  single-copy shared-memory path (CMA), which fails in many containers, is switched off, and
+  ranks are not bound to one core each (``--bind-to none``, change with ``--bind-to``): Open
+  MPI's default for small jobs pins a rank to a single core, which puts hsdp's collective
+  worker thread on the same core as the compute and serialises what prefetch overlaps.
 - Every implementation: one BLAS/OpenMP thread per rank (ranks already share the cores) and
   unbuffered Python output, unless the user set those variables.
 - Variables the user already set are never overridden.
@@ -67,6 +70,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("-n", "--nproc", type=_positive_int, dest="nproc", metavar="N", help="number of ranks (required)")
     p.add_argument("--mpiexec", metavar="PATH", default=None, help="the mpiexec to use (default: the one on PATH)")
+    p.add_argument(
+        "--bind-to", default="none", metavar="WHAT",
+        help="Open MPI process binding (default: none, so each rank's collective worker thread "
+        "can run beside its compute; e.g. core, socket, numa)",
+    )
     p.add_argument(
         "--dry-run", action="store_true", help="print the environment and command that would run, and exit"
     )
@@ -145,13 +153,20 @@ def launch_env(flavour: Flavour, environ: dict[str, str] | None = None) -> dict[
 
 
 def build_command(
-    mpiexec: str, flavour: Flavour, nproc: int, command: Sequence[str], added_env: dict[str, str], cores: int
+    mpiexec: str,
+    flavour: Flavour,
+    nproc: int,
+    command: Sequence[str],
+    added_env: dict[str, str],
+    cores: int,
+    bind_to: str = "none",
 ) -> list[str]:
     """The mpiexec command line; each rank runs ``python -m hsdp._rank SCRIPT ARGS``."""
     cmd = [mpiexec, "-n", str(nproc)]
     if flavour == "openmpi":
         if nproc > cores:
             cmd.append("--oversubscribe")
+        cmd += ["--bind-to", bind_to]
         # Open MPI forwards OMPI_* itself; -x also carries the rest to ranks on other hosts.
         for var in sorted(added_env):
             if not var.startswith("OMPI_"):
@@ -223,7 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     flavour = detect_flavour(mpiexec)
     added = launch_env(flavour)
-    cmd = build_command(mpiexec, flavour, args.nproc, command, added, _core_count())
+    cmd = build_command(mpiexec, flavour, args.nproc, command, added, _core_count(), args.bind_to)
     if args.dry_run:
         print(f"# mpiexec implementation: {flavour}")
         for var, value in sorted(added.items()):
