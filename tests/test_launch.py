@@ -207,6 +207,20 @@ def test_sigint_is_forwarded(tmp_path) -> None:
             proc.wait()
 
 
+def test_example_resident_on_two_ranks(tmp_path) -> None:
+    out = tmp_path / "res.npy"
+    proc = run_launch(
+        "-n", "2", "--", EXAMPLE, "--use-hsdp", "--hsdp-shard-size", "2", "--resident", "--verify",
+        "--preset", "tiny", "--num-inference-steps", "2", "--output", str(out),
+        "--checkpoint-dir", str(tmp_path / "ckpt"),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert report["resident"] is True
+    assert report["verify"] == {"max_abs_diff": 0.0, "exact": True}
+    assert "resident (gathered once)" in proc.stdout
+
+
 def test_example_report_on_two_ranks(tmp_path) -> None:
     out = tmp_path / "t2v.npy"
     proc = run_launch(
@@ -226,6 +240,7 @@ def test_example_report_on_two_ranks(tmp_path) -> None:
     # well under 2 % of it (the model has no parameters kept whole on every rank).
     assert 0.5 <= report["held_ratio"] < 0.5 + 0.02
     assert report["verify"] == {"max_abs_diff": 0.0, "exact": True}
+    assert report["resident"] is False
     assert os.path.getsize(out) > 0
     # the weights went through a checkpoint written on first use and streamed per rank
     assert "writing the checkpoint" in proc.stderr

@@ -122,6 +122,9 @@ def report_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
     for rank, rss in enumerate(report["peak_rss_bytes_per_rank"]):
         rows.append((f"peak RSS, rank {rank}", fmt_bytes(rss)))
     mean = steps["seconds_per_step"]
+    if report["mesh"]:
+        rows.append(("weights during the loop", "resident (gathered once)" if report.get("resident")
+                     else "gathered per unit, prefetched, resharded after each forward"))
     rows.append(
         (
             "seconds per step",

@@ -69,6 +69,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="dtype the weights are stored (and gathered) in (default: %(default)s)")
     p.add_argument("--verify", action="store_true",
                    help="also run the loop unsharded on rank 0 and report the largest difference")
+    p.add_argument("--resident", action="store_true",
+                   help="gather the sharded weights once and keep them for the whole denoising loop "
+                   "(hsdp.resident): no gathers per step, the whole model per rank while it runs")
     add_parallel_args(p)
     args = p.parse_args(argv)
     _check_sizes(p, args)
@@ -274,7 +277,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = model.config
     x_t, context = initial_noise(args, config), text_context(args, config)
     loop = Progress(is_rank0, "step", args.num_inference_steps)
-    latents, seconds = denoise(model, x_t, context, args.num_inference_steps, loop)
+    if args.resident and hsdp_cfg is not None:
+        loop.note("weights resident for the loop (hsdp.resident): gathered once, resharded after")
+        with hsdp.resident(model):
+            latents, seconds = denoise(model, x_t, context, args.num_inference_steps, loop)
+    else:
+        latents, seconds = denoise(model, x_t, context, args.num_inference_steps, loop)
     loop.done()
 
     # Measured before verification, which builds a whole model on rank 0.
@@ -318,6 +326,7 @@ def _report(
         "parallel_config": parallel.to_dict(),
         "preset": args.preset,
         "param_dtype": args.param_dtype,
+        "resident": bool(args.resident and sharded),
         "seed": args.seed,
         "latent_shape": [args.batch, model.config.in_channels, args.frames, args.height, args.width],
         "params": params,
