@@ -43,7 +43,7 @@ sysdeps:
 $(VENV)/.stamp: pyproject.toml | sysdeps
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "setuptools>=64" wheel "numpy>=2.0" "pytest>=7" "safetensors>=0.4"
+	$(PY) -m pip install -q --upgrade "setuptools>=70" wheel "numpy>=2.0" "pytest>=7" "safetensors>=0.4"
 	touch $@
 
 venv: $(VENV)/.stamp
@@ -62,12 +62,18 @@ $(TESTBIN)/test_mpi: csrc/tests/test_mpi.c $(CORE_SRC) csrc/*.h csrc/tests/check
 	@mkdir -p $(TESTBIN)
 	$(CC) $(CFLAGS_CHECK) -DHSDP_HAVE_MPI $$(mpicc --showme:compile) -Icsrc $(CORE_SRC) $< -o $@ $$(mpicc --showme:link) -ldl -lm -lpthread
 
+$(TESTBIN)/test_mpi_preinit: csrc/tests/test_mpi_preinit.c $(CORE_SRC) csrc/*.h csrc/tests/check.h | sysdeps
+	@mkdir -p $(TESTBIN)
+	$(CC) $(CFLAGS_CHECK) -DHSDP_HAVE_MPI $$(mpicc --showme:compile) -Icsrc $(CORE_SRC) $< -o $@ $$(mpicc --showme:link) -ldl -lm -lpthread
+
 # The C core's own tests, under AddressSanitizer and UndefinedBehaviorSanitizer. Open MPI
 # keeps allocations alive past MPI_Finalize by design, so leak checking is off for its test.
-ctest: $(TESTBIN)/test_dtype $(TESTBIN)/test_core $(TESTBIN)/test_mpi
+ctest: $(TESTBIN)/test_dtype $(TESTBIN)/test_core $(TESTBIN)/test_mpi $(TESTBIN)/test_mpi_preinit
 	$(TESTBIN)/test_dtype
 	$(TESTBIN)/test_core
 	set -o pipefail; ASAN_OPTIONS=detect_leaks=0 mpiexec -n 4 $(TESTBIN)/test_mpi | sort | uniq -c
+	set -o pipefail; for level in funneled serialized; do \
+	  ASAN_OPTIONS=detect_leaks=0 mpiexec -n 2 $(TESTBIN)/test_mpi_preinit $$level | sort | uniq -c || exit 1; done
 
 pytest: build
 	$(PY) -m pytest -q

@@ -285,6 +285,63 @@ def scenario_async_unshard(R: int) -> None:
     hsdp.reshard(model.blocks[0])
 
 
+class Odd(hsdp.nn.Module):
+    """Parameters of awkward sizes (primes, one element) and a nested selected child, so
+    that chunk boundaries fall inside parameters and inside the nested unit."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        rng = np.random.default_rng(n)
+        self.a = hsdp.nn.Parameter(rng.standard_normal(n).astype(np.float32))
+        self.b = hsdp.nn.Parameter(rng.standard_normal((1,)).astype(np.float32))
+        self.c = hsdp.nn.Parameter(rng.standard_normal((n, 3)).astype(np.float32))
+        self.inner = hsdp.nn.Linear(3, 5)
+        self.inner.weight.data = rng.standard_normal((5, 3)).astype(np.float32)
+        self.inner.bias.data = rng.standard_normal(5).astype(np.float32)
+
+    def forward(self, x):
+        return self.inner(x * self.b.data + self.c.data.sum(0))[..., :3] + self.a.data.sum()
+
+
+class OddModel(hsdp.nn.Module):
+    _hsdp_shard_conditions = [
+        lambda name, m: name.startswith("parts.") and name.count(".") == 1,
+        lambda name, m: name.endswith(".inner"),
+    ]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.parts = hsdp.nn.ModuleList([Odd(n) for n in (7, 13, 1, 101, 3)])
+        self.scale = hsdp.nn.Parameter(np.array(0.5, np.float32))  # 0-dim: kept whole
+        self.bias = hsdp.nn.Parameter(np.arange(11, dtype=np.float32))  # 11 floats in the root
+
+    def forward(self, x):
+        for p in self.parts:
+            x = p(x)
+        return x * self.scale.data + self.bias.data[:3]
+
+
+def scenario_uneven(R: int) -> None:
+    x = np.random.default_rng(0).standard_normal((2, 3)).astype(np.float32)
+    expect = OddModel()(x)
+    for dtype in ("float32", "bfloat16"):
+        model = OddModel()
+        if dtype == "bfloat16":
+            ref = OddModel()
+            round_params_to(ref, "bfloat16")
+            expect = ref(x)
+        cfg = hsdp.HSDPInferenceConfig(enabled=True, hsdp_replicate_size=R, param_dtype=dtype)
+        hsdp.apply_hsdp_to_model(model, cfg, target_device="cpu")
+        units = [u.fqn for u in hsdp.get_units(model)]
+        assert units == [f"parts.{i}{s}" for i in range(5) for s in (".inner", "")] + [""], units
+        S = hsdp.distributed.get_world_size() // R
+        check_accounting(model, S, 4)  # the 0-dim float32 scale
+        for _ in range(2):
+            assert np.array_equal(model(x), expect), dtype
+        del model
+        gc.collect()
+
+
 SCENARIOS = {name[9:]: fn for name, fn in globals().items() if name.startswith("scenario_")}
 
 
