@@ -16,19 +16,12 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from hsdp.launch import plain_mpiexec_env
+
 ROOT = Path(__file__).resolve().parent.parent
-MPI_ENV = {
-    "OMPI_ALLOW_RUN_AS_ROOT": "1",
-    "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-    "OMPI_MCA_btl_vader_single_copy_mechanism": "none",
-    "OMPI_MCA_mpi_yield_when_idle": "1",
-    "OMPI_MCA_rmaps_base_oversubscribe": "1",
-    # unbound, so each rank's collective worker thread can run beside its compute
-    "OMPI_MCA_hwloc_base_binding_policy": "none",
-    "PYTHONUNBUFFERED": "1",
-    "OMP_NUM_THREADS": "1",
-    "OPENBLAS_NUM_THREADS": "1",
-}
+# The environment hsdp.launch gives ranks (root, oversubscription, no binding, idle yield,
+# one BLAS thread per rank), for starting plain mpiexec with the same settings.
+MPI_ENV = plain_mpiexec_env("openmpi", environ={})
 
 
 def launch(n: int, script: str, *args: str, timeout: float = 1800) -> str:

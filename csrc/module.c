@@ -165,6 +165,22 @@ typedef struct BufferObject {
     PyObject *module; /* strong */
 } BufferObject;
 
+/* A fresh buffer of n bytes from the core's allocator (accounted as unsharded). */
+static BufferObject *buffer_new(modstate *ms, PyObject *module, size_t n) {
+    void *p = hsdp_buffer_alloc(&ms->stats, n);
+    if (!p) return (BufferObject *)raise_status(HSDP_ENOMEM);
+    BufferObject *b = PyObject_New(BufferObject, ms->buffer_type);
+    if (!b) {
+        hsdp_buffer_free(&ms->stats, p, n);
+        return NULL;
+    }
+    b->p = p;
+    b->n = n;
+    b->stats = &ms->stats;
+    b->module = Py_NewRef(module);
+    return b;
+}
+
 static BufferObject *buffer_create(modstate *ms, PyObject *module, size_t n) {
     /* An idle pooled buffer of exactly this size first: units of one model repeat sizes. */
     for (int i = ms->pool_n - 1; i >= 0; i--) {
@@ -179,18 +195,7 @@ static BufferObject *buffer_create(modstate *ms, PyObject *module, size_t n) {
         }
         return b;
     }
-    void *p = hsdp_buffer_alloc(&ms->stats, n);
-    if (!p) return (BufferObject *)raise_status(HSDP_ENOMEM);
-    BufferObject *b = PyObject_New(BufferObject, ms->buffer_type);
-    if (!b) {
-        hsdp_buffer_free(&ms->stats, p, n);
-        return NULL;
-    }
-    b->p = p;
-    b->n = n;
-    b->stats = &ms->stats;
-    b->module = Py_NewRef(module);
-    return b;
+    return buffer_new(ms, module, n);
 }
 
 /* Gives a unit's buffer back: to the pool when nothing else (no NumPy view a user kept)
@@ -1218,18 +1223,9 @@ static PyType_Spec config_spec = {"hsdp._C.HSDPInferenceConfig", sizeof(ConfigOb
 
 /* ------------------------------------------------------------------ module functions */
 
-/* Encodes a floating array into `dtype`'s raw bits (uint16 for bfloat16, uint8 for float8,
- * the NumPy type otherwise). The GIL is released for the cast. */
-static PyObject *encode_impl(PyObject *obj, hsdp_dtype dt) {
-    PyArrayObject *src = (PyArrayObject *)PyArray_FROM_OF(obj, NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED);
-    if (!src) return NULL;
-    hsdp_dtype st;
-    if (dtype_of_array(src, &st) < 0) {
-        Py_DECREF(src);
-        return NULL;
-    }
-    int npy = npy_type_of(dt);
-    if (npy < 0) npy = hsdp_dtype_size(dt) == 2 ? NPY_UINT16 : NPY_UINT8;
+/* A new array shaped like src, of NumPy type npy, holding src's elements cast from st to dt
+ * (the GIL released for the cast). Takes over the reference to src. */
+static PyObject *cast_new(PyArrayObject *src, hsdp_dtype st, hsdp_dtype dt, int npy) {
     PyArrayObject *dst = (PyArrayObject *)PyArray_SimpleNew(PyArray_NDIM(src), PyArray_DIMS(src), npy);
     if (!dst) {
         Py_DECREF(src);
@@ -1247,6 +1243,21 @@ static PyObject *encode_impl(PyObject *obj, hsdp_dtype dt) {
     return (PyObject *)dst;
 }
 
+/* Encodes a floating array into `dtype`'s raw bits (uint16 for bfloat16, uint8 for float8,
+ * the NumPy type otherwise). The GIL is released for the cast. */
+static PyObject *encode_impl(PyObject *obj, hsdp_dtype dt) {
+    PyArrayObject *src = (PyArrayObject *)PyArray_FROM_OF(obj, NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED);
+    if (!src) return NULL;
+    hsdp_dtype st;
+    if (dtype_of_array(src, &st) < 0) {
+        Py_DECREF(src);
+        return NULL;
+    }
+    int npy = npy_type_of(dt);
+    if (npy < 0) npy = hsdp_dtype_size(dt) == 2 ? NPY_UINT16 : NPY_UINT8;
+    return cast_new(src, st, dt, npy);
+}
+
 static PyObject *decode_impl(PyObject *obj, hsdp_dtype dt) {
     PyArrayObject *src = (PyArrayObject *)PyArray_FROM_OF(obj, NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED);
     if (!src) return NULL;
@@ -1257,21 +1268,7 @@ static PyObject *decode_impl(PyObject *obj, hsdp_dtype dt) {
         return NULL;
     }
     hsdp_dtype ct = hsdp_dtype_compute(dt);
-    PyArrayObject *dst = (PyArrayObject *)PyArray_SimpleNew(PyArray_NDIM(src), PyArray_DIMS(src), npy_type_of(ct));
-    if (!dst) {
-        Py_DECREF(src);
-        return NULL;
-    }
-    hsdp_status s;
-    Py_BEGIN_ALLOW_THREADS
-    s = hsdp_cast(PyArray_DATA(dst), ct, PyArray_DATA(src), dt, (size_t)PyArray_SIZE(src));
-    Py_END_ALLOW_THREADS
-    Py_DECREF(src);
-    if (s != HSDP_OK) {
-        Py_DECREF(dst);
-        return raise_status(s);
-    }
-    return (PyObject *)dst;
+    return cast_new(src, dt, ct, npy_type_of(ct));
 }
 
 static PyObject *mod_encode(PyObject *m, PyObject *args) {
@@ -1391,22 +1388,11 @@ static PyObject *mod_pool_reserve(PyObject *m, PyObject *arg) {
                 break;
             }
         if (!b) {
-            void *p = hsdp_buffer_alloc(&ms->stats, want);
-            if (!p) {
-                raise_status(HSDP_ENOMEM);
-                rc = -1;
-                break;
-            }
-            b = PyObject_New(BufferObject, ms->buffer_type);
+            b = buffer_new(ms, module, want);
             if (!b) {
-                hsdp_buffer_free(&ms->stats, p, want);
                 rc = -1;
                 break;
             }
-            b->p = p;
-            b->n = want;
-            b->stats = &ms->stats;
-            b->module = Py_NewRef(module);
             /* fresh buffers are accounted unsharded; move them to pooled */
             atomic_fetch_sub(&ms->stats.unsharded_bytes, want);
             atomic_fetch_add(&ms->stats.pooled_bytes, want);
@@ -1438,20 +1424,10 @@ static PyObject *mod_empty_aligned(PyObject *m, PyObject *arg) {
         if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "nbytes must be >= 0, got %zd", n);
         return NULL;
     }
-    modstate *ms = PyModule_GetState(m);
-    void *p = hsdp_buffer_alloc(&ms->stats, (size_t)n);
-    if (!p) return raise_status(HSDP_ENOMEM);
-    BufferObject *b = PyObject_New(BufferObject, ms->buffer_type);
-    if (!b) {
-        hsdp_buffer_free(&ms->stats, p, (size_t)n);
-        return NULL;
-    }
-    b->p = p;
-    b->n = (size_t)n;
-    b->stats = &ms->stats;
-    b->module = Py_NewRef(m);
+    BufferObject *b = buffer_new(PyModule_GetState(m), m, (size_t)n);
+    if (!b) return NULL;
     npy_intp dim = (npy_intp)n;
-    PyObject *arr = PyArray_New(&PyArray_Type, 1, &dim, NPY_UINT8, NULL, p, 0,
+    PyObject *arr = PyArray_New(&PyArray_Type, 1, &dim, NPY_UINT8, NULL, b->p, 0,
                                 NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED | NPY_ARRAY_WRITEABLE, NULL);
     if (!arr || PyArray_SetBaseObject((PyArrayObject *)arr, (PyObject *)b) < 0) {
         Py_XDECREF(arr);

@@ -101,24 +101,23 @@ static hsdp_status gather_job(void *arg) {
     return st;
 }
 
-hsdp_status hsdp_unit_gather_start(hsdp_unit *u, void *full, void *widened, hsdp_gather_req *req) {
+static void req_init(hsdp_gather_req *req, hsdp_unit *u, void *full, void *widened) {
     req->u = u;
     req->full = full;
     req->widened = widened;
     req->exec = u->group->exec;
     req->task.fn = gather_job;
     req->task.arg = req;
+}
+
+hsdp_status hsdp_unit_gather_start(hsdp_unit *u, void *full, void *widened, hsdp_gather_req *req) {
+    req_init(req, u, full, widened);
     hsdp_exec_submit(req->exec, &req->task);
     return HSDP_OK;
 }
 
 hsdp_status hsdp_unit_gather_now(hsdp_unit *u, void *full, void *widened, hsdp_gather_req *req) {
-    req->u = u;
-    req->full = full;
-    req->widened = widened;
-    req->exec = u->group->exec;
-    req->task.fn = gather_job;
-    req->task.arg = req;
+    req_init(req, u, full, widened);
     return hsdp_exec_call(req->exec, &req->task);
 }
 

@@ -256,3 +256,14 @@ def test_example_with_ulysses_raises_not_implemented(tmp_path) -> None:
     assert proc.returncode != 0
     assert "NotImplementedError" in proc.stderr and "ulysses_degree=2" in proc.stderr
     assert "Sharded 2 modules + root" in proc.stderr  # the mesh over the SP ranks did work
+
+
+def test_plain_mpiexec_env_matches_the_launcher(clean_env) -> None:
+    clean_env.setattr(launch, "_running_as_root", lambda: False)
+    env = launch.plain_mpiexec_env("openmpi", environ={"OMP_NUM_THREADS": "4"})
+    assert env["OMPI_MCA_hwloc_base_binding_policy"] == "none"  # the launcher's --bind-to none
+    assert env["OMPI_MCA_rmaps_base_oversubscribe"] == "1"
+    assert env["OMPI_MCA_mpi_yield_when_idle"] == "1" and env["OPENBLAS_NUM_THREADS"] == "1"
+    assert "OMP_NUM_THREADS" not in env  # the user's own value is kept
+    assert not any("ALLOW_RUN_AS_ROOT" in k for k in env)
+    assert "OMPI_MCA_hwloc_base_binding_policy" not in launch.plain_mpiexec_env("mpich", environ={})

@@ -152,6 +152,19 @@ def launch_env(flavour: Flavour, environ: dict[str, str] | None = None) -> dict[
     return {k: v for k, v in wanted.items() if k not in environ}
 
 
+def plain_mpiexec_env(flavour: Flavour = "openmpi", environ: dict[str, str] | None = None) -> dict[str, str]:
+    """What to add to the environment to run plain ``mpiexec`` the way ``hsdp.launch`` does:
+    :func:`launch_env`, plus the environment forms of the Open MPI flags the launcher passes
+    (oversubscription allowed, no process binding). The tests and benchmarks use it."""
+    added = launch_env(flavour, environ)
+    if flavour == "openmpi":
+        environ = dict(os.environ if environ is None else environ)
+        for var, value in (("OMPI_MCA_rmaps_base_oversubscribe", "1"), ("OMPI_MCA_hwloc_base_binding_policy", "none")):
+            if var not in environ:
+                added[var] = value
+    return added
+
+
 def build_command(
     mpiexec: str,
     flavour: Flavour,
