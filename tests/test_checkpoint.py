@@ -476,3 +476,9 @@ def test_progress_lines_and_callback(tmp_path, caplog, monkeypatch):
     with caplog.at_level(logging.INFO, logger="hsdp"):
         load_model_sharded(meta_model(), path, cfg())
     assert not [r for r in caplog.records if r.getMessage().startswith("loading: ")]
+
+
+def test_save_creates_missing_folders(tmp_path):
+    target = tmp_path / "a" / "b" / "model.safetensors"
+    assert hsdp.save_checkpoint({"w": np.arange(3, dtype=np.float32)}, target) == [target]
+    assert np.array_equal(hsdp.load_checkpoint(target)["w"], np.arange(3, dtype=np.float32))

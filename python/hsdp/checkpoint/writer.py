@@ -140,12 +140,14 @@ def save_checkpoint(
     (its logical dtype); a module writes its ``named_parameters()``. With
     ``max_shard_bytes``, ``path`` must end in ``.index.json``: the tensors go to
     ``<stem>-00001-of-0000N.safetensors`` files of at most that many bytes (a larger tensor
-    gets a file of its own) next to it, and the index maps each name to its file.
+    gets a file of its own) next to it, and the index maps each name to its file. Missing
+    parent folders are created.
     """
     if sys.byteorder != "little":
         raise NotImplementedError("writing safetensors on a big-endian machine is not supported")
     items = _items(tensors)
     p = Path(os.fspath(path))
+    p.parent.mkdir(parents=True, exist_ok=True)  # like the files it writes, its folder is ours to make
     if max_shard_bytes is None:
         _write_file(items, p, metadata)
         return [p]
