@@ -177,7 +177,7 @@ hsdp_status hsdp_world_mpi(hsdp_group **out, int *we_init) {
     return hsdp_exec_run(mpi_worker, dup_world, out);
 }
 
-int hsdp_mpi_async(void) { return mpi_worker != NULL; }
+int hsdp_mpi_async(void) { return hsdp_exec_running(mpi_worker); }
 
 hsdp_status hsdp_mpi_finalize(void) {
     int initialized = 0;

@@ -20,7 +20,8 @@ struct hsdp_exec {
     pthread_cond_t done; /* broadcast when a task completes */
     hsdp_task *head, *tail;
     int stop;
-    int stopped; /* joined: later tasks run inline on the caller */
+    int stopped; /* joined */
+    int exited;  /* the worker left its loop (set under mu): later tasks run inline */
     int busy;    /* the worker is running a task */
 };
 
@@ -47,7 +48,10 @@ static void *worker(void *arg) {
     pthread_mutex_lock(&ex->mu);
     for (;;) {
         while (!ex->head && !ex->stop) pthread_cond_wait(&ex->work, &ex->mu);
-        if (!ex->head) break; /* stop asked and the queue is drained */
+        if (!ex->head) { /* stop asked and the queue is drained */
+            ex->exited = 1;
+            break;
+        }
         hsdp_task *t = ex->head;
         ex->head = t->next;
         if (!ex->head) ex->tail = NULL;
@@ -106,13 +110,19 @@ void hsdp_exec_submit(hsdp_exec *ex, hsdp_task *t) {
     t->err[0] = '\0';
     t->start_ns = t->end_ns = 0;
     t->submit_ns = hsdp_now_ns();
-    if (!ex || ex->stopped || hsdp_exec_on_worker(ex)) { /* no worker, or on it: run inline */
+    if (!ex || hsdp_exec_on_worker(ex)) { /* no worker, or on it: run inline */
+        run_task(t);
+        atomic_store(&t->state, HSDP_TASK_DONE);
+        return;
+    }
+    pthread_mutex_lock(&ex->mu);
+    if (ex->exited) { /* the worker will never look at its queue again */
+        pthread_mutex_unlock(&ex->mu);
         run_task(t);
         atomic_store(&t->state, HSDP_TASK_DONE);
         return;
     }
     atomic_store(&t->state, HSDP_TASK_QUEUED);
-    pthread_mutex_lock(&ex->mu);
     if (ex->tail)
         ex->tail->next = t;
     else
@@ -135,11 +145,19 @@ hsdp_status hsdp_task_wait(hsdp_exec *ex, hsdp_task *t) {
     return HSDP_OK;
 }
 
+int hsdp_exec_running(hsdp_exec *ex) {
+    if (!ex) return 0;
+    pthread_mutex_lock(&ex->mu);
+    int running = !ex->stop;
+    pthread_mutex_unlock(&ex->mu);
+    return running;
+}
+
 hsdp_status hsdp_exec_call(hsdp_exec *ex, hsdp_task *t) {
-    if (ex && !ex->stopped && !hsdp_exec_on_worker(ex)) {
+    if (ex && !hsdp_exec_on_worker(ex)) {
         pthread_mutex_lock(&ex->mu);
-        if (!ex->head && !ex->busy) {
-            /* Idle worker, empty queue: run here while holding the lock, so MPI still sees
+        if (ex->exited || (!ex->head && !ex->busy)) {
+            /* Idle worker and empty queue, or no worker any more: run here while holding the lock, so MPI still sees
              * one calling thread at a time and nothing queued can overtake this call. The
              * handoff to the worker costs microseconds a synchronous call need not pay. */
             t->next = NULL;

@@ -48,6 +48,8 @@ hsdp_status hsdp_exec_call(hsdp_exec *ex, hsdp_task *t);
 /* hsdp_exec_call with a task of its own. */
 hsdp_status hsdp_exec_run(hsdp_exec *ex, hsdp_status (*fn)(void *), void *arg);
 int hsdp_exec_on_worker(const hsdp_exec *ex);
+/* Whether the worker is started and not stopping. */
+int hsdp_exec_running(hsdp_exec *ex);
 /* Waits until the worker is idle with an empty queue and keeps it so until resume: lets the
  * calling thread make MPI calls itself (the raw-collective benchmark). */
 void hsdp_exec_quiesce(hsdp_exec *ex);

@@ -32,6 +32,10 @@ hsdp_status hsdp_layout_init(hsdp_layout *l, const size_t *numels, const hsdp_dt
             return hsdp_fail(HSDP_EINVAL, "parameter %zu has too many elements (%zu)", i, numels[i]);
         }
         off = round_up(off, HSDP_ALIGN);
+        if (numels[i] * item > (SIZE_MAX / 4) - off) { /* the running total must not wrap */
+            hsdp_layout_free(l);
+            return hsdp_fail(HSDP_EINVAL, "the unit is too large: parameter %zu ends past %zu bytes", i, SIZE_MAX / 4);
+        }
         l->slots[i] = (hsdp_slot){.offset = off, .nbytes = numels[i] * item, .numel = numels[i], .dtype = dtypes[i]};
         off += l->slots[i].nbytes;
     }

@@ -33,6 +33,7 @@ typedef struct {
     struct BufferObject *pool[POOL_SLOTS];
     int pool_n, pool_cap;
     long live_buffers, peak_live_buffers;
+    struct BufferObject *empty; /* strong: the one 0-byte buffer units with no bytes share */
 } modstate;
 
 static struct PyModuleDef hsdp_module;
@@ -182,6 +183,10 @@ static BufferObject *buffer_new(modstate *ms, PyObject *module, size_t n) {
 }
 
 static BufferObject *buffer_create(modstate *ms, PyObject *module, size_t n) {
+    if (n == 0) { /* a unit with no bytes (a root whose parameters all live in children) */
+        if (!ms->empty && !(ms->empty = buffer_new(ms, module, 0))) return NULL;
+        return (BufferObject *)Py_NewRef((PyObject *)ms->empty);
+    }
     /* An idle pooled buffer of exactly this size first: units of one model repeat sizes. */
     for (int i = ms->pool_n - 1; i >= 0; i--) {
         BufferObject *b = ms->pool[i];
@@ -202,7 +207,7 @@ static BufferObject *buffer_create(modstate *ms, PyObject *module, size_t n) {
  * refers to it and the pool has room, else it is released. Steals the reference. */
 static void buffer_release(modstate *ms, BufferObject *b) {
     if (!b) return;
-    if (Py_REFCNT(b) == 1 && ms->pool_cap > 0) {
+    if (Py_REFCNT(b) == 1 && ms->pool_cap > 0 && b->n > 0) {
         if (ms->pool_n >= ms->pool_cap || ms->pool_n >= POOL_SLOTS) {
             /* full: the oldest idle buffer goes, the newest (likeliest to be reused) stays */
             BufferObject *old = ms->pool[0];
@@ -284,8 +289,7 @@ static PyObject *group_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
                         "the NCCL backend is not built yet; use backend='mpi' (CPU ranks) for now");
         return NULL;
     } else {
-        return PyErr_Format(PyExc_ValueError, "unknown backend %R; expected 'single' or 'mpi'",
-                            PyTuple_GET_ITEM(args, 0));
+        return PyErr_Format(PyExc_ValueError, "unknown backend '%s'; expected 'single' or 'mpi'", backend);
     }
     if (st != HSDP_OK) return raise_status(st);
     return group_wrap(type, g);
@@ -442,6 +446,7 @@ static void unit_dealloc(UnitObject *self) {
     PyTypeObject *tp = Py_TYPE(self);
     if (self->pending) {
         /* The worker still writes into our buffers: let it finish first. */
+        self->busy = 1;
         Py_BEGIN_ALLOW_THREADS
         (void)hsdp_unit_gather_wait(&self->u, &self->req);
         Py_END_ALLOW_THREADS
@@ -600,9 +605,11 @@ static PyObject *unit_write(UnitObject *self, PyObject *args, PyObject *kw) {
     }
     size_t count = (size_t)PyArray_SIZE(a);
     hsdp_status st;
+    self->busy = 1; /* no gather may read the shard while it is written */
     Py_BEGIN_ALLOW_THREADS
     st = hsdp_unit_write(&self->u, (size_t)index, (size_t)first, count, PyArray_DATA(a), src);
     Py_END_ALLOW_THREADS
+    self->busy = 0;
     Py_DECREF(a);
     if (st != HSDP_OK) return raise_status(st);
     Py_RETURN_NONE;
@@ -626,9 +633,11 @@ static PyObject *unit_read(UnitObject *self, PyObject *args, PyObject *kw) {
     if (parse_dtype(src_dtype, &src) < 0) return NULL;
     size_t nread = 0;
     hsdp_status st;
+    self->busy = 1;
     Py_BEGIN_ALLOW_THREADS
     st = hsdp_unit_read(&self->u, (size_t)index, fd, (uint64_t)off, src, &nread);
     Py_END_ALLOW_THREADS
+    self->busy = 0;
     if (st != HSDP_OK) return raise_status(st);
     return PyLong_FromSize_t(nread);
 }
@@ -795,9 +804,11 @@ static PyObject *unit_reshard(UnitObject *self, PyObject *unused) {
     int rc = 0;
     if (self->pending) {
         /* a prefetch that was never used: finish it so the worker lets go of the buffers */
+        self->busy = 1;
         Py_BEGIN_ALLOW_THREADS
         (void)hsdp_unit_gather_wait(&self->u, &self->req);
         Py_END_ALLOW_THREADS
+        self->busy = 0;
         self->pending = 0;
     } else {
         rc = unit_bind(self, 0);
@@ -824,9 +835,11 @@ static PyObject *unit_broadcast_shard(UnitObject *self, PyObject *args, PyObject
     if (!PyArg_ParseTupleAndKeywords(args, kw, "O!|i", kwlist, ms->group_type, &group, &root)) return NULL;
     if (unit_check_idle(self) < 0) return NULL;
     hsdp_status st;
+    self->busy = 1;
     Py_BEGIN_ALLOW_THREADS
     st = hsdp_broadcast(((GroupObject *)group)->g, self->u.shard, self->u.layout.chunk_bytes, root);
     Py_END_ALLOW_THREADS
+    self->busy = 0;
     if (st != HSDP_OK) return raise_status(st);
     Py_RETURN_NONE;
 }
@@ -1357,16 +1370,19 @@ static PyObject *mod_set_pool_capacity(PyObject *m, PyObject *args) {
 /* pool_reserve(sizes): make the pool hold (at least) one idle buffer per entry of sizes,
  * allocating what is missing, and keep that many. The schedule calls it with the buffers a
  * steady-state forward of the recorded order needs, so no later forward allocates. */
-static PyObject *mod_pool_reserve(PyObject *m, PyObject *arg) {
+static PyObject *mod_pool_reserve(PyObject *m, PyObject *args) {
     modstate *ms = PyModule_GetState(m);
+    PyObject *arg;
+    int cap;
+    if (!PyArg_ParseTuple(args, "Oi", &arg, &cap)) return NULL;
     PyObject *seq = PySequence_Fast(arg, "pool_reserve needs a sequence of sizes");
     if (!seq) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    if (n > POOL_SLOTS) {
+    if (cap < n || cap > POOL_SLOTS) {
         Py_DECREF(seq);
-        return PyErr_Format(PyExc_ValueError, "at most %d pooled buffers, asked for %zd", POOL_SLOTS, n);
+        return PyErr_Format(PyExc_ValueError, "pool capacity must be in [%zd, %d], got %d", n, POOL_SLOTS, cap);
     }
-    ms->pool_cap = (int)n;
+    ms->pool_cap = cap;
     /* Take every idle buffer out, then put back one per wanted size (reusing when it fits). */
     BufferObject *idle[POOL_SLOTS];
     int nidle = ms->pool_n;
@@ -1437,7 +1453,7 @@ static PyObject *mod_empty_aligned(PyObject *m, PyObject *arg) {
     return arr;
 }
 
-static PyObject *mod_mpi_async(PyObject *m, PyObject *unused) {
+static PyObject *mod_mpi_async(PyObject *m, PyObject *unused) {  /* false again once MPI is finalised */
     (void)m, (void)unused;
     return PyBool_FromLong(hsdp_mpi_async());
 }
@@ -1503,8 +1519,9 @@ static PyMethodDef mod_methods[] = {
     {"reset_peak", mod_reset_peak, METH_NOARGS, "Reset the peak counters to the current values."},
     {"set_pool_capacity", mod_set_pool_capacity, METH_VARARGS, "Keep up to n idle unsharded buffers for reuse."},
     {"empty_pool", mod_empty_pool, METH_NOARGS, "Release every idle pooled buffer."},
-    {"pool_reserve", mod_pool_reserve, METH_O, "pool_reserve(sizes): hold one idle buffer per size, allocating what "
-                                               "is missing; capacity becomes len(sizes)."},
+    {"pool_reserve", mod_pool_reserve, METH_VARARGS,
+     "pool_reserve(sizes, capacity): hold one idle buffer per entry of sizes, allocating what is missing, and keep "
+     "up to capacity idle buffers."},
     {"empty_aligned", mod_empty_aligned, METH_O, "empty_aligned(nbytes): a writable uint8 array from hsdp's "
                                                  "64-byte-aligned allocator (counted as unsharded bytes)."},
     {"mpi_async", mod_mpi_async, METH_NOARGS, "Whether MPI calls run on the collective worker thread."},
@@ -1527,6 +1544,7 @@ static int mod_traverse(PyObject *m, visitproc visit, void *arg) {
     Py_VISIT(ms->token_type);
     Py_VISIT(ms->data_attr);
     for (int i = 0; i < ms->pool_n; i++) Py_VISIT(ms->pool[i]);
+    Py_VISIT(ms->empty);
     return 0;
 }
 
@@ -1535,6 +1553,7 @@ static int mod_clear(PyObject *m) {
     if (!ms) return 0;
     ms->pool_cap = 0;
     pool_trim(ms, 0);
+    Py_CLEAR(ms->empty);
     Py_CLEAR(ms->group_type);
     Py_CLEAR(ms->unit_type);
     Py_CLEAR(ms->buffer_type);

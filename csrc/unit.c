@@ -18,7 +18,6 @@ hsdp_status hsdp_unit_init(hsdp_unit *u, const size_t *numels, const hsdp_dtype 
     hsdp_status st = hsdp_layout_init(&u->layout, numels, dtypes, n, group->size);
     if (st != HSDP_OK) return st;
     u->group = group;
-    u->stats = stats;
     u->s = group->rank;
     /* Owned by the unit until hsdp_unit_free. Zeroed so padding and not-yet-loaded
      * parameters gather as zeros, never as garbage. */
@@ -30,6 +29,7 @@ hsdp_status hsdp_unit_init(hsdp_unit *u, const size_t *numels, const hsdp_dtype 
         return hsdp_fail(HSDP_ENOMEM, "could not allocate a shard of %zu bytes", chunk);
     }
     memset(u->shard, 0, u->layout.chunk_bytes);
+    u->stats = stats; /* set only now: hsdp_unit_free un-counts the shard of a unit that has one */
     size_t w = 0;
     for (size_t i = 0; i < n; i++) {
         hsdp_dtype dt = u->layout.slots[i].dtype;

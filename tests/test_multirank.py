@@ -38,3 +38,23 @@ def test_failing_rank_ends_job_under_plain_mpiexec() -> None:
     assert proc.returncode != 0
     assert "rank 1 fails on purpose" in proc.stderr
     assert "passed a barrier" not in proc.stdout
+
+
+def test_trace_file_per_rank(tmp_path) -> None:
+    """HSDP_TRACE=DIR writes one Chrome trace per rank at exit, named and tagged by rank."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from mpirun import MPI_ENV, ROOT, mpiexec
+
+    env = {**os.environ, **MPI_ENV, "HSDP_TRACE": str(tmp_path)}
+    proc = subprocess.run([mpiexec(), "-n", "2", sys.executable, "tests/mpi_trace.py"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hsdp-trace-rank0.json", "hsdp-trace-rank1.json"]
+    for rank in (0, 1):
+        events = json.loads((tmp_path / f"hsdp-trace-rank{rank}.json").read_text())["traceEvents"]
+        assert {e["pid"] for e in events} == {rank}
+        assert any(e["name"].startswith("gather blocks.") and e["tid"] == 1 for e in events)

@@ -422,12 +422,19 @@ def unshard(module: Any, *, recurse: bool = False, async_op: bool = False) -> Un
     until they are done (a forward of the unit also waits for them).
     """
     units = _units_of(module, recurse)
-    for u in units:
-        u.unshard(async_op=True)
-    handle = UnitShardHandle(*units)
-    if async_op:
-        return handle
-    handle.wait()
+    started: list[UnitState] = []
+    try:
+        for u in units:
+            u.unshard(async_op=True)
+            started.append(u)
+        handle = UnitShardHandle(*units)
+        if async_op:
+            return handle
+        handle.wait()
+    except BaseException:
+        for u in started:  # all or nothing: no unit is left explicitly unsharded or in flight
+            u.reshard()
+        raise
     return None
 
 

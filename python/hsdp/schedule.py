@@ -16,6 +16,8 @@ will not issue, so a departure can cost overlap, never a deadlock.
 
 from __future__ import annotations
 
+import logging
+import weakref
 from collections import Counter
 from typing import TYPE_CHECKING
 
@@ -23,6 +25,14 @@ from . import _C
 
 if TYPE_CHECKING:
     from .units import UnitState
+
+
+log = logging.getLogger("hsdp")
+
+# Every live schedule's steady-state need, per buffer size. Models take turns on one thread,
+# so the pool must cover, size by size, the largest need of any of them.
+_needs: "weakref.WeakKeyDictionary[Schedule, Counter[int]]" = weakref.WeakKeyDictionary()
+_POOL_SLOTS = 256  # the C pool's capacity (module.c POOL_SLOTS)
 
 
 class Schedule:
@@ -67,7 +77,7 @@ class Schedule:
     # ---------------------------------------------------------------- per unit
 
     def enter(self, unit: UnitState) -> None:
-        """A unit's pre-forward, before it unshards."""
+        """A unit's pre-forward, before it unshards (prefetching comes after: see prefetch)."""
         if self.recording:
             self.order.append(unit)
             self.events.append((True, unit))
@@ -76,7 +86,6 @@ class Schedule:
             self.pos += 1
             if unit in self.prefetched:
                 self.prefetched.remove(unit)
-            self._prefetch()
             return
         # Departure from the recorded order.
         self._release_prefetched(keep=unit)
@@ -110,8 +119,10 @@ class Schedule:
     def _held_bytes(self) -> int:
         return sum(u.full_bytes for u in self.order if u.unit.holds_buffers)
 
-    def _prefetch(self) -> None:
-        if self.depth <= 0:
+    def prefetch(self) -> None:
+        """Called once the entered unit holds its buffers: starts the next units' gathers, so
+        the byte cap counts the unit computing and its own gather never waits behind them."""
+        if self.recording or self.depth <= 0:
             return
         held = self._held_bytes() if self.max_bytes is not None else 0
         for nxt in self.order[self.pos : self.pos + self.depth]:
@@ -134,10 +145,15 @@ class Schedule:
 
     def _reserve_pool(self) -> None:
         """Simulates a steady-state forward of the recorded events (prefetch included) and
-        reserves the buffers it holds at once, per size, so no later forward allocates."""
+        reserves the buffers it holds at once, per size, so no later forward allocates.
+
+        Units that never reshard keep their buffers from one forward to the next, so they
+        need nothing from the pool; buffers units hold right now (inside hsdp.resident, say)
+        count towards the reservation, since they return to the pool when released."""
         pre_order = [u for is_pre, u in self.events if is_pre]
-        live: set[int] = set()
-        by_id: dict[int, UnitState] = {}
+        persistent = {id(u) for u in pre_order if not u.reshard_after_forward}
+        live: set[int] = set(persistent)
+        by_id: dict[int, UnitState] = {id(u): u for u in pre_order}
         peak: Counter[int] = Counter()
         k = 0
         for is_pre, u in self.events:
@@ -154,14 +170,35 @@ class Schedule:
                     by_id[id(cand)] = cand
                     held += cand.full_bytes
                 now: Counter[int] = Counter()
-                for i in live:
+                for i in live - persistent:
                     for size in by_id[i].buffer_sizes:
                         now[size] += 1
                 for size, n in now.items():
                     peak[size] = max(peak[size], n)
             elif u.reshard_after_forward:
                 live.discard(id(u))
-        sizes = sorted(peak.elements())
-        current = _C.memory_stats()["pool_capacity"]
-        if len(sizes) >= current:  # several models share the pool: never shrink it here
-            _C.pool_reserve(sizes)
+        _needs[self] = peak
+        held: Counter[int] = Counter()
+        for u in {id(u): u for u in pre_order}.values():
+            if u.unit.holds_buffers and u.reshard_after_forward:
+                held.update(u.buffer_sizes)
+        reserve_pool(held)
+
+
+def reserve_pool(held: Counter[int] | None = None) -> None:
+    """Sizes the shared pool to the largest need, size by size, of every live schedule;
+    ``held`` are buffers units hold now that will come back to the pool. Never raises: a
+    forward must not fail over the pool (at worst a later forward allocates)."""
+    need: Counter[int] = Counter()
+    for peak in list(_needs.values()):
+        need |= peak  # per-size maximum
+    sizes = sorted(need.elements())
+    if len(sizes) > _POOL_SLOTS:
+        log.warning("hsdp: a steady-state forward needs %d unsharded buffers, the pool keeps %d; "
+                    "later forwards will allocate", len(sizes), _POOL_SLOTS)
+        sizes = sizes[:_POOL_SLOTS]
+    missing = list((Counter(sizes) - (held or Counter())).elements())
+    try:
+        _C.pool_reserve(missing, len(sizes))
+    except (ValueError, MemoryError) as exc:
+        log.warning("hsdp: could not reserve the buffer pool (%s); later forwards will allocate", exc)

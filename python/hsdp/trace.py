@@ -25,13 +25,19 @@ _dir: Path | None = None
 _events: list[dict[str, Any]] = []
 _open: dict[int, int] = {}  # id(unit) -> compute start (ns)
 _registered = False
+_rank_seen: int | None = None  # kept from the first event: at exit the group may be gone
 _PY, _WORKER = 0, 1
 
 
 def _rank() -> int:
-    from . import distributed
+    global _rank_seen
+    if _rank_seen is None:
+        from . import distributed
 
-    return distributed.get_rank() if distributed.is_initialized() else 0
+        if not distributed.is_initialized():
+            return 0
+        _rank_seen = distributed.get_rank()
+    return _rank_seen
 
 
 def enable(directory: str | os.PathLike[str]) -> None:

@@ -108,12 +108,14 @@ class UnitState:
             if self.is_root:
                 sched.begin()
             if sched.in_forward:
-                sched.enter(self)  # may start the next units' gathers first
+                sched.enter(self)  # records the order, or notices a departure from it
         if not self.unit.is_unsharded:
             if trace.enabled:
                 trace.unshard(self)
             else:
                 self.unit.unshard()  # waits for a prefetched gather, or gathers now
+        if sched is not None and sched.in_forward:
+            sched.prefetch()  # the next units gather while this one computes
         if trace.enabled:
             trace.compute_begin(self)
         if self._input_dtype is not None:
