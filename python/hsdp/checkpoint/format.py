@@ -13,6 +13,7 @@ import json
 import math
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,17 +106,23 @@ def _fail(path: str, what: str, tensor: str | None = None) -> CheckpointError:
     return CheckpointError(f"{where}: {what}")
 
 
-def _no_duplicates(path: str):  # type: ignore[no-untyped-def]
+def unique_keys(on_duplicate: Callable[[str], Exception]) -> Callable[[list[tuple[str, Any]]], dict[str, Any]]:
+    """A json ``object_pairs_hook`` that raises ``on_duplicate(key)`` for a repeated key: json
+    would keep the last one silently, and two tensors (or files) of one name are ambiguous."""
+
     def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for k, v in pairs:
             if k in out:
-                # json would keep the last one silently: two tensors of one name is ambiguous.
-                raise _fail(path, "the name appears more than once in the header", k)
+                raise on_duplicate(k)
             out[k] = v
         return out
 
     return hook
+
+
+def _no_duplicates(path: str) -> Callable[[list[tuple[str, Any]]], dict[str, Any]]:
+    return unique_keys(lambda k: _fail(path, "the name appears more than once in the header", k))
 
 
 def _is_int(v: Any) -> bool:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CheckpointError
-from .format import SafetensorsFile, TensorEntry, open_safetensors
+from .format import SafetensorsFile, TensorEntry, open_safetensors, unique_keys
 
 CheckpointPath = str | os.PathLike[str]
 
@@ -91,14 +91,7 @@ def _resolve(p: Path) -> Path:
 
 
 def _read_index(path: Path) -> tuple[dict[str, str], dict[str, Any] | None]:
-    def no_dups(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for k, v in pairs:
-            if k in out:
-                raise _index_error(path, "the name appears more than once", k)
-            out[k] = v
-        return out
-
+    no_dups = unique_keys(lambda k: _index_error(path, "the name appears more than once", k))
     try:
         obj = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=no_dups)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
