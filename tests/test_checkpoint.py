@@ -482,3 +482,100 @@ def test_save_creates_missing_folders(tmp_path):
     target = tmp_path / "a" / "b" / "model.safetensors"
     assert hsdp.save_checkpoint({"w": np.arange(3, dtype=np.float32)}, target) == [target]
     assert np.array_equal(hsdp.load_checkpoint(target)["w"], np.arange(3, dtype=np.float32))
+
+
+# --------------------------------------------------------------------------- review regressions
+
+
+def test_failed_whole_read_leaves_a_loaded_model_as_it_was(tmp_path):
+    """A model that already has weights: a short read among the whole parameters must change
+    none of them (all are read before any is assigned)."""
+    path = tmp_path / "ig.safetensors"
+    save_checkpoint(models.make_model("tiny", variant="ignored", seed=0), path)
+    model = models.make_model("tiny", variant="ignored", seed=7)
+    before = {n: p.data.copy() for n, p in model.named_parameters()}
+    x = models.make_inputs(model.config)
+    expect = model(*x)
+    ckpt = open_checkpoint(path)
+    os.truncate(path, ckpt["time_embedder.2.weight"].offset + 4)
+    with pytest.raises(OSError):
+        load_model_sharded(model, ckpt, cfg(), "cpu", progress=False)
+    ckpt.close()
+    for n, p in model.named_parameters():
+        assert p._hsdp_state is None and np.array_equal(p.data, before[n]), n
+    assert np.array_equal(model(*x), expect)
+
+
+def test_a_raising_progress_callback_does_not_stop_the_load(tmp_path, caplog):
+    path = tmp_path / "m.safetensors"
+    save_checkpoint(models.make_model("tiny", seed=0), path)
+
+    def callback(state):
+        raise KeyError("boom")
+
+    model = meta_model()
+    with caplog.at_level(logging.WARNING, logger="hsdp"):
+        load_model_sharded(model, path, cfg(param_dtype="float32"), progress=callback)
+    assert "progress callback raised KeyError" in caplog.text
+    x = models.make_inputs("tiny")
+    assert np.array_equal(model(*x), models.make_model("tiny", seed=0)(*x))
+
+
+def test_float64_rounds_once_to_bfloat16(tmp_path):
+    v = np.array([1 + 2.0**-8 + 2.0**-30, -3.0000001], np.float64)
+    once = hsdp._C.round_to(v, "bfloat16")
+    assert once[0] == np.float32(1.0078125)  # through float32 first it would be 1.0
+    assert np.array_equal(nn.Parameter(v, dtype="bfloat16").data, once)
+    path = tmp_path / "w.safetensors"
+    save_checkpoint({"w": (v, "bfloat16")}, path)
+    assert np.array_equal(load_checkpoint(path)["w"], once)
+
+
+def test_writer_refuses_integers_that_do_not_fit(tmp_path):
+    with pytest.raises(ValueError, match=r"tensor 'q': values in \[-200, 300\] do not fit int8"):
+        save_checkpoint({"q": (np.array([300, -200]), "int8")}, tmp_path / "q.safetensors")
+    assert not (tmp_path / "q.safetensors").exists()
+
+
+def test_writer_errors_name_the_tensor(tmp_path):
+    with pytest.raises(RuntimeError, match=r"tensor '[\w.]+': .*meta_init"):
+        save_checkpoint(meta_model(), tmp_path / "m.safetensors")
+    with pytest.raises(TypeError, match="tensor 'w'"):
+        save_checkpoint({"w": (np.zeros(2), "float7")}, tmp_path / "m.safetensors")
+
+
+@pytest.mark.parametrize("body", [b'{"a": ' + b"1" * 5000 + b"}", b"[" * 100_000])
+def test_pathological_headers_are_checkpoint_errors(tmp_path, body):
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(struct.pack("<Q", len(body)) + body)
+    with pytest.raises(CheckpointError, match="bad.safetensors.*cannot be parsed"):
+        open_checkpoint(path)
+    index = tmp_path / "bad.index.json"
+    index.write_bytes(body)
+    with pytest.raises(CheckpointError, match="bad.index.json.*cannot be parsed"):
+        open_checkpoint(index)
+
+
+def test_every_tied_name_in_the_checkpoint_is_checked(tmp_path):
+    class Tied(nn.Module):
+        _hsdp_shard_conditions = [lambda name, m: name == "a"]
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(3, 3)
+            self.b = nn.Module()
+            self.b.weight = self.a.weight  # tied
+
+    path = tmp_path / "t.safetensors"
+    good = Tied()
+    tensors = {"a.weight": np.ones((3, 3), np.float32), "a.bias": np.zeros(3, np.float32),
+               "b.weight": np.arange(7, dtype=np.int8)}  # the second tied name does not fit
+    save_checkpoint(tensors, path)
+    with pytest.raises(CheckpointError, match="'b.weight'"):
+        load_model_whole(good, path, progress=False)
+
+
+def test_a_folder_named_like_a_checkpoint_is_not_one(tmp_path):
+    (tmp_path / "x.safetensors").mkdir()
+    save_checkpoint({"w": np.ones(2, np.float32)}, tmp_path / "real.safetensors")
+    assert list(load_checkpoint(tmp_path)) == ["w"]

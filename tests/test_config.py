@@ -408,6 +408,22 @@ def test_replace_revalidates() -> None:
     c = C(use_hsdp=True, hsdp_shard_size=4)
     with pytest.raises(ValueError, match="tensor_parallel_size=2"):
         dataclasses.replace(c, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2"):
+        c.replace(tensor_parallel_size=2)
+
+
+def test_replace_rederives_what_was_derived() -> None:
+    c = C(use_hsdp=True, ulysses_degree=4)  # auto shard size 4, sequence_parallel_size 4
+    assert (c.hsdp_shard_size, c.sequence_parallel_size) == (4, 4)
+    smaller = c.replace(ulysses_degree=2)
+    assert (smaller.hsdp_shard_size, smaller.sequence_parallel_size, smaller.world_size) == (2, 2, 2)
+    two = c.replace(hsdp_replicate_size=2)
+    assert (two.hsdp_shard_size, two.world_size) == (2, 4)
+    d = c.to_dict()
+    assert d["hsdp_shard_size"] == -1 and d["sequence_parallel_size"] is None
+    assert C.from_dict({**d, "ulysses_degree": 2}).hsdp_shard_size == 2
+    explicit = C(use_hsdp=True, hsdp_shard_size=4)
+    assert explicit.replace(hsdp_replicate_size=2).world_size == 8  # an explicit size is kept
 
 
 # ----------------------------------------------------------------------------- command line

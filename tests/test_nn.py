@@ -589,3 +589,38 @@ def test_forward_keeps_no_reference_to_parameter_arrays():
     assert out.shape == (2, 4)
     with pytest.raises(RuntimeError, match="sharded"):
         lin(np.ones((2, 4), dtype=np.float32))
+
+
+# --------------------------------------------------------------------------- review regressions
+
+
+def test_load_state_dict_is_all_or_nothing():
+    from hsdp import models
+
+    model = models.make_model("tiny", variant="quantized", seed=0)
+    before = {n: p.data.copy() for n, p in model.named_parameters()}
+    sd = {n: (np.zeros(p.shape, np.float32) if p.dtype.name != "int8" else np.full(p.shape, 0.5)) for n, p in
+          model.named_parameters()}  # float values for an int8 weight: refused
+    with pytest.raises(TypeError, match="int8"):
+        model.load_state_dict(sd)
+    for n, p in model.named_parameters():
+        assert np.array_equal(p.data, before[n]), n
+
+
+def test_always_call_hook_gets_the_output_when_a_later_hook_raises():
+    seen = []
+
+    class Twice(nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    m = Twice()
+
+    def bad(module, args, output):
+        raise ValueError("hook failed")
+
+    m.register_forward_hook(bad)
+    m.register_forward_hook(lambda module, args, output: seen.append(output), always_call=True)
+    with pytest.raises(ValueError, match="hook failed"):
+        m(np.ones(2))
+    assert len(seen) == 1 and np.array_equal(seen[0], np.full(2, 2.0))

@@ -107,7 +107,9 @@ class DiffusionParallelConfig:
     (``None`` meant 1), ``sequence_parallel_size`` is ``ulysses_degree * ring_degree``,
     ``hsdp_shard_size`` is resolved when HSDP is on and it was ``-1``, and ``world_size`` is
     the number of ranks the job needs. Fields are not re-validated if assigned afterwards;
-    build a new config (``dataclasses.replace`` or ``from_dict``) instead.
+    build a new config with :meth:`replace` (or ``from_dict``) instead. It starts from the
+    values as given, so a derived value (an auto shard size, the sequence-parallel size) is
+    derived again from the changed degrees.
     """
 
     pipeline_parallel_size: int = 1
@@ -124,6 +126,10 @@ class DiffusionParallelConfig:
     world_size: int = field(init=False)
 
     def __post_init__(self) -> None:
+        # The two fields resolved below, as given: to_dict and replace start from these so a
+        # changed degree re-derives them instead of contradicting a stale derived value.
+        object.__setattr__(self, "_given", {"sequence_parallel_size": self.sequence_parallel_size,
+                                            "hsdp_shard_size": self.hsdp_shard_size})
         self.enable_expert_parallel = _as_bool(
             "enable_expert_parallel", self.enable_expert_parallel
         )
@@ -308,8 +314,16 @@ class DiffusionParallelConfig:
         return cls(**dict(mapping))
 
     def to_dict(self) -> dict[str, Any]:
-        """The settable fields with their resolved values; ``from_dict`` rebuilds an equal one."""
-        return {name: getattr(self, name) for name in self.field_names()}
+        """The settable fields as given (a derived value stays ``None``/``-1``, "derive it");
+        ``from_dict`` rebuilds an equal config, also after a degree in the dict is changed."""
+        d = {name: getattr(self, name) for name in self.field_names()}
+        d.update(getattr(self, "_given", {}))
+        return d
+
+    def replace(self, **changes: Any) -> DiffusionParallelConfig:
+        """A new, validated config with ``changes`` applied to the values as given (unlike
+        ``dataclasses.replace``, which would carry the resolved derived values over)."""
+        return type(self).from_dict({**self.to_dict(), **changes})
 
     def to_hsdp_config(
         self,

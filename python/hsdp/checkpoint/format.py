@@ -214,8 +214,12 @@ def _validate(path: str, fd: int) -> SafetensorsFile:
         raise _fail(path, f"read {len(raw)} of the {hlen} header bytes (the file shrank?)")
     try:
         obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates(path))
+    except CheckpointError:
+        raise
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise _fail(path, f"the header is not valid UTF-8 JSON: {e}") from None
+    except (ValueError, RecursionError) as e:  # e.g. a 5000-digit integer, nesting past the stack
+        raise _fail(path, f"the header cannot be parsed: {type(e).__name__}: {str(e)[:200]}") from None
     if not isinstance(obj, dict):
         raise _fail(path, f"the header must be a JSON object, got {type(obj).__name__}")
     metadata = _parse_metadata(path, obj.pop("__metadata__", None))

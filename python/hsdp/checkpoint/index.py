@@ -81,7 +81,7 @@ def _resolve(p: Path) -> Path:
             raise FileNotFoundError(f"checkpoint '{p}' does not exist")
         return p
     for pattern in ("*.index.json", "*.safetensors"):
-        found = sorted(p.glob(pattern))
+        found = sorted(f for f in p.glob(pattern) if f.is_file())  # a folder named *.safetensors is no file
         if len(found) == 1:
             return found[0]
         if len(found) > 1:
@@ -94,8 +94,12 @@ def _read_index(path: Path) -> tuple[dict[str, str], dict[str, Any] | None]:
     no_dups = unique_keys(lambda k: _index_error(path, "the name appears more than once", k))
     try:
         obj = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=no_dups)
+    except CheckpointError:
+        raise
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise _index_error(path, f"not valid UTF-8 JSON: {e}") from None
+    except (ValueError, RecursionError) as e:  # e.g. a 5000-digit integer, nesting past the stack
+        raise _index_error(path, f"cannot be parsed: {type(e).__name__}: {str(e)[:200]}") from None
     wm = obj.get("weight_map") if isinstance(obj, dict) else None
     if not isinstance(wm, dict):
         raise _index_error(path, "must be a JSON object with a 'weight_map' object")

@@ -118,10 +118,11 @@ def plan_load(model: Any, ckpt: Checkpoint, key_map: KeyMap | None = None) -> Lo
     items: list[PlannedParam] = []
     errors: list[str] = []
     for pid, names in aliases.items():
-        name = next(n for n in names if n in found)  # tied weights: the first name present
-        item = PlannedParam(names[0], params[pid], found[name])
-        if (msg := _mismatch(names[0], item.param, item.entry)) is not None:
-            errors.append(msg)
+        present = [n for n in names if n in found]
+        item = PlannedParam(names[0], params[pid], found[present[0]])  # tied weights: the first name present
+        for n in present:  # but every tied name the checkpoint holds must fit the parameter
+            if (msg := _mismatch(n, item.param, found[n])) is not None:
+                errors.append(msg)
         items.append(item)
     if errors:
         listed = "\n  ".join(errors)

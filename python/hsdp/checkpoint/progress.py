@@ -91,7 +91,15 @@ class Progress:
         if not self._on or count == 0:  # whole parameters: folded into the next unit's line
             return
         if self._callback is not None:
-            self._callback(self._state())
+            try:
+                self._callback(self._state())
+            except Exception as exc:  # noqa: BLE001
+                # Progress runs on rank 0 alone: raising here would leave the other ranks
+                # waiting in the load's next collective. Report it and stop calling it.
+                log.warning("hsdp: the progress callback raised %s: %s; it is not called again for this load",
+                            type(exc).__name__, exc)
+                self._callback = None
+                self._on = False
             return
         now = time.monotonic()
         if now - self._last >= self.interval and self.done < self.total:

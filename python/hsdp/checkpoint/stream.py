@@ -110,21 +110,21 @@ class _Loader:
         self.broadcast = mesh.shape[0] > 1 and not every_replica
         self.reads = not self.broadcast or mesh.replicate_rank == 0
         self.bytes_read = 0
-        self.filled_whole: list[Any] = []  # meta parameters given data here (undone on failure)
+        # (parameter, what it held before) for every parameter filled whole: undone on failure
+        self.filled_whole: list[tuple[Any, Any]] = []
 
     def load_whole(self) -> None:
         """Ignored and unshardable parameters: every rank reads them whole (they are kept
         whole on every rank anyway)."""
 
         def run() -> tuple[None, int]:
-            n = 0
-            for it in self.plan.items:
-                if it.param in self.ctx.ignored_params:
-                    was_meta = it.param.is_meta
-                    it.param.data = read_tensor(it.entry)
-                    if was_meta:
-                        self.filled_whole.append(it.param)
-                    n += it.entry.nbytes
+            items = [it for it in self.plan.items if it.param in self.ctx.ignored_params]
+            # Every read first, so a short read changes no parameter at all.
+            values = [read_tensor(it.entry) for it in items]
+            for it, value in zip(items, values):
+                self.filled_whole.append((it.param, it.param._data))
+                it.param.data = value
+            n = sum(it.entry.nbytes for it in items)
             self.bytes_read += n
             return None, n
 
@@ -152,8 +152,8 @@ class _Loader:
         reason = f"loading '{self.plan.checkpoint.path}' failed: {type(exc).__name__}: {exc}"
         for st in self.ctx.units:
             st.mark_broken(reason)
-        for p in self.filled_whole:
-            p._data = None  # back to meta: nothing half-loaded stays behind
+        for p, before in reversed(self.filled_whole):
+            p._data = before  # as it was (meta: None): nothing half-loaded stays behind
 
 
 def load_model_sharded(

@@ -42,9 +42,17 @@ def _encoder(values: np.ndarray, dtype: DType, name: str) -> Callable[[], np.nda
             if values.dtype.kind not in "biuf":
                 raise TypeError(f"tensor '{name}': cannot write {values.dtype} values as {dtype.name}")
             if dtype.compute.name != dtype.name:  # bfloat16 / float8: the C core rounds
-                return _C.encode(np.asarray(values, dtype=np.float32, order="C"), dtype.name)
+                # float64 as it is: through float32 first would round twice
+                src = np.float64 if values.dtype == np.float64 else np.float32
+                return _C.encode(np.asarray(values, dtype=src, order="C"), dtype.name)
         elif values.dtype.kind not in ("b" if dtype.name == "bool" else "iu"):
             raise TypeError(f"tensor '{name}': cannot write {values.dtype} values as {dtype.name}")
+        elif dtype.name != "bool" and values.size:
+            info = np.iinfo(dtype.compute)  # NumPy's cast would wrap out-of-range integers silently
+            lo, hi = int(values.min()), int(values.max())
+            if lo < info.min or hi > info.max:
+                raise ValueError(f"tensor '{name}': values in [{lo}, {hi}] do not fit {dtype.name} "
+                                 f"([{info.min}, {info.max}])")
         # asarray, not ascontiguousarray: the latter turns 0-dim into 1-dim.
         return np.asarray(values, dtype=dtype.compute.newbyteorder("<"), order="C")
 
@@ -56,11 +64,16 @@ def _item(name: Any, value: TensorLike) -> _Item:
 
     if not isinstance(name, str) or not name or name == "__metadata__":
         raise ValueError(f"tensor names must be non-empty strings other than '__metadata__', got {name!r}")
-    if isinstance(value, Parameter):
-        values, dtype = value.data, value.dtype  # logical dtype: a bfloat16 parameter writes BF16
-    elif isinstance(value, tuple) and len(value) == 2:
-        values, dtype = np.asarray(value[0]), as_dtype(value[1])
-    else:
+    try:
+        if isinstance(value, Parameter):
+            values, dtype = value.data, value.dtype  # logical dtype: a bfloat16 parameter writes BF16
+        elif isinstance(value, tuple) and len(value) == 2:
+            values, dtype = np.asarray(value[0]), as_dtype(value[1])
+        else:
+            values, dtype = None, None
+    except (RuntimeError, TypeError) as exc:  # a meta or sharded parameter, an unknown dtype
+        raise type(exc)(f"tensor '{name}': {exc}") from None
+    if values is None:
         values = np.asarray(value)
         try:
             dtype = from_numpy(values.dtype)

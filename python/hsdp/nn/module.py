@@ -293,6 +293,7 @@ class Module:
 
     def _call_with_hooks(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         always_done: set[int] = set()
+        output: Any = None  # handed to always_call hooks if a later hook raises
         try:
             for hook, with_kwargs, _ in list(self._forward_pre_hooks.values()):
                 if with_kwargs:
@@ -326,9 +327,9 @@ class Module:
                     continue
                 try:
                     if with_kwargs:
-                        hook(self, args, kwargs, None)
+                        hook(self, args, kwargs, output)
                     else:
-                        hook(self, args, None)
+                        hook(self, args, output)
                 except Exception as hook_exc:  # the original error is the one to report
                     warnings.warn(
                         f"forward hook with always_call=True raised {hook_exc!r}, silenced "
@@ -414,9 +415,18 @@ class Module:
             raise ValueError(
                 f"Error(s) in loading state_dict for {self._get_name()}: shape mismatch\n" + "\n".join(mismatched)
             )
-        for k, p in own.items():
+        converted = []
+        for k, p in own.items():  # every conversion (dtype, range, sharded state) before any assignment
             if k in state_dict:
-                p.data = state_dict[k]
+                if p._hsdp_state is not None:
+                    raise RuntimeError(f"cannot load {k!r}: the parameter is {p._hsdp_state}")
+                value = state_dict[k]
+                try:
+                    converted.append((p, p._convert(np.asarray(value.data if isinstance(value, Parameter) else value))))
+                except (TypeError, ValueError) as exc:
+                    raise type(exc)(f"Error(s) in loading state_dict for {self._get_name()}: {k!r}: {exc}") from None
+        for p, value in converted:
+            p._data = value
         return _IncompatibleKeys(missing, unexpected)
 
     def apply(self, fn: Callable[["Module"], None]) -> "Module":

@@ -128,7 +128,9 @@ class Parameter:
                 # bfloat16 / float8: NumPy cannot round to these, the C core can (ties to even).
                 from hsdp import _C  # lazy: importing hsdp.nn must not need the extension
 
-                rounded = _C.round_to(np.asarray(arr, dtype=np.float32, order="C"), dt.name)
+                # float64 goes to C as it is: rounding through float32 first would round twice.
+                src = np.float64 if arr.dtype == np.float64 else np.float32
+                rounded = _C.round_to(np.asarray(arr, dtype=src, order="C"), dt.name)
                 return rounded.reshape(self._shape)
             # float16/32/64: NumPy's cast rounds to nearest even.
             return np.asarray(arr, dtype=dt.compute, order="C")
