@@ -442,16 +442,21 @@ typedef struct {
     hsdp_gather_req req;   /* the in-flight gather; embedded so starting one allocates nothing */
 } UnitObject;
 
+/* Waits out an in-flight gather whose result is not wanted (GIL released, the unit busy
+ * meanwhile), so the worker lets go of the buffers before they are dropped. */
+static void unit_drain(UnitObject *self) {
+    if (!self->pending) return;
+    self->busy = 1;
+    Py_BEGIN_ALLOW_THREADS
+    (void)hsdp_unit_gather_wait(&self->u, &self->req);
+    Py_END_ALLOW_THREADS
+    self->busy = 0;
+    self->pending = 0;
+}
+
 static void unit_dealloc(UnitObject *self) {
     PyTypeObject *tp = Py_TYPE(self);
-    if (self->pending) {
-        /* The worker still writes into our buffers: let it finish first. */
-        self->busy = 1;
-        Py_BEGIN_ALLOW_THREADS
-        (void)hsdp_unit_gather_wait(&self->u, &self->req);
-        Py_END_ALLOW_THREADS
-        self->pending = 0;
-    }
+    unit_drain(self); /* the worker may still write into our buffers */
     Py_CLEAR(self->full);
     Py_CLEAR(self->widened);
     if (self->initialised) hsdp_unit_free(&self->u);
@@ -802,17 +807,10 @@ static PyObject *unit_reshard(UnitObject *self, PyObject *unused) {
     if (self->busy) return PyErr_Format(PyExc_RuntimeError, "unit %R is busy on another thread", self->name);
     if (!self->full) Py_RETURN_NONE;
     int rc = 0;
-    if (self->pending) {
-        /* a prefetch that was never used: finish it so the worker lets go of the buffers */
-        self->busy = 1;
-        Py_BEGIN_ALLOW_THREADS
-        (void)hsdp_unit_gather_wait(&self->u, &self->req);
-        Py_END_ALLOW_THREADS
-        self->busy = 0;
-        self->pending = 0;
-    } else {
+    if (self->pending)
+        unit_drain(self); /* a prefetch that was never used: its views were never bound */
+    else
         rc = unit_bind(self, 0);
-    }
     modstate *ms = state_of_type(Py_TYPE(self));
     ms->live_buffers -= self->widened ? 2 : 1;
     unit_drop_buffers(self);

@@ -455,21 +455,13 @@ class resident:  # noqa: N801 (a context manager named like the verb users write
         self.model = model
 
     def __enter__(self) -> Any:
-        units = get_units(self.model)
-        try:
-            # start every gather first so they pipeline on the worker, then wait for each
-            for u in units:
-                u.unshard(async_op=True)
-            UnitShardHandle(*units).wait()
-        except BaseException:
-            for u in units:
-                u.reshard()
-            raise
+        get_units(self.model)  # a clear error for a model hsdp did not shard
+        # every gather started first so they pipeline on the worker; all or nothing
+        unshard(self.model, recurse=True)
         return self.model
 
     def __exit__(self, *exc: object) -> None:
-        for u in get_units(self.model):
-            u.reshard()
+        reshard(self.model, recurse=True)
 
 
 def get_units(model: Any) -> list[UnitState]:

@@ -121,8 +121,18 @@ def unique_keys(on_duplicate: Callable[[str], Exception]) -> Callable[[list[tupl
     return hook
 
 
-def _no_duplicates(path: str) -> Callable[[list[tuple[str, Any]]], dict[str, Any]]:
-    return unique_keys(lambda k: _fail(path, "the name appears more than once in the header", k))
+def parse_json(raw: bytes, on_duplicate: Callable[[str], Exception], fail: Callable[[str], Exception]) -> Any:
+    """Untrusted JSON (a header, an index) -> objects, every failure raised as ``fail(what)``:
+    invalid UTF-8 or JSON, a repeated key (``on_duplicate(key)``), and what json itself
+    refuses with ValueError/RecursionError (a 5000-digit integer, nesting past the stack)."""
+    try:
+        return json.loads(raw.decode("utf-8"), object_pairs_hook=unique_keys(on_duplicate))
+    except CheckpointError:
+        raise
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise fail(f"not valid UTF-8 JSON: {e}") from None
+    except (ValueError, RecursionError) as e:
+        raise fail(f"cannot be parsed: {type(e).__name__}: {str(e)[:200]}") from None
 
 
 def _is_int(v: Any) -> bool:
@@ -212,14 +222,8 @@ def _validate(path: str, fd: int) -> SafetensorsFile:
     raw = os.pread(fd, hlen, 8)
     if len(raw) != hlen:
         raise _fail(path, f"read {len(raw)} of the {hlen} header bytes (the file shrank?)")
-    try:
-        obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates(path))
-    except CheckpointError:
-        raise
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise _fail(path, f"the header is not valid UTF-8 JSON: {e}") from None
-    except (ValueError, RecursionError) as e:  # e.g. a 5000-digit integer, nesting past the stack
-        raise _fail(path, f"the header cannot be parsed: {type(e).__name__}: {str(e)[:200]}") from None
+    obj = parse_json(raw, lambda k: _fail(path, "the name appears more than once in the header", k),
+                     lambda what: _fail(path, what))
     if not isinstance(obj, dict):
         raise _fail(path, f"the header must be a JSON object, got {type(obj).__name__}")
     metadata = _parse_metadata(path, obj.pop("__metadata__", None))

@@ -7,14 +7,13 @@ agree (each tensor in exactly one file, the one the map names), before any data 
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from .errors import CheckpointError
-from .format import SafetensorsFile, TensorEntry, open_safetensors, unique_keys
+from .format import SafetensorsFile, TensorEntry, open_safetensors, parse_json
 
 CheckpointPath = str | os.PathLike[str]
 
@@ -91,15 +90,8 @@ def _resolve(p: Path) -> Path:
 
 
 def _read_index(path: Path) -> tuple[dict[str, str], dict[str, Any] | None]:
-    no_dups = unique_keys(lambda k: _index_error(path, "the name appears more than once", k))
-    try:
-        obj = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=no_dups)
-    except CheckpointError:
-        raise
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise _index_error(path, f"not valid UTF-8 JSON: {e}") from None
-    except (ValueError, RecursionError) as e:  # e.g. a 5000-digit integer, nesting past the stack
-        raise _index_error(path, f"cannot be parsed: {type(e).__name__}: {str(e)[:200]}") from None
+    obj = parse_json(path.read_bytes(), lambda k: _index_error(path, "the name appears more than once", k),
+                     lambda what: _index_error(path, what))
     wm = obj.get("weight_map") if isinstance(obj, dict) else None
     if not isinstance(wm, dict):
         raise _index_error(path, "must be a JSON object with a 'weight_map' object")
