@@ -58,6 +58,9 @@ $(TESTBIN)/test_dtype: csrc/tests/test_dtype.c $(CORE_SRC) csrc/*.h
 $(TESTBIN)/test_core: csrc/tests/test_core.c $(CORE_SRC) csrc/*.h csrc/tests/check.h
 	@mkdir -p $(TESTBIN)
 	$(CC) $(CFLAGS_CHECK) -Icsrc $(CORE_SRC) $< -o $@ -lm -lpthread
+$(TESTBIN)/test_layout: csrc/tests/test_layout.c $(CORE_SRC) csrc/*.h csrc/tests/check.h
+	@mkdir -p $(TESTBIN)
+	$(CC) $(CFLAGS_CHECK) -Icsrc $(CORE_SRC) $< -o $@ -lm -lpthread
 $(TESTBIN)/test_mpi: csrc/tests/test_mpi.c $(CORE_SRC) csrc/*.h csrc/tests/check.h | sysdeps
 	@mkdir -p $(TESTBIN)
 	$(CC) $(CFLAGS_CHECK) -DHSDP_HAVE_MPI $$(mpicc --showme:compile) -Icsrc $(CORE_SRC) $< -o $@ $$(mpicc --showme:link) -ldl -lm -lpthread
@@ -68,9 +71,10 @@ $(TESTBIN)/test_mpi_preinit: csrc/tests/test_mpi_preinit.c $(CORE_SRC) csrc/*.h 
 
 # The C core's own tests, under AddressSanitizer and UndefinedBehaviorSanitizer. Open MPI
 # keeps allocations alive past MPI_Finalize by design, so leak checking is off for its test.
-ctest: $(TESTBIN)/test_dtype $(TESTBIN)/test_core $(TESTBIN)/test_mpi $(TESTBIN)/test_mpi_preinit
+ctest: $(TESTBIN)/test_dtype $(TESTBIN)/test_core $(TESTBIN)/test_layout $(TESTBIN)/test_mpi $(TESTBIN)/test_mpi_preinit
 	$(TESTBIN)/test_dtype
 	$(TESTBIN)/test_core
+	$(TESTBIN)/test_layout
 	set -o pipefail; ASAN_OPTIONS=detect_leaks=0 mpiexec -n 4 $(TESTBIN)/test_mpi | sort | uniq -c
 	set -o pipefail; for level in funneled serialized; do \
 	  ASAN_OPTIONS=detect_leaks=0 mpiexec -n 2 $(TESTBIN)/test_mpi_preinit $$level | sort | uniq -c || exit 1; done

@@ -164,7 +164,8 @@ def test_exit_status_is_forwarded(tmp_path) -> None:
 
 def test_failing_rank_ends_the_job_instead_of_hanging(tmp_path) -> None:
     # Rank 0 waits in a barrier that rank 1 never joins: without the bootstrap's abrupt exit
-    # it would wait forever. The subprocess timeout turns a hang into a failure.
+    # it would wait forever. A healthy run ends in a few seconds; the asserted bound is well
+    # under the subprocess timeout, so a job that hangs for a while (or for good) fails here.
     script = write(tmp_path / "raise1.py", """
         from hsdp.distributed import init_process_group
         group = init_process_group()
@@ -173,10 +174,11 @@ def test_failing_rank_ends_the_job_instead_of_hanging(tmp_path) -> None:
         group.barrier()
     """)
     start = time.monotonic()
-    proc = run_launch("-n", "2", str(script), timeout=45)
+    proc = run_launch("-n", "2", str(script), timeout=120)
+    elapsed = time.monotonic() - start
     assert proc.returncode != 0
     assert "[rank 1] RuntimeError: rank 1 fails on purpose" in proc.stderr
-    assert time.monotonic() - start < 45
+    assert elapsed < 30, f"the job took {elapsed:.1f} s to end after rank 1 failed"
 
 
 def test_sigint_is_forwarded(tmp_path) -> None:

@@ -10,8 +10,11 @@ same decisions, and the collective worker keeps each rank's gathers in program o
 
 A forward that departs from the recorded order (a block skipped on some calls, say) is
 detected at the first unit that differs: the prefetched but unused units are released, and
-the order is recorded again from that point. Nothing waits on a gather that another rank
-will not issue, so a departure can cost overlap, never a deadlock.
+the forward goes on with an order recorded before that agrees with it so far (the schedule
+remembers the last few, so a forward alternating between patterns settles on them), or else
+the order is recorded again from that point. The choice depends only on the units entered
+and the orders recorded, which are the same on every rank. Nothing waits on a gather that
+another rank will not issue, so a departure can cost overlap, never a deadlock.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from __future__ import annotations
 import logging
 import weakref
 from collections import Counter
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
 from . import _C
 
@@ -33,6 +37,19 @@ log = logging.getLogger("hsdp")
 # so the pool must cover, size by size, the largest need of any of them.
 _needs: "weakref.WeakKeyDictionary[Schedule, Counter[int]]" = weakref.WeakKeyDictionary()
 _POOL_SLOTS = 256  # the C pool's capacity (module.c POOL_SLOTS)
+_KNOWN_ORDERS = 4  # recorded orders a schedule remembers, most recently used first
+
+
+class _Recorded(NamedTuple):
+    """One recorded forward: its unit order, its hook events and its pool need per size."""
+
+    order: tuple[UnitState, ...]
+    events: tuple[tuple[bool, UnitState], ...]
+    peak: Counter[int]
+
+
+def _same(a: Sequence[UnitState], b: Sequence[UnitState]) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
 class Schedule:
@@ -47,7 +64,9 @@ class Schedule:
         self.in_forward = False
         self.pos = 0                                # next expected index in `order`
         self.prefetched: list[UnitState] = []       # started by us, not yet entered
+        self.known: list[_Recorded] = []            # recorded orders, most recently used first
         self.rerecords = 0
+        self.switches = 0                           # departures that went on with a known order
         self.forwards = 0
         self.prefetches = 0                         # gathers started ahead, for tests and benches
 
@@ -69,9 +88,11 @@ class Schedule:
             self.recording = False
             self._reserve_pool()
         elif self.pos != len(self.order):
-            # This forward ran fewer units than recorded: record again next time.
+            # This forward ran fewer units than recorded: switch to a known order that ends
+            # here, or record again next time.
             self._release_prefetched()
-            self._rerecord_from(self.pos)
+            if not self._switch(self.pos, None):
+                self._rerecord_from(self.pos)
         self._release_prefetched()
 
     # ---------------------------------------------------------------- per unit
@@ -89,6 +110,11 @@ class Schedule:
             return
         # Departure from the recorded order.
         self._release_prefetched(keep=unit)
+        if self._switch(self.pos, unit):
+            if unit in self.prefetched:
+                self.prefetched.remove(unit)
+            self.pos += 1
+            return
         self._rerecord_from(self.pos)
         self.order.append(unit)
         self.events.append((True, unit))
@@ -99,6 +125,20 @@ class Schedule:
             self.events.append((False, unit))
 
     # ---------------------------------------------------------------- internals
+
+    def _switch(self, pos: int, unit: UnitState | None) -> bool:
+        """A departure at ``pos``, with ``unit`` entering there (None: the forward ended):
+        goes on with a known order that agrees with this forward so far, if there is one."""
+        prefix = self.order[:pos]
+        for k, rec in enumerate(self.known):
+            nxt = rec.order[pos] if pos < len(rec.order) else None
+            if nxt is unit and _same(rec.order[:pos], prefix):
+                self.known.insert(0, self.known.pop(k))
+                self.order = list(rec.order)
+                self.events = list(rec.events)
+                self.switches += 1
+                return True
+        return False
 
     def _rerecord_from(self, pos: int) -> None:
         self.rerecords += 1
@@ -177,7 +217,12 @@ class Schedule:
                     peak[size] = max(peak[size], n)
             elif u.reshard_after_forward:
                 live.discard(id(u))
-        _needs[self] = peak
+        rec = _Recorded(tuple(self.order), tuple(self.events), peak)
+        self.known = [rec, *(r for r in self.known if not _same(r.order, rec.order))][:_KNOWN_ORDERS]
+        need: Counter[int] = Counter()
+        for r in self.known:  # any known order may run next: cover each, size by size
+            need |= r.peak
+        _needs[self] = need
         held: Counter[int] = Counter()
         for u in {id(u): u for u in pre_order}.values():
             if u.unit.holds_buffers and u.reshard_after_forward:
