@@ -15,7 +15,7 @@ export OMPI_MCA_hwloc_base_binding_policy := none
 
 CC ?= gcc
 CFLAGS_CHECK := -std=c11 -O1 -g -Wall -Wextra -Werror -Wshadow -fsanitize=address,undefined -fno-sanitize-recover=all
-CORE_SRC := csrc/error.c csrc/dtype.c csrc/mesh.c csrc/layout.c csrc/unit.c csrc/checkpoint.c csrc/exec.c csrc/comm.c csrc/comm_single.c csrc/comm_mpi.c
+include csrc/sources.mk
 TESTBIN := csrc/tests/bin
 
 .PHONY: all sysdeps venv build ctest pytest test demo bench clean
@@ -52,20 +52,20 @@ venv: $(VENV)/.stamp
 build: sysdeps venv
 	HSDP_WERROR=1 $(PY) -m pip install -q --no-build-isolation --no-deps -e .
 
-$(TESTBIN)/test_dtype: csrc/tests/test_dtype.c $(CORE_SRC) csrc/*.h
+$(TESTBIN)/test_dtype: csrc/tests/test_dtype.c $(CORE_SRC) csrc/*.h csrc/sources.mk
 	@mkdir -p $(TESTBIN)
 	$(CC) $(CFLAGS_CHECK) -Icsrc $(CORE_SRC) $< -o $@ -lm -lpthread
-$(TESTBIN)/test_core: csrc/tests/test_core.c $(CORE_SRC) csrc/*.h csrc/tests/check.h
+$(TESTBIN)/test_core: csrc/tests/test_core.c $(CORE_SRC) csrc/*.h csrc/sources.mk csrc/tests/check.h
 	@mkdir -p $(TESTBIN)
 	$(CC) $(CFLAGS_CHECK) -Icsrc $(CORE_SRC) $< -o $@ -lm -lpthread
-$(TESTBIN)/test_layout: csrc/tests/test_layout.c $(CORE_SRC) csrc/*.h csrc/tests/check.h
+$(TESTBIN)/test_layout: csrc/tests/test_layout.c $(CORE_SRC) csrc/*.h csrc/sources.mk csrc/tests/check.h
 	@mkdir -p $(TESTBIN)
 	$(CC) $(CFLAGS_CHECK) -Icsrc $(CORE_SRC) $< -o $@ -lm -lpthread
-$(TESTBIN)/test_mpi: csrc/tests/test_mpi.c $(CORE_SRC) csrc/*.h csrc/tests/check.h | sysdeps
+$(TESTBIN)/test_mpi: csrc/tests/test_mpi.c $(CORE_SRC) csrc/*.h csrc/sources.mk csrc/tests/check.h | sysdeps
 	@mkdir -p $(TESTBIN)
 	$(CC) $(CFLAGS_CHECK) -DHSDP_HAVE_MPI $$(mpicc --showme:compile) -Icsrc $(CORE_SRC) $< -o $@ $$(mpicc --showme:link) -ldl -lm -lpthread
 
-$(TESTBIN)/test_mpi_preinit: csrc/tests/test_mpi_preinit.c $(CORE_SRC) csrc/*.h csrc/tests/check.h | sysdeps
+$(TESTBIN)/test_mpi_preinit: csrc/tests/test_mpi_preinit.c $(CORE_SRC) csrc/*.h csrc/sources.mk csrc/tests/check.h | sysdeps
 	@mkdir -p $(TESTBIN)
 	$(CC) $(CFLAGS_CHECK) -DHSDP_HAVE_MPI $$(mpicc --showme:compile) -Icsrc $(CORE_SRC) $< -o $@ $$(mpicc --showme:link) -ldl -lm -lpthread
 

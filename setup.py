@@ -17,12 +17,34 @@ from pathlib import Path
 
 import numpy as np
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 HERE = Path(__file__).parent
-CORE = [
-    "error.c", "dtype.c", "mesh.c", "layout.c", "unit.c", "checkpoint.c",
-    "exec.c", "comm.c", "comm_single.c", "comm_mpi.c", "module.c",
-]
+
+
+def sources(path: Path = HERE / "csrc" / "sources.mk") -> dict[str, list[str]]:
+    """The source lists of csrc/sources.mk (``NAME := a.c b.c``, lines continued with ``\\``),
+    which the Makefile includes too."""
+    lists: dict[str, list[str]] = {}
+    text = path.read_text().replace("\\\n", " ")
+    for line in text.splitlines():
+        line = line.split("#", 1)[0]
+        if ":=" in line:
+            name, _, value = line.partition(":=")
+            lists[name.strip()] = value.split()
+    return lists
+
+
+def variant(compile_args: list[str]) -> str:
+    """A name for the build's flags, so builds with and without MPI keep their object files
+    apart (setuptools would otherwise reuse objects compiled with the other flags)."""
+    return "mpi" if "-DHSDP_HAVE_MPI" in compile_args else "nompi"
+
+
+class VariantBuildExt(build_ext):
+    def finalize_options(self) -> None:
+        super().finalize_options()
+        self.build_temp = os.path.join(self.build_temp, variant(cflags))
 
 
 def mpi_flags() -> tuple[list[str], list[str]]:
@@ -47,6 +69,7 @@ def mpi_flags() -> tuple[list[str], list[str]]:
     return ["-DHSDP_HAVE_MPI", *shlex.split(cflags)], shlex.split(lflags)
 
 
+SRC = sources()
 mpi_c, mpi_l = mpi_flags()
 # CPython's method tables cast function pointers by convention (CPython builds with this too).
 cflags = ["-std=c11", "-O2", "-Wall", "-Wextra", "-Wshadow", "-Wno-cast-function-type", *mpi_c]
@@ -57,11 +80,12 @@ setup(
     ext_modules=[
         Extension(
             "hsdp._C",
-            sources=[f"csrc/{name}" for name in CORE],
+            sources=[*SRC["CORE_SRC"], *SRC["WRAP_SRC"]],
             include_dirs=["csrc", np.get_include()],
             extra_compile_args=cflags,
             extra_link_args=[*mpi_l, "-ldl"],
-            depends=[str(p.relative_to(HERE)) for p in (HERE / "csrc").glob("*.h")],
+            depends=[str(p.relative_to(HERE)) for p in (HERE / "csrc").rglob("*.h")],
         )
-    ]
+    ],
+    cmdclass={"build_ext": VariantBuildExt},
 )

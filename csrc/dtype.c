@@ -1,9 +1,7 @@
-/* dtype.c - dtype metadata, scalar float conversions, hsdp_cast, and the accounted
- * allocator for unsharded buffers.
+/* dtype.c - dtype metadata, scalar float conversions and hsdp_cast.
  *
  * Every narrowing conversion rounds to nearest, ties to even, with integer arithmetic on the
  * bit patterns, so the result never depends on the FPU rounding mode. Widening is exact. */
-#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -59,18 +57,6 @@ int hsdp_dtype_from_name(const char *name, hsdp_dtype *out) {
 }
 
 int hsdp_dtype_is_float(hsdp_dtype dt) { return dtype_valid(dt) && dtype_info[dt].is_float; }
-
-hsdp_dtype hsdp_dtype_compute(hsdp_dtype dt) {
-    /* NumPy has float16 but no bfloat16 / float8 arithmetic. */
-    switch (dt) {
-    case HSDP_BF16:
-    case HSDP_F8E4M3:
-    case HSDP_F8E5M2:
-        return HSDP_F32;
-    default:
-        return dt;
-    }
-}
 
 /* ---------------------------------------------------------------- bit helpers */
 
@@ -406,50 +392,4 @@ hsdp_status hsdp_cast(void *dst, hsdp_dtype dt, const void *src, hsdp_dtype st, 
         for (size_t i = 0; i < n; i++) store_f32(d + i * dsz, dt, load_f32(s + i * ssz, st));
     }
     return HSDP_OK;
-}
-
-/* ---------------------------------------------------------------- memory accounting */
-
-void hsdp_stats_init(hsdp_stats *st) {
-    atomic_init(&st->sharded_bytes, 0);
-    atomic_init(&st->unsharded_bytes, 0);
-    atomic_init(&st->peak_unsharded_bytes, 0);
-    atomic_init(&st->whole_bytes, 0);
-    atomic_init(&st->buffer_allocs, 0);
-    atomic_init(&st->gathers, 0);
-}
-
-void *hsdp_buffer_alloc(hsdp_stats *st, size_t nbytes) {
-    /* aligned_alloc wants a size that is a multiple of the alignment; 0 becomes one line so
-     * the caller always gets a distinct, freeable pointer. */
-    if (nbytes > SIZE_MAX - (HSDP_ALIGN - 1)) {
-        hsdp_fail(HSDP_ENOMEM, "could not allocate %zu bytes for an unsharded buffer", nbytes);
-        return NULL;
-    }
-    size_t rounded = (nbytes + (HSDP_ALIGN - 1)) & ~(size_t)(HSDP_ALIGN - 1);
-    if (rounded == 0) rounded = HSDP_ALIGN;
-
-    /* Owned by the caller from here on; released by hsdp_buffer_free. */
-    void *p = aligned_alloc(HSDP_ALIGN, rounded);
-    if (p == NULL) {
-        hsdp_fail(HSDP_ENOMEM, "could not allocate %zu bytes for an unsharded buffer", nbytes);
-        return NULL;
-    }
-
-    /* Account what was asked for (not the padding), so free with the same nbytes balances. */
-    size_t now = atomic_fetch_add(&st->unsharded_bytes, nbytes) + nbytes;
-    size_t peak = atomic_load(&st->peak_unsharded_bytes);
-    /* Running max: retry only while our value is still the larger; a failed exchange
-     * reloads `peak` with the current value. */
-    while (now > peak && !atomic_compare_exchange_weak(&st->peak_unsharded_bytes, &peak, now)) {
-    }
-    atomic_fetch_add(&st->buffer_allocs, 1);
-    return p;
-}
-
-void hsdp_buffer_free(hsdp_stats *st, void *p, size_t nbytes) {
-    /* Like free(NULL): nothing was allocated, so nothing is un-accounted either. */
-    if (p == NULL) return;
-    atomic_fetch_sub(&st->unsharded_bytes, nbytes);
-    free(p);
 }

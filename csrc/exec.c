@@ -1,5 +1,6 @@
-/* exec.c - one worker thread fed by a FIFO queue. The MPI backend runs every MPI call on
- * it, so a gather progresses while the Python thread computes, and MPI only ever sees one
+/* exec.c - one worker thread fed by a FIFO queue: the MPI backend's own implementation of
+ * its asynchronous slots (backend_mpi.c is its only user). Every MPI call runs on it, so a
+ * gather progresses while the Python thread computes, and MPI only ever sees one
  * calling thread at a time (MPI_THREAD_SERIALIZED suffices). FIFO order matters: all ranks
  * of a group must issue their collectives in the same order, and they do, because each
  * rank's calls reach its worker in program order. */
@@ -9,7 +10,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "exec.h"
 
@@ -24,12 +24,6 @@ struct hsdp_exec {
     int exited;  /* the worker left its loop (set under mu): later tasks run inline */
     int busy;    /* the worker is running a task */
 };
-
-uint64_t hsdp_now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
 
 static _Thread_local const hsdp_exec *current_worker; /* set on the worker thread only */
 
@@ -180,16 +174,4 @@ hsdp_status hsdp_exec_call(hsdp_exec *ex, hsdp_task *t) {
 hsdp_status hsdp_exec_run(hsdp_exec *ex, hsdp_status (*fn)(void *), void *arg) {
     hsdp_task t = {.fn = fn, .arg = arg};
     return hsdp_exec_call(ex, &t);
-}
-
-void hsdp_exec_quiesce(hsdp_exec *ex) {
-    if (!ex || hsdp_exec_on_worker(ex)) return;
-    pthread_mutex_lock(&ex->mu);
-    while (ex->head || ex->busy) pthread_cond_wait(&ex->done, &ex->mu);
-    /* returns with the lock held: the worker cannot start a task until hsdp_exec_resume */
-}
-
-void hsdp_exec_resume(hsdp_exec *ex) {
-    if (!ex || hsdp_exec_on_worker(ex)) return;
-    pthread_mutex_unlock(&ex->mu);
 }

@@ -1,5 +1,5 @@
-/* exec.h - a worker thread with a FIFO task queue (exec.c). A task is owned by whoever
- * submits it and must stay alive until hsdp_task_wait returns. */
+/* exec.h - a worker thread with a FIFO task queue (exec.c), private to the MPI backend. A
+ * task is owned by whoever submits it and must stay alive until hsdp_task_wait returns. */
 #ifndef HSDP_EXEC_H
 #define HSDP_EXEC_H
 
@@ -22,16 +22,6 @@ typedef struct hsdp_task {
 
 typedef struct hsdp_exec hsdp_exec;
 
-/* A unit's in-flight gather (declared opaque in hsdp.h; defined here so a caller can embed
- * it without allocating). */
-struct hsdp_gather_req {
-    hsdp_task task;
-    hsdp_unit *u;
-    void *full, *widened;
-    struct hsdp_exec *exec;
-};
-
-uint64_t hsdp_now_ns(void);
 hsdp_status hsdp_exec_start(hsdp_exec **out);
 /* Drains the queue and joins the thread; later tasks run inline. ex stays valid. */
 void hsdp_exec_stop(hsdp_exec *ex);
@@ -50,9 +40,5 @@ hsdp_status hsdp_exec_run(hsdp_exec *ex, hsdp_status (*fn)(void *), void *arg);
 int hsdp_exec_on_worker(const hsdp_exec *ex);
 /* Whether the worker is started and not stopping. */
 int hsdp_exec_running(hsdp_exec *ex);
-/* Waits until the worker is idle with an empty queue and keeps it so until resume: lets the
- * calling thread make MPI calls itself (the raw-collective benchmark). */
-void hsdp_exec_quiesce(hsdp_exec *ex);
-void hsdp_exec_resume(hsdp_exec *ex);
 
 #endif

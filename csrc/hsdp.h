@@ -1,5 +1,5 @@
-/* hsdp.h - the C core's own API. No Python in here: module.c is the only file that knows
- * about CPython. Every function that can fail returns an hsdp_status and leaves a message
+/* hsdp.h - the C core's own API. No Python in here: the wrapper in py/ is the only code that
+ * knows about CPython. Every function that can fail returns an hsdp_status and leaves a message
  * that hsdp_last_error() returns (thread-local, so the MPI worker thread cannot clobber the
  * caller's message). Library code never exits or aborts. */
 #ifndef HSDP_H
@@ -60,8 +60,6 @@ const char *hsdp_dtype_name(hsdp_dtype dt);
 /* Exact canonical name -> dtype. Returns 0 on success, -1 if unknown (no error recorded). */
 int hsdp_dtype_from_name(const char *name, hsdp_dtype *out);
 int hsdp_dtype_is_float(hsdp_dtype dt);
-/* The dtype NumPy computes a value of `dt` in: bfloat16 and float8 widen to float32. */
-hsdp_dtype hsdp_dtype_compute(hsdp_dtype dt);
 
 /* Scalar conversions. float -> narrow rounds to nearest, ties to even. NaN stays NaN;
  * overflow gives infinity for f16/bf16/e5m2 and NaN for e4m3fn (it has no infinity). */
@@ -94,10 +92,24 @@ typedef struct {
 } hsdp_stats;
 
 void hsdp_stats_init(hsdp_stats *st);
-/* Aligned (64 bytes), accounted as unsharded. Returns NULL (and records an error) on failure.
- * The caller owns the result and gives it back with hsdp_buffer_free. */
+
+/* Where an unsharded buffer lives. Host memory needs nothing from a backend; any other
+ * device is allocated by the backend's buffer slot (see backend.h). */
+typedef enum { HSDP_DEVICE_HOST = 0, HSDP_DEVICE_CUDA = 1, HSDP_DEVICE_COUNT } hsdp_device;
+const char *hsdp_device_name(hsdp_device d);
+/* Exact name ("host", "cuda") -> device. 0 on success, -1 if unknown (no error recorded). */
+int hsdp_device_from_name(const char *name, hsdp_device *out);
+
+/* memory.c: aligned (64 bytes) host memory, accounted as unsharded. Returns NULL (and
+ * records an error) on failure. The caller owns the result and gives it back with
+ * hsdp_buffer_free. */
 void *hsdp_buffer_alloc(hsdp_stats *st, size_t nbytes);
 void hsdp_buffer_free(hsdp_stats *st, void *p, size_t nbytes);
+/* The accounting alone, for allocators of other devices and for pools: nbytes become
+ * unsharded (the peak follows); an allocation is counted; nbytes stop being unsharded. */
+void hsdp_stats_note_unsharded(hsdp_stats *st, size_t nbytes);
+void hsdp_stats_count_alloc(hsdp_stats *st, size_t nbytes);
+void hsdp_stats_count_free(hsdp_stats *st, size_t nbytes);
 
 /* ---------------------------------------------------------------- mesh (mesh.c) */
 /* World ranks laid row-major over (replicate, shard): rank = r * shard + s. */
@@ -107,7 +119,10 @@ typedef struct {
     int r, s;             /* this rank's coordinates */
 } hsdp_mesh;
 
-/* shard <= 0 means auto: world_size / replicate. */
+/* The sizes alone, before a world size is known: replicate > 0, shard > 0 or -1 (auto). The
+ * one place these rules live (the config type and the mesh both call it). */
+hsdp_status hsdp_mesh_check_sizes(int replicate, int shard);
+/* shard == -1 means auto: world_size / replicate. Validates everything against the world. */
 hsdp_status hsdp_mesh_init(hsdp_mesh *m, int world_size, int rank, int replicate, int shard);
 int hsdp_mesh_rank_of(const hsdp_mesh *m, int r, int s);
 /* Fills ranks[0..shard) with this rank's shard group (same r), ascending. */
@@ -143,8 +158,29 @@ void hsdp_layout_free(hsdp_layout *l);
 int hsdp_layout_owned(const hsdp_layout *l, size_t i, int s, size_t *begin, size_t *end,
                       size_t *chunk_off);
 
-/* ---------------------------------------------------------------- collectives (comm.h) */
+/* ---------------------------------------------------------------- collectives (backend.h) */
 typedef struct hsdp_group hsdp_group;
+
+/* One collective in flight (backend.c): owned by the caller and embedded where it is used, so
+ * starting a gather allocates nothing. `then` is host work the backend runs once the
+ * collective is done, on its own completion context (the MPI worker thread; the caller's
+ * thread for a backend without asynchronous slots). */
+#define HSDP_REQ_STATE_BYTES 768
+typedef struct hsdp_req {
+    hsdp_group *g;
+    hsdp_status (*then)(void *arg);
+    void *then_arg;
+    int pending;                          /* started, not yet waited */
+    int backend_owned;                    /* started through the backend's gather_start */
+    hsdp_status status;                   /* of the collective and `then`, set when done */
+    char err[512];                        /* its message, re-raised on the waiting thread */
+    uint64_t submit_ns, start_ns, end_ns; /* CLOCK_MONOTONIC, for traces */
+    /* the backend's own state for this request (MPI: its worker task) */
+    _Alignas(16) unsigned char state[HSDP_REQ_STATE_BYTES];
+} hsdp_req;
+
+/* CLOCK_MONOTONIC in ns: the clock of request times and traces (backend.c). */
+uint64_t hsdp_now_ns(void);
 
 /* ---------------------------------------------------------------- units (unit.c) */
 typedef struct {
@@ -153,14 +189,19 @@ typedef struct {
     hsdp_stats *stats;      /* borrowed */
     int s;                  /* this rank's index in the shard group */
     unsigned char *shard;   /* owned: layout.chunk_bytes, in storage dtypes */
-    size_t *widen_offset;   /* owned: per slot, offset in the widened buffer or SIZE_MAX */
-    size_t widened_bytes;   /* size of the widened buffer (0 when nothing widens) */
+    hsdp_dtype *compute;    /* owned: per slot, the dtype its unsharded view is computed in */
+    size_t *widen_offset;   /* owned: per slot, offset in the converted buffer or SIZE_MAX */
+    size_t widened_bytes;   /* size of the converted buffer (0 when every slot computes in its
+                             * storage dtype) */
 } hsdp_unit;
 
-/* Sets up the layout and a zeroed shard. The unit borrows group and stats; both must outlive
- * it. */
+/* Sets up the layout and a zeroed shard. compute[i] is the dtype slot i is computed in, as
+ * the caller's framework needs it (NumPy: float32 for bfloat16 and float8; torch: the
+ * storage dtype); NULL means every slot computes in its storage dtype. A slot whose compute
+ * dtype differs is converted from the gathered buffer into a second buffer while
+ * unsharding. The unit borrows group and stats; both must outlive it. */
 hsdp_status hsdp_unit_init(hsdp_unit *u, const size_t *numels, const hsdp_dtype *dtypes,
-                           size_t n, hsdp_group *group, hsdp_stats *stats);
+                           const hsdp_dtype *compute, size_t n, hsdp_group *group, hsdp_stats *stats);
 void hsdp_unit_free(hsdp_unit *u);
 /* Writes elements [first, first + count) of slot i from src (dtype src_dt), keeping only the
  * part that falls in this rank's chunk, cast to the slot's storage dtype. A full parameter is
@@ -169,20 +210,22 @@ hsdp_status hsdp_unit_write(hsdp_unit *u, size_t i, size_t first, size_t count, 
                             hsdp_dtype src_dt);
 /* All-gathers every rank's chunk into `full` (layout.total_bytes). */
 hsdp_status hsdp_unit_gather(hsdp_unit *u, void *full);
-/* Asynchronous gather + widen: runs on the group's worker thread when it has one (the
- * caller's thread otherwise, before returning). req is owned by the caller and must stay
+
+/* A unit's gather in flight: the collective request plus what the conversion needs. */
+typedef struct {
+    hsdp_req req;
+    hsdp_unit *u;
+    void *full, *widened;
+} hsdp_gather_req;
+/* Asynchronous gather + conversion through the backend's asynchronous slots (with none, it
+ * runs on the caller's thread before returning). req is owned by the caller and must stay
  * alive until hsdp_unit_gather_wait returns; one request per unit at a time. */
-typedef struct hsdp_gather_req hsdp_gather_req;
 hsdp_status hsdp_unit_gather_start(hsdp_unit *u, void *full, void *widened, hsdp_gather_req *req);
 hsdp_status hsdp_unit_gather_wait(hsdp_unit *u, hsdp_gather_req *req);
-/* Synchronous gather + widen through the same request (so traces see its times). */
+/* Synchronous gather + conversion through the same request (so traces see its times). */
 hsdp_status hsdp_unit_gather_now(hsdp_unit *u, void *full, void *widened, hsdp_gather_req *req);
-int hsdp_unit_gather_done(const hsdp_gather_req *req);
-/* Span of the last completed request on the worker (CLOCK_MONOTONIC ns), for traces. */
-void hsdp_unit_gather_times(const hsdp_gather_req *req, uint64_t *submit_ns, uint64_t *start_ns,
-                            uint64_t *end_ns);
-/* Widens the slots whose storage dtype NumPy cannot compute in (see hsdp_dtype_compute) from
- * `full` into `widened` (widened_bytes). */
+/* Converts the slots whose compute dtype differs from their storage dtype from `full` into
+ * `widened` (widened_bytes). */
 hsdp_status hsdp_unit_widen(const hsdp_unit *u, const void *full, void *widened);
 
 /* ---------------------------------------------------------------- checkpoint data path (checkpoint.c) */

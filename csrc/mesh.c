@@ -3,19 +3,25 @@
  * cheapest) and a replicate group holds the ranks with the same s. */
 #include "hsdp.h"
 
+hsdp_status hsdp_mesh_check_sizes(int replicate, int shard) {
+    if (replicate <= 0)
+        return hsdp_fail(HSDP_EINVAL, "hsdp_replicate_size must be positive, got %d", replicate);
+    if (shard <= 0 && shard != -1)
+        return hsdp_fail(HSDP_EINVAL, "hsdp_shard_size must be positive or -1 (auto), got %d", shard);
+    return HSDP_OK;
+}
+
 hsdp_status hsdp_mesh_init(hsdp_mesh *m, int world_size, int rank, int replicate, int shard) {
     if (world_size <= 0) return hsdp_fail(HSDP_EINVAL, "world size must be positive, got %d", world_size);
     if (rank < 0 || rank >= world_size)
         return hsdp_fail(HSDP_EINVAL, "rank %d is outside a world of %d", rank, world_size);
-    if (replicate <= 0)
-        return hsdp_fail(HSDP_EINVAL, "hsdp_replicate_size must be positive, got %d", replicate);
-    if (shard <= 0) {
-        if (shard != -1)
-            return hsdp_fail(HSDP_EINVAL, "hsdp_shard_size must be positive or -1 (auto), got %d", shard);
+    hsdp_status st = hsdp_mesh_check_sizes(replicate, shard);
+    if (st != HSDP_OK) return st;
+    if (shard == -1) {
         if (world_size % replicate != 0)
             return hsdp_fail(HSDP_EINVAL,
-                             "hsdp_replicate_size=%d does not divide the world size %d, so the "
-                             "shard size cannot be derived",
+                             "hsdp_replicate_size=%d does not divide the world size %d, so "
+                             "hsdp_shard_size=-1 (auto) cannot be resolved",
                              replicate, world_size);
         shard = world_size / replicate;
     }

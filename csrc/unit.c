@@ -1,19 +1,18 @@
 /* unit.c - a unit's life: a sharded chunk in storage dtypes, an all-gather that rebuilds the
- * whole flat buffer, and the widening of dtypes NumPy cannot compute in. The unsharded
- * buffers themselves are allocated by the caller (hsdp_buffer_alloc) so that their lifetime
- * can follow whoever holds views into them; the unit owns only its shard. */
+ * whole flat buffer, and the conversion of slots whose compute dtype (chosen by the caller's
+ * framework) differs from their storage dtype. Collectives go through the backend table
+ * only. The unsharded buffers are allocated by the caller so that their lifetime can follow
+ * whoever holds views into them; the unit owns only its shard. */
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "comm.h"
-#include "exec.h"
-#include "hsdp.h"
+#include "backend.h"
 
 static size_t round_up(size_t x, size_t m) { return (x + m - 1) / m * m; }
 
 hsdp_status hsdp_unit_init(hsdp_unit *u, const size_t *numels, const hsdp_dtype *dtypes,
-                           size_t n, hsdp_group *group, hsdp_stats *stats) {
+                           const hsdp_dtype *compute, size_t n, hsdp_group *group, hsdp_stats *stats) {
     memset(u, 0, sizeof *u);
     hsdp_status st = hsdp_layout_init(&u->layout, numels, dtypes, n, group->size);
     if (st != HSDP_OK) return st;
@@ -23,26 +22,38 @@ hsdp_status hsdp_unit_init(hsdp_unit *u, const size_t *numels, const hsdp_dtype 
      * parameters gather as zeros, never as garbage. */
     u->shard = aligned_alloc(HSDP_ALIGN, u->layout.chunk_bytes ? u->layout.chunk_bytes : HSDP_ALIGN);
     u->widen_offset = malloc((n ? n : 1) * sizeof *u->widen_offset); /* owned by the unit */
-    if (!u->shard || !u->widen_offset) {
+    u->compute = malloc((n ? n : 1) * sizeof *u->compute);            /* owned by the unit */
+    if (!u->shard || !u->widen_offset || !u->compute) {
         size_t chunk = u->layout.chunk_bytes;
         hsdp_unit_free(u);
         return hsdp_fail(HSDP_ENOMEM, "could not allocate a shard of %zu bytes", chunk);
     }
     memset(u->shard, 0, u->layout.chunk_bytes);
-    u->stats = stats; /* set only now: hsdp_unit_free un-counts the shard of a unit that has one */
     size_t w = 0;
     for (size_t i = 0; i < n; i++) {
         hsdp_dtype dt = u->layout.slots[i].dtype;
-        hsdp_dtype ct = hsdp_dtype_compute(dt);
+        hsdp_dtype ct = compute ? compute[i] : dt;
+        if (ct != dt && !(hsdp_dtype_is_float(ct) && hsdp_dtype_is_float(dt))) {
+            hsdp_unit_free(u);
+            return hsdp_fail(HSDP_ETYPE, "parameter %zu is stored as %s and cannot be computed in %s", i,
+                             hsdp_dtype_name(dt), hsdp_dtype_name(ct) ? hsdp_dtype_name(ct) : "an unknown dtype");
+        }
+        u->compute[i] = ct;
         if (ct == dt) {
             u->widen_offset[i] = SIZE_MAX;
             continue;
         }
         w = round_up(w, HSDP_ALIGN);
+        size_t numel = u->layout.slots[i].numel, item = hsdp_dtype_size(ct);
+        if (numel > (SIZE_MAX / 4) / item || numel * item > (SIZE_MAX / 4) - w) {
+            hsdp_unit_free(u);
+            return hsdp_fail(HSDP_EINVAL, "the unit's %s copy is too large at parameter %zu", hsdp_dtype_name(ct), i);
+        }
         u->widen_offset[i] = w;
-        w += u->layout.slots[i].numel * hsdp_dtype_size(ct);
+        w += numel * item;
     }
     u->widened_bytes = w;
+    u->stats = stats; /* set only now: hsdp_unit_free un-counts the shard of a unit that has one */
     atomic_fetch_add(&stats->sharded_bytes, u->layout.chunk_bytes);
     return HSDP_OK;
 }
@@ -51,9 +62,11 @@ void hsdp_unit_free(hsdp_unit *u) {
     if (u->shard && u->stats) atomic_fetch_sub(&u->stats->sharded_bytes, u->layout.chunk_bytes);
     free(u->shard);
     free(u->widen_offset);
+    free(u->compute);
     hsdp_layout_free(&u->layout);
     u->shard = NULL;
     u->widen_offset = NULL;
+    u->compute = NULL;
 }
 
 hsdp_status hsdp_unit_write(hsdp_unit *u, size_t i, size_t first, size_t count, const void *src,
@@ -87,50 +100,39 @@ hsdp_status hsdp_unit_widen(const hsdp_unit *u, const void *full, void *widened)
     for (size_t i = 0; i < u->layout.nslots; i++) {
         if (u->widen_offset[i] == SIZE_MAX) continue;
         const hsdp_slot *p = &u->layout.slots[i];
-        hsdp_status st = hsdp_cast((unsigned char *)widened + u->widen_offset[i], hsdp_dtype_compute(p->dtype),
+        hsdp_status st = hsdp_cast((unsigned char *)widened + u->widen_offset[i], u->compute[i],
                                    (const unsigned char *)full + p->offset, p->dtype, p->numel);
         if (st != HSDP_OK) return st;
     }
     return HSDP_OK;
 }
 
-static hsdp_status gather_job(void *arg) {
+/* `then` of a unit's gather: the conversion, on the backend's completion context. */
+static hsdp_status convert_job(void *arg) {
     hsdp_gather_req *r = arg;
-    hsdp_status st = hsdp_unit_gather(r->u, r->full);
-    if (st == HSDP_OK && r->u->widened_bytes) st = hsdp_unit_widen(r->u, r->full, r->widened);
-    return st;
+    return hsdp_unit_widen(r->u, r->full, r->widened);
 }
 
-static void req_init(hsdp_gather_req *req, hsdp_unit *u, void *full, void *widened) {
-    req->u = u;
-    req->full = full;
-    req->widened = widened;
-    req->exec = u->group->exec;
-    req->task.fn = gather_job;
-    req->task.arg = req;
+static void req_init(hsdp_gather_req *r, hsdp_unit *u, void *full, void *widened) {
+    r->u = u;
+    r->full = full;
+    r->widened = widened;
+    atomic_fetch_add(&u->stats->gathers, 1);
 }
 
-hsdp_status hsdp_unit_gather_start(hsdp_unit *u, void *full, void *widened, hsdp_gather_req *req) {
-    req_init(req, u, full, widened);
-    hsdp_exec_submit(req->exec, &req->task);
-    return HSDP_OK;
+hsdp_status hsdp_unit_gather_start(hsdp_unit *u, void *full, void *widened, hsdp_gather_req *r) {
+    req_init(r, u, full, widened);
+    return hsdp_gather_start(&r->req, u->group, u->shard, full, u->layout.chunk_bytes,
+                             u->widened_bytes ? convert_job : NULL, r);
 }
 
-hsdp_status hsdp_unit_gather_now(hsdp_unit *u, void *full, void *widened, hsdp_gather_req *req) {
-    req_init(req, u, full, widened);
-    return hsdp_exec_call(req->exec, &req->task);
+hsdp_status hsdp_unit_gather_now(hsdp_unit *u, void *full, void *widened, hsdp_gather_req *r) {
+    req_init(r, u, full, widened);
+    return hsdp_gather_now(&r->req, u->group, u->shard, full, u->layout.chunk_bytes,
+                           u->widened_bytes ? convert_job : NULL, r);
 }
 
-hsdp_status hsdp_unit_gather_wait(hsdp_unit *u, hsdp_gather_req *req) {
+hsdp_status hsdp_unit_gather_wait(hsdp_unit *u, hsdp_gather_req *r) {
     (void)u;
-    return hsdp_task_wait(req->exec, &req->task);
-}
-
-int hsdp_unit_gather_done(const hsdp_gather_req *req) { return hsdp_task_done(&req->task); }
-
-void hsdp_unit_gather_times(const hsdp_gather_req *req, uint64_t *submit_ns, uint64_t *start_ns,
-                            uint64_t *end_ns) {
-    *submit_ns = req->task.submit_ns;
-    *start_ns = req->task.start_ns;
-    *end_ns = req->task.end_ns;
+    return hsdp_gather_wait(&r->req);
 }

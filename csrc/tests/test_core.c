@@ -1,9 +1,10 @@
-/* test_core.c - the core without Python: mesh arithmetic, flat layout, and a unit's life on
- * the world-of-one backend, plus the S-rank write path through simulated shard groups. */
+/* test_core.c - the core without Python: mesh arithmetic, flat layout, a unit's life on the
+ * world-of-one backend (found by name in the registry), the S-rank write path through
+ * simulated shard groups, and the worker thread the MPI backend runs on. */
 #include <stdlib.h>
 #include <string.h>
 
-#include "../comm.h"
+#include "../backend.h"
 #include "../exec.h"
 #include "../hsdp.h"
 #include "check.h"
@@ -79,11 +80,12 @@ static hsdp_status fake_all_gather(hsdp_group *g, const void *s, void *r, size_t
     (void)g, (void)s, (void)r, (void)n;
     return hsdp_fail(HSDP_ECOMM, "fake group");
 }
-static const hsdp_comm_ops fake_ops = {"fake", fake_all_gather, NULL, NULL, NULL, NULL};
+static const hsdp_backend fake_backend = {.name = "fake", .all_gather = fake_all_gather};
 
 static void test_unit_ranks(void) {
     size_t numels[] = {37, 1, 101, 5};
     hsdp_dtype dts[] = {HSDP_F32, HSDP_F32, HSDP_BF16, HSDP_F16};
+    hsdp_dtype cts[] = {HSDP_F32, HSDP_F32, HSDP_F32, HSDP_F16}; /* bf16 computed in f32, as NumPy needs */
     float *src[4];
     for (int i = 0; i < 4; i++) {
         src[i] = malloc(numels[i] * sizeof(float)); /* owned here, freed below */
@@ -95,8 +97,8 @@ static void test_unit_ranks(void) {
         hsdp_group groups[5];
         hsdp_unit units[5];
         for (int s = 0; s < S; s++) {
-            groups[s] = (hsdp_group){.ops = &fake_ops, .rank = s, .size = S};
-            CHECK(hsdp_unit_init(&units[s], numels, dts, 4, &groups[s], &st) == HSDP_OK);
+            groups[s] = (hsdp_group){.backend = &fake_backend, .rank = s, .size = S};
+            CHECK(hsdp_unit_init(&units[s], numels, dts, cts, 4, &groups[s], &st) == HSDP_OK);
             /* param 2 written in two pieces, as a streaming loader would */
             CHECK(hsdp_unit_write(&units[s], 0, 0, 37, src[0], HSDP_F32) == HSDP_OK);
             CHECK(hsdp_unit_write(&units[s], 1, 0, 1, src[1], HSDP_F32) == HSDP_OK);
@@ -138,11 +140,20 @@ static void test_unit_single(void) {
     hsdp_stats st;
     hsdp_stats_init(&st);
     hsdp_group *g = NULL;
-    CHECK(hsdp_world_single(&g) == HSDP_OK && g->size == 1 && g->rank == 0);
+    int we = 1;
+    CHECK(hsdp_backend_world("single", &g, &we) == HSDP_OK && g->size == 1 && g->rank == 0 && we == 0);
+    CHECK(hsdp_group_overlaps(g) == 0); /* no asynchronous slots: a started gather runs at once */
     size_t numels[] = {3, 4};
-    hsdp_dtype dts[] = {HSDP_F32, HSDP_F8E5M2};
+    hsdp_dtype dts[] = {HSDP_F32, HSDP_F8E5M2}, cts[] = {HSDP_F32, HSDP_F32};
     hsdp_unit u;
-    CHECK(hsdp_unit_init(&u, numels, dts, 2, g, &st) == HSDP_OK);
+    /* a compute dtype the storage cannot convert to is refused, and nothing stays counted */
+    hsdp_dtype bad[] = {HSDP_I32, HSDP_F32};
+    CHECK(hsdp_unit_init(&u, numels, dts, bad, 2, g, &st) == HSDP_ETYPE && st.sharded_bytes == 0);
+    /* every slot computed in its storage dtype: nothing to convert */
+    CHECK(hsdp_unit_init(&u, numels, dts, NULL, 2, g, &st) == HSDP_OK && u.widened_bytes == 0);
+    CHECK(u.widen_offset[0] == SIZE_MAX && u.widen_offset[1] == SIZE_MAX);
+    hsdp_unit_free(&u);
+    CHECK(hsdp_unit_init(&u, numels, dts, cts, 2, g, &st) == HSDP_OK);
     float a[3] = {1, 2, 3}, b[4] = {0.5f, -2, 1024, 3};
     CHECK(hsdp_unit_write(&u, 0, 0, 3, a, HSDP_F32) == HSDP_OK);
     CHECK(hsdp_unit_write(&u, 1, 0, 4, b, HSDP_F32) == HSDP_OK);
@@ -154,6 +165,13 @@ static void test_unit_single(void) {
     CHECK(hsdp_unit_widen(&u, full, wide) == HSDP_OK);
     CHECK(memcmp(full, a, sizeof a) == 0);
     CHECK(memcmp((unsigned char *)wide + u.widen_offset[1], b, sizeof b) == 0); /* all exact in e5m2 */
+    /* started and waited through the request: inline on a backend without async slots */
+    hsdp_gather_req req;
+    memset(full, 0, u.layout.total_bytes);
+    memset(wide, 0, u.widened_bytes);
+    CHECK(hsdp_unit_gather_start(&u, full, wide, &req) == HSDP_OK && req.req.end_ns >= req.req.start_ns);
+    CHECK(hsdp_unit_gather_wait(&u, &req) == HSDP_OK && st.gathers == 2);
+    CHECK(memcmp(full, a, sizeof a) == 0 && memcmp((unsigned char *)wide + u.widen_offset[1], b, sizeof b) == 0);
     hsdp_buffer_free(&st, full, u.layout.total_bytes);
     hsdp_buffer_free(&st, wide, u.widened_bytes);
     CHECK(st.unsharded_bytes == 0 && st.peak_unsharded_bytes > 0 && st.buffer_allocs == 2);
@@ -164,6 +182,9 @@ static void test_unit_single(void) {
     CHECK(hsdp_all_gather(g, x, y, 8) == HSDP_OK && memcmp(x, y, 8) == 0);
     CHECK(hsdp_broadcast(g, x, 8, 0) == HSDP_OK && hsdp_broadcast(g, x, 8, 1) == HSDP_EINVAL);
     CHECK(hsdp_barrier(g) == HSDP_OK);
+    char z[8] = {0};
+    CHECK(hsdp_all_to_all(g, x, z, 8) == HSDP_OK && memcmp(x, z, 8) == 0);
+    CHECK(hsdp_all_to_all(g, x, x + 1, 4) == HSDP_EINVAL); /* overlapping buffers are refused */
     hsdp_group *sub = NULL;
     CHECK(hsdp_group_split(g, 0, 0, &sub) == HSDP_OK && sub->size == 1);
     hsdp_group_free(sub);
@@ -202,26 +223,51 @@ static void test_exec(void) {
     CHECK(n == 32);
     for (int i = 0; i < 32; i++) ok &= log[i] == i; /* FIFO: collectives keep program order */
     CHECK(ok);
-    hsdp_exec_quiesce(ex);
-    hsdp_exec_resume(ex);
     hsdp_exec_stop(ex);
     order_arg late = {log, &n, 99};
     CHECK(hsdp_exec_run(ex, record, &late) == HSDP_OK && n == 33 && log[32] == 99); /* inline after stop */
     hsdp_exec_free(ex);
 }
 
-/* test_core is built without MPI: asking for it says what to install. */
-static void test_no_mpi(void) {
+/* The registry by name. test_core is built without MPI: asking for it says what to install;
+ * NCCL is known but not built; an unknown name lists the known ones. */
+static void test_registry(void) {
+    CHECK(hsdp_backend_count() == 3 && hsdp_backend_at(3) == NULL);
+    CHECK(hsdp_backend_find("single") == &hsdp_backend_single && hsdp_backend_find("mpi") == &hsdp_backend_mpi);
+    CHECK(hsdp_backend_find("nccl") != NULL && hsdp_backend_find("tcp") == NULL && hsdp_backend_find(NULL) == NULL);
+    const char *why = "unset";
+    CHECK(hsdp_backend_single.usable(&why) == 1 && why == NULL);
+    CHECK(hsdp_backend_mpi.usable(&why) == 0 && strstr(why, "apt-get install libopenmpi-dev") != NULL);
+    for (size_t i = 0; i < hsdp_backend_count(); i++) {
+        const hsdp_backend *b = hsdp_backend_at(i);
+        /* every usable backend fills every required slot */
+        if (b->usable(&why))
+            CHECK(b->world && b->all_gather && b->broadcast && b->barrier && b->all_to_all && b->split && b->free);
+        CHECK((b->gather_start == NULL) == (b->gather_wait == NULL)); /* the async pair comes together */
+    }
     hsdp_group *g = (hsdp_group *)1;
     int we = 1;
-    CHECK(hsdp_mpi_compiled() == 0 && hsdp_mpi_async() == 0);
-    CHECK(hsdp_world_mpi(&g, &we) == HSDP_EUNSUPPORTED && g == NULL && we == 0);
+    CHECK(hsdp_backend_world("mpi", &g, &we) == HSDP_EUNSUPPORTED && g == NULL && we == 0);
     CHECK(strstr(hsdp_last_error(), "apt-get install libopenmpi-dev openmpi-bin") != NULL);
-    CHECK(hsdp_mpi_finalize() == HSDP_OK);
+    CHECK(hsdp_backend_world("nccl", &g, &we) == HSDP_EUNSUPPORTED && strstr(hsdp_last_error(), "NCCL") != NULL);
+    CHECK(hsdp_backend_world("tcp", &g, &we) == HSDP_EINVAL);
+    CHECK(strstr(hsdp_last_error(), "unknown backend 'tcp'; expected one of 'single', 'mpi', 'nccl'") != NULL);
+    CHECK(hsdp_backend_finalize("mpi") == HSDP_OK && hsdp_backend_finalize("tcp") == HSDP_EINVAL);
+    /* host buffers need no backend; a device buffer needs the backend's slot */
+    hsdp_stats st;
+    hsdp_stats_init(&st);
+    CHECK(hsdp_device_alloc(&st, &hsdp_backend_single, HSDP_DEVICE_CUDA, 64) == NULL);
+    CHECK(strstr(hsdp_last_error(), "backend 'single' cannot allocate cuda buffers") != NULL);
+    void *p = hsdp_device_alloc(&st, &hsdp_backend_single, HSDP_DEVICE_HOST, 100);
+    CHECK(p && st.unsharded_bytes == 100 && st.buffer_allocs == 1);
+    hsdp_device_free(&st, &hsdp_backend_single, HSDP_DEVICE_HOST, p, 100);
+    CHECK(st.unsharded_bytes == 0);
+    hsdp_device d;
+    CHECK(hsdp_device_from_name("cuda", &d) == 0 && d == HSDP_DEVICE_CUDA && hsdp_device_from_name("tpu", &d) == -1);
 }
 
 int main(void) {
-    test_no_mpi();
+    test_registry();
     test_exec();
     test_mesh();
     test_layout();

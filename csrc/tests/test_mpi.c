@@ -1,18 +1,17 @@
-/* test_mpi.c - the MPI backend across real ranks (run under mpiexec): a unit's gather
- * rebuilds every parameter on every rank of each shard group of a (2, S/2) or (1, S) mesh,
- * and broadcast over the replicate group copies replica 0's shard. */
+/* test_mpi.c - the MPI backend across real ranks (run under mpiexec), found by name in the
+ * registry: a unit's gather rebuilds every parameter on every rank of each shard group of a
+ * (2, S/2) or (1, S) mesh, broadcast over the replicate group copies replica 0's shard, the
+ * asynchronous slots run gathers on the worker, and all_to_all exchanges blocks. */
 #include <stdlib.h>
 #include <string.h>
 
-#include "../comm.h"
-#include "../exec.h"
-#include "../hsdp.h"
+#include "../backend.h"
 #include "check.h"
 
 int main(void) {
     hsdp_group *world = NULL;
     int we_init = 0;
-    if (hsdp_world_mpi(&world, &we_init) != HSDP_OK) {
+    if (hsdp_backend_world("mpi", &world, &we_init) != HSDP_OK) {
         fprintf(stderr, "%s\n", hsdp_last_error());
         return 2;
     }
@@ -26,9 +25,9 @@ int main(void) {
     hsdp_stats st;
     hsdp_stats_init(&st);
     size_t numels[] = {1000, 3, 257};
-    hsdp_dtype dts[] = {HSDP_F32, HSDP_BF16, HSDP_F16};
+    hsdp_dtype dts[] = {HSDP_F32, HSDP_BF16, HSDP_F16}, cts[] = {HSDP_F32, HSDP_F32, HSDP_F16};
     hsdp_unit u;
-    CHECK(hsdp_unit_init(&u, numels, dts, 3, shard, &st) == HSDP_OK);
+    CHECK(hsdp_unit_init(&u, numels, dts, cts, 3, shard, &st) == HSDP_OK);
     float *src = malloc(1000 * sizeof *src); /* owned here */
     for (int k = 0; k < 1000; k++) src[k] = (float)k * 0.5f;
     for (size_t i = 0; i < 3; i++) CHECK(hsdp_unit_write(&u, i, 0, numels[i], src, HSDP_F32) == HSDP_OK);
@@ -48,9 +47,9 @@ int main(void) {
     CHECK(memcmp((char *)full + u.layout.slots[0].offset, src, 1000 * sizeof(float)) == 0);
     CHECK(hsdp_broadcast(rep, u.shard, 8, R) == HSDP_EINVAL);
     /* two gathers in flight on the worker at once, waited out of order */
-    CHECK(hsdp_mpi_async() == 1 && shard->exec != NULL);
+    CHECK(hsdp_group_overlaps(shard) == 1 && shard->backend->gather_start != NULL);
     hsdp_unit u2;
-    CHECK(hsdp_unit_init(&u2, numels, dts, 3, shard, &st) == HSDP_OK);
+    CHECK(hsdp_unit_init(&u2, numels, dts, cts, 3, shard, &st) == HSDP_OK);
     for (size_t i = 0; i < 3; i++) CHECK(hsdp_unit_write(&u2, i, 0, numels[i], src, HSDP_F32) == HSDP_OK);
     void *full2 = hsdp_buffer_alloc(&st, u2.layout.total_bytes); /* owned here */
     void *wide2 = hsdp_buffer_alloc(&st, u2.widened_bytes);       /* owned here */
@@ -60,7 +59,7 @@ int main(void) {
     CHECK(hsdp_unit_gather_start(&u2, full2, wide2, &r2) == HSDP_OK);
     CHECK(hsdp_unit_gather_wait(&u2, &r2) == HSDP_OK);
     CHECK(hsdp_unit_gather_wait(&u, &r1) == HSDP_OK);
-    CHECK(hsdp_unit_gather_done(&r1) == 0); /* waited: back to idle */
+    CHECK(r1.req.pending == 0 && r1.req.end_ns >= r1.req.start_ns && r1.req.start_ns >= r1.req.submit_ns);
     CHECK(memcmp((char *)full + u.layout.slots[0].offset, src, 1000 * sizeof(float)) == 0);
     CHECK(memcmp((char *)full2 + u2.layout.slots[0].offset, src, 1000 * sizeof(float)) == 0);
     CHECK(memcmp((char *)wide2 + u2.widen_offset[1], src, 3 * sizeof(float)) == 0);
@@ -70,9 +69,23 @@ int main(void) {
     CHECK(hsdp_unit_gather_now(&u, full, wide, &r1) == HSDP_OK);
     CHECK(memcmp((char *)full + u.layout.slots[0].offset, src, 1000 * sizeof(float)) == 0);
     CHECK(memcmp((char *)wide + u.widen_offset[1], src, 3 * sizeof(float)) == 0);
-    /* the raw collective on this thread, with the worker held idle */
-    CHECK(hsdp_all_gather_direct(shard, u.shard, full, u.layout.chunk_bytes) == HSDP_OK);
+    /* the synchronous slot: on this thread while the worker is idle */
+    memset(full, 0, u.layout.total_bytes);
+    CHECK(hsdp_all_gather(shard, u.shard, full, u.layout.chunk_bytes) == HSDP_OK);
     CHECK(memcmp((char *)full + u.layout.slots[0].offset, src, 1000 * sizeof(float)) == 0);
+    /* all_to_all: block j of rank i's send carries (i, j); it arrives as block i at rank j */
+    int P = world->size;
+    int *a2a_send = malloc((size_t)P * 2 * sizeof(int)), *a2a_recv = malloc((size_t)P * 2 * sizeof(int));
+    for (int j = 0; j < P; j++) {
+        a2a_send[2 * j] = world->rank;
+        a2a_send[2 * j + 1] = j;
+    }
+    CHECK(hsdp_all_to_all(world, a2a_send, a2a_recv, 2 * sizeof(int)) == HSDP_OK);
+    int a2a_ok = 1;
+    for (int i = 0; i < P; i++) a2a_ok &= a2a_recv[2 * i] == i && a2a_recv[2 * i + 1] == world->rank;
+    CHECK(a2a_ok);
+    free(a2a_send);
+    free(a2a_recv);
     hsdp_buffer_free(&st, full2, u2.layout.total_bytes);
     hsdp_buffer_free(&st, wide2, u2.widened_bytes);
     hsdp_unit_free(&u2);
@@ -85,6 +98,6 @@ int main(void) {
     hsdp_group_free(shard);
     hsdp_group_free(world);
     int rc = check_report();
-    hsdp_mpi_finalize();
+    hsdp_backend_finalize("mpi");
     return rc;
 }

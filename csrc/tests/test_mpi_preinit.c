@@ -6,9 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../comm.h"
-#include "../exec.h"
-#include "../hsdp.h"
+#include "../backend.h"
 #include "check.h"
 
 int main(int argc, char **argv) {
@@ -17,17 +15,16 @@ int main(int argc, char **argv) {
     MPI_Init_thread(&argc, &argv, want, &provided); /* the other library */
     hsdp_group *world = NULL;
     int we_init = 1;
-    CHECK(hsdp_world_mpi(&world, &we_init) == HSDP_OK);
+    CHECK(hsdp_backend_world("mpi", &world, &we_init) == HSDP_OK);
     CHECK(we_init == 0); /* not ours: hsdp must not finalise it */
-    CHECK(hsdp_mpi_async() == (provided >= MPI_THREAD_SERIALIZED));
-    CHECK((world->exec != NULL) == (provided >= MPI_THREAD_SERIALIZED));
+    CHECK(hsdp_group_overlaps(world) == (provided >= MPI_THREAD_SERIALIZED));
 
     hsdp_stats st;
     hsdp_stats_init(&st);
     size_t numels[] = {257, 3};
-    hsdp_dtype dts[] = {HSDP_F32, HSDP_BF16};
+    hsdp_dtype dts[] = {HSDP_F32, HSDP_BF16}, cts[] = {HSDP_F32, HSDP_F32};
     hsdp_unit u;
-    CHECK(hsdp_unit_init(&u, numels, dts, 2, world, &st) == HSDP_OK);
+    CHECK(hsdp_unit_init(&u, numels, dts, cts, 2, world, &st) == HSDP_OK);
     float src[257];
     for (int k = 0; k < 257; k++) src[k] = (float)k;
     for (size_t i = 0; i < 2; i++) CHECK(hsdp_unit_write(&u, i, 0, numels[i], src, HSDP_F32) == HSDP_OK);

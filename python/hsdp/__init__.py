@@ -8,9 +8,9 @@ nothing: MPI starts on the first process-group use.
 
 from __future__ import annotations
 
-from . import _C, dtypes, trace
+from . import _C, adapters, dtypes, trace
 from .dtypes import DType, bfloat16, float16, float32, float64, float8_e4m3fn, float8_e5m2
-from .hsdp import (
+from .api import (
     HSDPInferenceConfig,
     HSDPShardContext,
     apply_hsdp_to_model,
@@ -50,7 +50,7 @@ def __getattr__(name: str) -> object:
 
 __all__ = [
     "DType", "DeviceMesh", "DiffusionParallelConfig", "HSDPInferenceConfig", "HSDPShardContext",
-    "MixedPrecisionPolicy", "apply_hsdp_to_model", "bfloat16", "dtypes", "empty_pool", "finalize_hsdp_root",
+    "MixedPrecisionPolicy", "adapters", "apply_hsdp_to_model", "bfloat16", "dtypes", "empty_pool", "finalize_hsdp_root",
     "float16", "float32", "float64", "float8_e4m3fn", "float8_e5m2", "get_units",
     "init_device_mesh", "load_checkpoint", "load_model_sharded", "memory_stats", "prepare_hsdp_shard_context", "reshard",
     "resident", "save_checkpoint", "shard_hsdp_module", "shard_model", "trace", "unshard",

@@ -52,15 +52,23 @@ def launched_by_mpi() -> bool:
     return any(k in os.environ for k in _MPI_ENV)
 
 
+def backends() -> dict[str, str | None]:
+    """Every backend the C core registers, by name: None when it is usable here, else the
+    reason it is not (what to install or build)."""
+    return {name: (None if usable else reason) for name, usable, reason in _C.backends()}
+
+
 def init_process_group(backend: str = "auto") -> ProcessGroup:
     """Initialise (once) and return the world group.
 
-    ``backend`` is ``"auto"``, ``"mpi"``, ``"single"`` or ``"nccl"`` (not built yet). Calling
-    it again returns the existing group; asking then for a different backend is an error.
+    ``backend`` is ``"auto"`` or a registered backend's name (:func:`backends`: ``"single"``,
+    ``"mpi"``, ``"nccl"``, not built yet). Calling it again returns the existing group;
+    asking then for a different backend is an error.
     """
     global _world, _atexit_registered
-    if backend not in ("auto", "mpi", "single", "nccl"):
-        raise ValueError(f"backend must be 'auto', 'mpi', 'single' or 'nccl', got {backend!r}")
+    known = backends()
+    if backend != "auto" and backend not in known:
+        raise ValueError(f"backend must be 'auto' or one of {', '.join(map(repr, known))}, got {backend!r}")
     if _world is not None:
         if backend not in ("auto", _world.backend):
             raise RuntimeError(
@@ -81,7 +89,7 @@ def init_process_group(backend: str = "auto") -> ProcessGroup:
                 )
             backend = "single"
     _world = _C.ProcessGroup(backend)
-    if _world.backend == "mpi" and not hasattr(sys.excepthook, "__wrapped__"):
+    if _world.backend != "single" and not hasattr(sys.excepthook, "__wrapped__"):  # ranks of a multi-process job
         sys.excepthook = _note_failure(sys.excepthook)
     if not _atexit_registered:
         atexit.register(destroy_process_group)
@@ -121,7 +129,8 @@ def cache_mesh(key: tuple[str, tuple[int, ...]], mesh: "DeviceMesh") -> None:
 
 
 def destroy_process_group() -> None:
-    """Drop the world group and cached meshes; finalise MPI if hsdp initialised it.
+    """Drop the world group and cached meshes; finalise the backends hsdp started (MPI, when
+    hsdp initialised it).
 
     MPI cannot be initialised twice in one process, so after this an MPI job cannot create a
     new group. It runs at interpreter exit by itself.
@@ -132,4 +141,4 @@ def destroy_process_group() -> None:
     if _failed:
         log.error("hsdp: an uncaught exception ended this rank; leaving MPI unfinalised so the launcher ends the job")
         return
-    _C.finalize_mpi()
+    _C.finalize_backends()

@@ -5,6 +5,9 @@ compares equal to the plain strings the C core returns and needs no conversion a
 boundary. It also knows its item size and the NumPy dtype values of it are *computed* in:
 NumPy has no bfloat16 or float8 arithmetic, so those are held widened to float32 while
 unsharded (the shard and the wire stay narrow; see docs/design.md).
+
+The table is the core's (``_C.dtype_table()``: names, sizes, which are floats, and the
+NumPy compute dtype from the wrapper's NumPy bridge); only the aliases are written here.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+
+from . import _C
 
 
 class DType(str):
@@ -39,27 +44,25 @@ class DType(str):
         return (as_dtype, (self.name,))
 
 
-float32 = DType("float32", 4, True, "float32")
-float16 = DType("float16", 2, True, "float16")
-bfloat16 = DType("bfloat16", 2, True, "float32")
-float8_e4m3fn = DType("float8_e4m3fn", 1, True, "float32")
-float8_e5m2 = DType("float8_e5m2", 1, True, "float32")
-float64 = DType("float64", 8, True, "float64")
-bool_ = DType("bool", 1, False, "bool")
-uint8 = DType("uint8", 1, False, "uint8")
-int8 = DType("int8", 1, False, "int8")
-uint16 = DType("uint16", 2, False, "uint16")
-int16 = DType("int16", 2, False, "int16")
-uint32 = DType("uint32", 4, False, "uint32")
-int32 = DType("int32", 4, False, "int32")
-uint64 = DType("uint64", 8, False, "uint64")
-int64 = DType("int64", 8, False, "int64")
-
-ALL: tuple[DType, ...] = (
-    float32, float16, bfloat16, float8_e4m3fn, float8_e5m2, float64, bool_,
-    uint8, int8, uint16, int16, uint32, int32, uint64, int64,
-)
+ALL: tuple[DType, ...] = tuple(DType(*row) for row in _C.dtype_table())
 _BY_NAME: dict[str, DType] = {d.name: d for d in ALL}
+
+float32 = _BY_NAME["float32"]
+float16 = _BY_NAME["float16"]
+bfloat16 = _BY_NAME["bfloat16"]
+float8_e4m3fn = _BY_NAME["float8_e4m3fn"]
+float8_e5m2 = _BY_NAME["float8_e5m2"]
+float64 = _BY_NAME["float64"]
+bool_ = _BY_NAME["bool"]
+uint8 = _BY_NAME["uint8"]
+int8 = _BY_NAME["int8"]
+uint16 = _BY_NAME["uint16"]
+int16 = _BY_NAME["int16"]
+uint32 = _BY_NAME["uint32"]
+int32 = _BY_NAME["int32"]
+uint64 = _BY_NAME["uint64"]
+int64 = _BY_NAME["int64"]
+
 _ALIASES: dict[str, DType] = {
     "fp32": float32, "float": float32, "f32": float32,
     "fp16": float16, "half": float16, "f16": float16,

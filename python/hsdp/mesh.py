@@ -1,9 +1,9 @@
 """The (replicate, shard) device mesh over the world group.
 
-World ranks are laid row-major, ``rank = r * S + s`` (the arithmetic and its validation are
-in the C core, mesh.c): a shard group is S consecutive ranks, a replicate group the ranks
-with the same ``s``. Creating a mesh splits the world group, a collective, so every rank
-must create the same meshes in the same order; meshes are cached per shape.
+World ranks are laid row-major, ``rank = r * S + s`` (the arithmetic and its one validation
+are in the C core, mesh.c): a shard group is S consecutive ranks, a replicate group the
+ranks with the same ``s``. Creating a mesh splits the world group, a collective, so every
+rank must create the same meshes in the same order; meshes are cached per shape.
 """
 
 from __future__ import annotations
@@ -12,16 +12,20 @@ from collections.abc import Sequence
 
 from . import _C, distributed
 
-_SUPPORTED_DEVICES = ("cpu",)
+# The backends a mesh of each device type runs on, as the C registry names them.
+DEVICE_BACKENDS: dict[str, tuple[str, ...]] = {"cpu": ("mpi", "single"), "cuda": ("nccl",)}
 
 
 def check_device_type(device_type: str) -> str:
-    if device_type in ("cuda", "gpu"):
-        raise NotImplementedError(
-            "the NCCL (GPU) backend is not built yet; use device_type='cpu' (MPI ranks) for now"
-        )
-    if device_type not in _SUPPORTED_DEVICES:
-        raise ValueError(f"device_type must be 'cpu', got {device_type!r}")
+    """The device type, if a backend for it is built and usable here; else the registry's
+    reason (NotImplementedError), or ValueError for a name that is no device type."""
+    device_type = "cuda" if device_type == "gpu" else device_type
+    names = DEVICE_BACKENDS.get(device_type)
+    if names is None:
+        raise ValueError(f"device_type must be one of {', '.join(map(repr, DEVICE_BACKENDS))}, got {device_type!r}")
+    reasons = [distributed.backends()[n] for n in names]
+    if all(r is not None for r in reasons):
+        raise NotImplementedError(f"device_type={device_type!r}: {reasons[0]}")
     return device_type
 
 
@@ -43,13 +47,16 @@ class DeviceMesh:
         if len(names) != 2 or len(set(names)) != 2:
             raise ValueError(f"mesh_dim_names must be two distinct names, got {names!r}")
         world = distributed.init_process_group()
-        replicate, shard = shape
-        if replicate <= 0 or shard <= 0 or replicate * shard != world.size:
-            raise ValueError(
-                f"mesh shape ({replicate}, {shard}) holds {replicate * shard} ranks but the world "
-                f"size is {world.size}"
+        if world.backend not in DEVICE_BACKENDS[self.device_type]:
+            raise RuntimeError(
+                f"a {self.device_type!r} mesh needs backend {' or '.join(DEVICE_BACKENDS[self.device_type])}, but "
+                f"the process group runs on {world.backend!r}"
             )
-        coords = _C.mesh_coords(world.size, world.rank, replicate, shard)
+        try:
+            coords = _C.mesh_coords(world.size, world.rank, *shape)
+        except ValueError as exc:
+            raise ValueError(f"mesh shape {shape}: {exc}") from None
+        replicate, shard = coords["replicate"], coords["shard"]
         self.shape: tuple[int, int] = (replicate, shard)
         self.mesh_dim_names: tuple[str, str] = (names[0], names[1])
         self.world = world

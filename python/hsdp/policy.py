@@ -1,18 +1,16 @@
 """MixedPrecisionPolicy: which dtype shards are stored and gathered in.
 
 Inference has no master weights, so ``param_dtype`` is applied once, when a parameter is
-sharded: the shard and the wire are in ``param_dtype``. NumPy has no bfloat16 or float8, so
-those are widened to float32 in C as part of unsharding; float16, float32 and float64
-parameters are unsharded as views of their own dtype. (hsdp.nn's layers then compute in
-float32, or float64 when both operands are float64.)
+sharded: the shard and the wire are in ``param_dtype``. What a parameter is then computed
+in is the framework's choice, asked of its adapter (``TensorAdapter.compute_dtype``): NumPy
+has no bfloat16 or float8, so the NumPy adapter computes those in float32 (converted in C
+while unsharding); torch computes in them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
-
-import numpy as np
 
 from .dtypes import DType, as_dtype
 
@@ -38,8 +36,9 @@ class MixedPrecisionPolicy:
             object.__setattr__(self, name, _opt(getattr(self, name), name))
 
     @property
-    def input_dtype(self) -> np.dtype | None:
-        """The NumPy dtype floating forward inputs are cast to, or None for no cast."""
+    def input_dtype(self) -> DType | None:
+        """The dtype floating forward inputs are cast to (the adapter casts them to what it
+        computes that dtype in), or None for no cast."""
         if not self.cast_forward_inputs or self.param_dtype is None:
             return None
-        return self.param_dtype.compute
+        return self.param_dtype

@@ -36,7 +36,7 @@ log = logging.getLogger("hsdp")
 # Every live schedule's steady-state need, per buffer size. Models take turns on one thread,
 # so the pool must cover, size by size, the largest need of any of them.
 _needs: "weakref.WeakKeyDictionary[Schedule, Counter[int]]" = weakref.WeakKeyDictionary()
-_POOL_SLOTS = 256  # the C pool's capacity (module.c POOL_SLOTS)
+_POOL_SLOTS: int = _C.POOL_SLOTS  # the C pool's capacity, read from the core
 _KNOWN_ORDERS = 4  # recorded orders a schedule remembers, most recently used first
 
 

@@ -4,7 +4,8 @@ files in Perfetto (ui.perfetto.dev) or chrome://tracing: gathers that hide behin
 show as worker spans under compute spans with no wait between them.
 
 Turned on by the environment variable ``HSDP_TRACE=DIR`` or by :func:`enable`. When it is
-off the hooks check one module-level boolean and nothing else.
+off the hooks check one module-level boolean and nothing else. This module only records
+what the hooks did; it never gathers or reshards anything itself.
 """
 
 from __future__ import annotations
@@ -62,13 +63,9 @@ def _span(name: str, tid: int, start_ns: int, end_ns: int, **args: Any) -> None:
                     "dur": max(end_ns - start_ns, 0) / 1e3, "args": args})
 
 
-def unshard(st: UnitState) -> None:
-    """Unshards st (waiting for a prefetch if one is in flight), recording the wait and the
-    gather's own span on the worker."""
-    t0 = _C.now_ns()
-    prefetched = st.unit.is_pending
-    st.unit.unshard()
-    t1 = _C.now_ns()
+def record_unshard(st: UnitState, t0: int, t1: int, prefetched: bool) -> None:
+    """Records an unshard the hook did between t0 and t1 (waiting for a prefetch when one was
+    in flight) and the gather's own span on the worker. Records only: it acts on nothing."""
     submit, start, end = st.unit.gather_times()
     _span(f"wait {st.label}", _PY, t0, t1, prefetched=prefetched)
     _span(f"gather {st.label}", _WORKER, start, end, bytes=st.unit.total_bytes,

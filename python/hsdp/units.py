@@ -1,38 +1,24 @@
 """A sharded module's unit: the C unit that holds its flat shard, and the forward hooks.
 
-The hot path is two C calls per unit per forward (``Unit.unshard`` and ``Unit.reshard``);
-they set every parameter's ``_data`` themselves, so there is no per-parameter Python loop.
+The hot path is two C calls per unit per forward (``Unit.unshard`` and ``Unit.reshard``).
+With an adapter whose views the C unit binds (``bind_attr``), they set every parameter's
+view themselves, so there is no per-parameter Python loop; other adapters bind after the
+gather and unbind before the reshard. Everything framework-specific goes through the
+unit's adapter.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from . import _C, trace
 from .dtypes import DType
 from .policy import MixedPrecisionPolicy
 from .schedule import Schedule
 
-
-def _cast_tree(obj: Any, dtype: np.dtype, round_to: str | None = None) -> Any:
-    """Casts floating NumPy arrays in (nested) tuples, lists and dicts to dtype; with
-    round_to (bfloat16, float8), values are first rounded to that dtype."""
-    if isinstance(obj, np.ndarray):
-        if obj.dtype.kind != "f":
-            return obj
-        if round_to is not None:
-            return _C.round_to(np.ascontiguousarray(obj, dtype=np.float32), round_to)
-        return obj.astype(dtype) if obj.dtype != dtype else obj
-    if isinstance(obj, tuple):
-        return tuple(_cast_tree(x, dtype, round_to) for x in obj)
-    if isinstance(obj, list):
-        return [_cast_tree(x, dtype, round_to) for x in obj]
-    if isinstance(obj, dict):
-        return {k: _cast_tree(v, dtype, round_to) for k, v in obj.items()}
-    return obj
+if TYPE_CHECKING:
+    from .adapters import TensorAdapter
 
 
 class UnitState:
@@ -49,8 +35,12 @@ class UnitState:
         reshard_after_forward: bool,
         policy: MixedPrecisionPolicy,
         is_root: bool,
+        adapter: TensorAdapter,
     ) -> None:
         self.module = module
+        self.adapter = adapter
+        self._binds = adapter.bind_attr is None  # the adapter binds views, not the C unit
+        self._bound = False
         self.fqn = fqn
         self.unit = unit
         self.params = params
@@ -60,10 +50,7 @@ class UnitState:
         self.policy = policy
         self.is_root = is_root
         self._input_dtype = policy.input_dtype
-        out = policy.output_dtype if is_root else None
-        self._output_dtype = out.compute if out is not None else None
-        # NumPy holds bfloat16/float8 outputs as float32 values rounded to that dtype
-        self._output_round = out.name if out is not None and out.compute.itemsize != out.itemsize else None
+        self._output_dtype = policy.output_dtype if is_root else None
         # Set by an explicit hsdp.unshard() (or hsdp.resident): forwards then leave the
         # unit unsharded until hsdp.reshard().
         self._explicit = False
@@ -81,20 +68,14 @@ class UnitState:
     def commit(self) -> None:
         """Switch the parameters to their sharded state and install the hooks."""
         state = f"sharded by hsdp in unit '{self.label}'"
-        for p, dt in zip(self.params, self.storage_dtypes):
-            p._data = None
-            p._dtype = dt
-            p._hsdp_state = state
-        self._handles.append(self.module.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
-        self._handles.append(
-            self.module.register_forward_hook(self._post_forward, with_kwargs=True, always_call=True)
-        )
+        self.adapter.mark_sharded(self.params, self.storage_dtypes, state)
+        self._handles.extend(self.adapter.add_hooks(self.module, self._pre_forward, self._post_forward))
         object.__setattr__(self.module, "_hsdp_unit", self)
 
     def mark_broken(self, reason: str) -> None:
         """Makes every later use of this unit raise `reason` (a failed load, say)."""
         self.broken = reason
-        self.unit.reshard()
+        self._reshard_unit()
 
     def _check(self) -> None:
         if self.broken is not None:
@@ -110,16 +91,13 @@ class UnitState:
             if sched.in_forward:
                 sched.enter(self)  # records the order, or notices a departure from it
         if not self.unit.is_unsharded:
-            if trace.enabled:
-                trace.unshard(self)
-            else:
-                self.unit.unshard()  # waits for a prefetched gather, or gathers now
+            self._unshard_unit()  # waits for a prefetched gather, or gathers now
         if sched is not None and sched.in_forward:
             sched.prefetch()  # the next units gather while this one computes
         if trace.enabled:
             trace.compute_begin(self)
         if self._input_dtype is not None:
-            return _cast_tree(args, self._input_dtype), _cast_tree(kwargs, self._input_dtype)
+            return self.adapter.cast_inputs(args, kwargs, self._input_dtype)
         return None
 
     def _post_forward(self, module: Any, args: Any, kwargs: Any, output: Any) -> Any:
@@ -129,11 +107,11 @@ class UnitState:
         if sched is not None and sched.in_forward:
             sched.leave(self)
         if self.reshard_after_forward and not self._explicit:
-            self.unit.reshard()
+            self._reshard_unit()
         if sched is not None and self.is_root and sched.in_forward:
             sched.end()
         if self._output_dtype is not None:
-            return _cast_tree(output, self._output_dtype, self._output_round)
+            return self.adapter.cast_output(output, self._output_dtype)
         return None
 
     def prefetched_by_schedule(self) -> None:
@@ -144,7 +122,7 @@ class UnitState:
     def release_prefetch(self) -> None:
         """A prefetched unit the forward did not reach: give its buffers back."""
         if not self._explicit:
-            self.unit.reshard()
+            self._reshard_unit()
 
     def unshard(self, async_op: bool = False) -> "UnitShardHandle | None":
         self._check()
@@ -152,11 +130,40 @@ class UnitState:
         if async_op:
             self.unit.start_unshard()
             return UnitShardHandle(self)
-        self.unit.unshard()
+        self._unshard_unit()
         return None
 
     def reshard(self) -> None:
         self._explicit = False
+        self._reshard_unit()
+
+    # ---------------------------------------------------------------- the C unit, bound
+
+    def _unshard_unit(self) -> None:
+        """Gathers (or waits for the gather in flight) and binds the views."""
+        if trace.enabled:
+            t0 = _C.now_ns()
+            prefetched = self.unit.is_pending
+            self.unit.unshard()
+            trace.record_unshard(self, t0, _C.now_ns(), prefetched)
+        else:
+            self.unit.unshard()
+        if self._binds and not self._bound:
+            self.adapter.bind(self)
+            self._bound = True
+
+    def _wait_unit(self) -> None:
+        """Waits for an explicitly started gather and binds the views."""
+        self.unit.wait()
+        if self._binds and not self._bound and self.unit.is_unsharded:
+            self.adapter.bind(self)
+            self._bound = True
+
+    def _reshard_unit(self) -> None:
+        """Unbinds (so no view of ours keeps the buffers from the pool) and reshards."""
+        if self._bound:
+            self._bound = False
+            self.adapter.unbind(self)
         self.unit.reshard()
 
     def __repr__(self) -> str:
@@ -172,7 +179,7 @@ class UnitShardHandle:
 
     def wait(self) -> None:
         for u in self._units:
-            u.unit.wait()
+            u._wait_unit()
 
     def is_completed(self) -> bool:
         return not any(u.unit.is_pending for u in self._units)

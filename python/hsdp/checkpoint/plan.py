@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..adapters import adapter_for
 from .errors import CheckpointError, CheckpointKeyError
 from .format import TensorEntry
 from .index import Checkpoint
@@ -93,10 +94,10 @@ def _check_keys(
     raise CheckpointKeyError("\n".join(lines))
 
 
-def _mismatch(name: str, p: Any, e: TensorEntry) -> str | None:
-    if tuple(p.shape) != e.shape:
-        return f"{e.where}: shape {e.shape} does not match parameter '{name}' of shape {tuple(p.shape)}"
-    pd = p.dtype
+def _mismatch(ad: Any, name: str, p: Any, e: TensorEntry) -> str | None:
+    if ad.shape(p) != e.shape:
+        return f"{e.where}: shape {e.shape} does not match parameter '{name}' of shape {ad.shape(p)}"
+    pd = ad.dtype(p)
     # Floats convert (rounding to the storage dtype); integers and bools must match exactly,
     # as the C data path requires: a silent int cast would change packed weights.
     if e.dtype != pd and not (e.dtype.is_floating_point and pd.is_floating_point):
@@ -106,12 +107,13 @@ def _mismatch(name: str, p: Any, e: TensorEntry) -> str | None:
 
 def plan_load(model: Any, ckpt: Checkpoint, key_map: KeyMap | None = None) -> LoadPlan:
     """Every parameter's entry, or an error; reads no tensor data and changes nothing."""
+    ad = adapter_for(model)
     aliases: dict[int, list[str]] = {}
     params: dict[int, Any] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
+    for name, p in ad.named_parameters(model, remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
         params[id(p)] = p
-        if getattr(p, "_hsdp_state", None) is not None:
+        if ad.is_sharded(p):
             raise RuntimeError(f"parameter '{name}' is already sharded by hsdp; load into a fresh (meta) model")
     found = map_names(ckpt, key_map)
     _check_keys(model, ckpt, found, aliases, key_map is not None)
@@ -121,7 +123,7 @@ def plan_load(model: Any, ckpt: Checkpoint, key_map: KeyMap | None = None) -> Lo
         present = [n for n in names if n in found]
         item = PlannedParam(names[0], params[pid], found[present[0]])  # tied weights: the first name present
         for n in present:  # but every tied name the checkpoint holds must fit the parameter
-            if (msg := _mismatch(n, item.param, found[n])) is not None:
+            if (msg := _mismatch(ad, n, item.param, found[n])) is not None:
                 errors.append(msg)
         items.append(item)
     if errors:

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from .. import distributed
-from ..hsdp import _post_order, finalize_hsdp_root, prepare_hsdp_shard_context, shard_hsdp_module
+from ..api import _post_order, finalize_hsdp_root, prepare_hsdp_shard_context, shard_hsdp_module
 from ..units import UnitState
 from .errors import in_context
 from .index import Checkpoint, CheckpointPath, open_checkpoint
@@ -121,9 +121,10 @@ class _Loader:
             items = [it for it in self.plan.items if it.param in self.ctx.ignored_params]
             # Every read first, so a short read changes no parameter at all.
             values = [read_tensor(it.entry) for it in items]
+            ad = self.ctx.adapter
             for it, value in zip(items, values):
-                self.filled_whole.append((it.param, it.param._data))
-                it.param.data = value
+                self.filled_whole.append((it.param, ad.values(it.param)))
+                ad.assign(it.param, value)
             n = sum(it.entry.nbytes for it in items)
             self.bytes_read += n
             return None, n
@@ -153,7 +154,7 @@ class _Loader:
         for st in self.ctx.units:
             st.mark_broken(reason)
         for p, before in reversed(self.filled_whole):
-            p._data = before  # as it was (meta: None): nothing half-loaded stays behind
+            self.ctx.adapter.restore(p, before)  # as it was (meta: None): nothing half-loaded stays behind
 
 
 def load_model_sharded(

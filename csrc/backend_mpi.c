@@ -1,17 +1,19 @@
-/* comm_mpi.c - the MPI backend for CPU ranks on one host or many. Compiled only when an MPI
- * implementation was found at build time (HSDP_HAVE_MPI); otherwise every entry point says
- * what to install. hsdp initialises MPI only when nobody has (mpi4py may have), and asks
- * for MPI_THREAD_MULTIPLE so that a progress thread can own the collectives. Every
- * communicator returns errors instead of aborting, so a failed collective becomes a Python
- * exception. */
+/* backend_mpi.c - the MPI backend for CPU ranks on one host or many. Compiled only when an
+ * MPI implementation was found at build time (HSDP_HAVE_MPI); otherwise the backend reports
+ * itself unusable with what to install. hsdp initialises MPI only when nobody has (mpi4py
+ * may have), at MPI_THREAD_SERIALIZED: every MPI call runs on one worker thread (exec.c), so
+ * one thread calls MPI at a time. That worker is how this backend implements its
+ * asynchronous slots. Every communicator returns errors instead of aborting, so a failed
+ * collective becomes a Python exception. */
 #if defined(HSDP_HAVE_MPI)
 #define _GNU_SOURCE /* dladdr */
 #include <dlfcn.h>
 #include <limits.h>
 #include <mpi.h>
+#include <stdio.h>
 #include <stdlib.h>
 
-#include "comm.h"
+#include "backend.h"
 #include "exec.h"
 
 /* The worker thread every MPI call runs on. MPI is process-wide, so is its worker: created
@@ -58,7 +60,7 @@ static hsdp_status byte_count(size_t nbytes, int *count, MPI_Datatype *type, int
     return HSDP_OK;
 }
 
-static hsdp_status mpi_all_gather(hsdp_group *g, const void *send, void *recv, size_t nbytes) {
+static hsdp_status raw_all_gather(hsdp_group *g, const void *send, void *recv, size_t nbytes) {
     REQUIRE_LIVE();
     int count, owned;
     MPI_Datatype type;
@@ -70,7 +72,7 @@ static hsdp_status mpi_all_gather(hsdp_group *g, const void *send, void *recv, s
     return rc == MPI_SUCCESS ? HSDP_OK : mpi_fail(rc, "MPI_Allgather");
 }
 
-static hsdp_status mpi_broadcast(hsdp_group *g, void *buf, size_t nbytes, int root) {
+static hsdp_status raw_broadcast(hsdp_group *g, void *buf, size_t nbytes, int root) {
     REQUIRE_LIVE();
     if (root < 0 || root >= g->size)
         return hsdp_fail(HSDP_EINVAL, "broadcast root %d is outside a group of %d", root, g->size);
@@ -83,15 +85,26 @@ static hsdp_status mpi_broadcast(hsdp_group *g, void *buf, size_t nbytes, int ro
     return rc == MPI_SUCCESS ? HSDP_OK : mpi_fail(rc, "MPI_Bcast");
 }
 
-static hsdp_status mpi_barrier(hsdp_group *g) {
+static hsdp_status raw_barrier(hsdp_group *g) {
     REQUIRE_LIVE();
     int rc = MPI_Barrier(comm_of(g));
     return rc == MPI_SUCCESS ? HSDP_OK : mpi_fail(rc, "MPI_Barrier");
 }
 
+static hsdp_status raw_all_to_all(hsdp_group *g, const void *send, void *recv, size_t nbytes) {
+    REQUIRE_LIVE();
+    int count, owned;
+    MPI_Datatype type;
+    hsdp_status st = byte_count(nbytes, &count, &type, &owned);
+    if (st != HSDP_OK) return st;
+    int rc = MPI_Alltoall(send, count, type, recv, count, type, comm_of(g));
+    if (owned) MPI_Type_free(&type);
+    return rc == MPI_SUCCESS ? HSDP_OK : mpi_fail(rc, "MPI_Alltoall");
+}
+
 static hsdp_status wrap(MPI_Comm c, hsdp_group **out);
 
-static hsdp_status mpi_split(hsdp_group *g, int color, int key, hsdp_group **out) {
+static hsdp_status raw_split(hsdp_group *g, int color, int key, hsdp_group **out) {
     REQUIRE_LIVE();
     MPI_Comm c;
     int rc = MPI_Comm_split(comm_of(g), color, key, &c);
@@ -99,21 +112,13 @@ static hsdp_status mpi_split(hsdp_group *g, int color, int key, hsdp_group **out
     return wrap(c, out);
 }
 
-static void mpi_free(hsdp_group *g) {
+static void raw_free(hsdp_group *g) {
     /* After MPI_Finalize a communicator may no longer be freed; the process is ending. */
     if (!mpi_done()) MPI_Comm_free((MPI_Comm *)g->impl);
     free(g->impl);
     free(g);
 }
 
-static const hsdp_comm_ops mpi_ops = {
-    .name = "mpi",
-    .all_gather = mpi_all_gather,
-    .broadcast = mpi_broadcast,
-    .barrier = mpi_barrier,
-    .split = mpi_split,
-    .free = mpi_free,
-};
 
 /* Takes ownership of c. */
 static hsdp_status wrap(MPI_Comm c, hsdp_group **out) {
@@ -127,7 +132,7 @@ static hsdp_status wrap(MPI_Comm c, hsdp_group **out) {
         return hsdp_fail(HSDP_ENOMEM, "could not allocate a process group");
     }
     *h = c;
-    *g = (hsdp_group){.ops = &mpi_ops, .impl = h, .exec = mpi_worker};
+    *g = (hsdp_group){.backend = &hsdp_backend_mpi, .impl = h};
     MPI_Comm_rank(c, &g->rank);
     MPI_Comm_size(c, &g->size);
     *out = g;
@@ -142,7 +147,113 @@ static void promote_libmpi(void) {
         (void)dlopen(info.dli_fname, RTLD_NOW | RTLD_GLOBAL | RTLD_NOLOAD);
 }
 
-int hsdp_mpi_compiled(void) { return 1; }
+/* ---------------------------------------------------------------- on the worker */
+/* Every call is queued on the worker (or run on this thread while the worker is idle with an
+ * empty queue, holding its lock: see hsdp_exec_call), so MPI sees one calling thread at a
+ * time and calls keep program order, which collectives across ranks require. */
+typedef struct {
+    hsdp_group *g;
+    const void *send;
+    void *recv;
+    size_t nbytes;
+    int root, color, key;
+    hsdp_group **out;
+} call_args;
+
+static hsdp_status do_all_gather(void *p) {
+    call_args *a = p;
+    return raw_all_gather(a->g, a->send, a->recv, a->nbytes);
+}
+static hsdp_status do_broadcast(void *p) {
+    call_args *a = p;
+    return raw_broadcast(a->g, a->recv, a->nbytes, a->root);
+}
+static hsdp_status do_barrier(void *p) {
+    call_args *a = p;
+    return raw_barrier(a->g);
+}
+static hsdp_status do_all_to_all(void *p) {
+    call_args *a = p;
+    return raw_all_to_all(a->g, a->send, a->recv, a->nbytes);
+}
+static hsdp_status do_split(void *p) {
+    call_args *a = p;
+    return raw_split(a->g, a->color, a->key, a->out);
+}
+static hsdp_status do_free(void *p) {
+    raw_free(p);
+    return HSDP_OK;
+}
+
+static hsdp_status mpi_all_gather(hsdp_group *g, const void *send, void *recv, size_t nbytes) {
+    call_args a = {.g = g, .send = send, .recv = recv, .nbytes = nbytes};
+    return hsdp_exec_run(mpi_worker, do_all_gather, &a);
+}
+static hsdp_status mpi_broadcast(hsdp_group *g, void *buf, size_t nbytes, int root) {
+    call_args a = {.g = g, .recv = buf, .nbytes = nbytes, .root = root};
+    return hsdp_exec_run(mpi_worker, do_broadcast, &a);
+}
+static hsdp_status mpi_barrier(hsdp_group *g) {
+    call_args a = {.g = g};
+    return hsdp_exec_run(mpi_worker, do_barrier, &a);
+}
+static hsdp_status mpi_all_to_all(hsdp_group *g, const void *send, void *recv, size_t nbytes) {
+    call_args a = {.g = g, .send = send, .recv = recv, .nbytes = nbytes};
+    return hsdp_exec_run(mpi_worker, do_all_to_all, &a);
+}
+static hsdp_status mpi_split(hsdp_group *g, int color, int key, hsdp_group **out) {
+    call_args a = {.g = g, .color = color, .key = key, .out = out};
+    return hsdp_exec_run(mpi_worker, do_split, &a);
+}
+static void mpi_free(hsdp_group *g) { (void)hsdp_exec_run(mpi_worker, do_free, g); }
+
+/* ---------------------------------------------------------------- asynchronous slots */
+/* A started gather: a worker task, kept in the request's backend state. */
+typedef struct {
+    hsdp_task task;
+    hsdp_req *r;
+    const void *send;
+    void *recv;
+    size_t nbytes;
+} gather_task;
+_Static_assert(sizeof(gather_task) <= HSDP_REQ_STATE_BYTES, "HSDP_REQ_STATE_BYTES must hold an MPI gather task");
+
+static hsdp_status gather_job(void *p) {
+    gather_task *t = p;
+    hsdp_status st = raw_all_gather(t->r->g, t->send, t->recv, t->nbytes);
+    if (st == HSDP_OK && t->r->then) st = t->r->then(t->r->then_arg);
+    return st;
+}
+
+static hsdp_status mpi_gather_start(hsdp_req *r, const void *send, void *recv, size_t nbytes) {
+    gather_task *t = (gather_task *)(void *)r->state;
+    *t = (gather_task){.task = {.fn = gather_job, .arg = t}, .r = r, .send = send, .recv = recv, .nbytes = nbytes};
+    /* With a worker this only queues; without one (thread level below SERIALIZED) it runs
+     * here before returning. */
+    hsdp_exec_submit(mpi_worker, &t->task);
+    return HSDP_OK;
+}
+
+static void mpi_gather_wait(hsdp_req *r) {
+    gather_task *t = (gather_task *)(void *)r->state;
+    r->status = hsdp_task_wait(mpi_worker, &t->task);
+    if (r->status != HSDP_OK) snprintf(r->err, sizeof r->err, "%s", t->task.err);
+    r->submit_ns = t->task.submit_ns;
+    r->start_ns = t->task.start_ns;
+    r->end_ns = t->task.end_ns;
+}
+
+/* False again once MPI is finalised (the worker is stopped). */
+static int mpi_overlaps(const hsdp_group *g) {
+    (void)g;
+    return hsdp_exec_running(mpi_worker);
+}
+
+/* ---------------------------------------------------------------- world and finalisation */
+static int mpi_usable(const char **why) {
+    *why = NULL;
+    return 1;
+}
 
 static hsdp_status dup_world(void *out) {
     MPI_Comm c;
@@ -151,7 +262,7 @@ static hsdp_status dup_world(void *out) {
     return wrap(c, out);
 }
 
-hsdp_status hsdp_world_mpi(hsdp_group **out, int *we_init) {
+static hsdp_status mpi_world(hsdp_group **out, int *we_init) {
     int initialized = 0;
     *we_init = 0;
     if (mpi_done()) return hsdp_fail(HSDP_ESTATE, "MPI has already been finalised in this process");
@@ -177,9 +288,7 @@ hsdp_status hsdp_world_mpi(hsdp_group **out, int *we_init) {
     return hsdp_exec_run(mpi_worker, dup_world, out);
 }
 
-int hsdp_mpi_async(void) { return hsdp_exec_running(mpi_worker); }
-
-hsdp_status hsdp_mpi_finalize(void) {
+static hsdp_status mpi_finalize(void) {
     int initialized = 0;
     MPI_Initialized(&initialized);
     if (!initialized || mpi_done()) return HSDP_OK;
@@ -190,8 +299,24 @@ hsdp_status hsdp_mpi_finalize(void) {
     return rc == MPI_SUCCESS ? HSDP_OK : mpi_fail(rc, "MPI_Finalize");
 }
 
+const hsdp_backend hsdp_backend_mpi = {
+    .name = "mpi",
+    .usable = mpi_usable,
+    .world = mpi_world,
+    .all_gather = mpi_all_gather,
+    .broadcast = mpi_broadcast,
+    .barrier = mpi_barrier,
+    .all_to_all = mpi_all_to_all,
+    .split = mpi_split,
+    .free = mpi_free,
+    .gather_start = mpi_gather_start,
+    .gather_wait = mpi_gather_wait,
+    .overlaps = mpi_overlaps,
+    .finalize = mpi_finalize,
+};
+
 #else /* no MPI at build time */
-#include "comm.h"
+#include "backend.h"
 
 static const char no_mpi[] =
     "hsdp was built without MPI, so it cannot run across processes. Install an MPI "
@@ -199,14 +324,17 @@ static const char no_mpi[] =
     "then reinstall hsdp (pip install --force-reinstall --no-binary hsdp hsdp, or pip install . "
     "from a checkout)";
 
-int hsdp_mpi_compiled(void) { return 0; }
-int hsdp_mpi_async(void) { return 0; }
+static int mpi_usable(const char **why) {
+    *why = no_mpi;
+    return 0;
+}
 
-hsdp_status hsdp_world_mpi(hsdp_group **out, int *we_init) {
+static hsdp_status mpi_world(hsdp_group **out, int *we_init) {
     *out = NULL;
     *we_init = 0;
     return hsdp_fail(HSDP_EUNSUPPORTED, "%s", no_mpi);
 }
 
-hsdp_status hsdp_mpi_finalize(void) { return HSDP_OK; }
+/* Known by name so that asking for it says what to install; never yields a group. */
+const hsdp_backend hsdp_backend_mpi = {.name = "mpi", .usable = mpi_usable, .world = mpi_world};
 #endif

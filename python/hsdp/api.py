@@ -6,7 +6,8 @@ unit, children first, then the root). The streaming path calls the same pieces o
 a time: ``shard_hsdp_module`` per completed child, ``finalize_hsdp_root`` at the end.
 
 Every step validates and builds its units before it touches the model, so an error leaves
-the model as it was.
+the model as it was. Modules and parameters are reached only through the model's tensor
+adapter (``hsdp.adapters``), so the same code shards any framework that has one.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import _C, distributed
+from .adapters import TensorAdapter, adapter_for
 from .dtypes import DType, float8_e4m3fn, float8_e5m2
 from .mesh import DeviceMesh, init_device_mesh
 from .policy import MixedPrecisionPolicy
@@ -35,6 +37,7 @@ class HSDPShardContext:
     """Everything sharding needs, prepared once and reused block by block."""
 
     model: Any
+    adapter: TensorAdapter
     mesh: DeviceMesh
     mp_policy: MixedPrecisionPolicy
     reshard_after_forward: bool
@@ -59,55 +62,17 @@ class HSDPShardContext:
 # ---------------------------------------------------------------------------- helpers
 
 
-def _require_module(model: Any, what: str = "model") -> None:
-    from .nn import Module
-
-    if isinstance(model, Module):
-        return
-    if hasattr(model, "named_modules") and type(model).__module__.startswith("torch"):
-        raise NotImplementedError(
-            f"{what} is a torch module; sharding torch modules needs the DLPack path, which is "
-            "not built yet. Build the model with hsdp.nn for now."
-        )
-    raise TypeError(f"{what} must be an hsdp.nn.Module, got {type(model).__name__}")
+def _require_module(model: Any, what: str = "model") -> TensorAdapter:
+    return adapter_for(model, what)
 
 
-def _check_device(target_device: Any) -> None:
-    if target_device is not None and str(target_device) != "cpu":
-        raise ValueError(
-            f"target_device {target_device!r} is not available: this runtime computes on the CPU "
-            "(NumPy); use 'cpu' or None"
-        )
+def _describe(ad: TensorAdapter, name: str, p: Any) -> str:
+    return f"'{name}' ({ad.dtype(p).name}, shape {ad.shape(p)})"
 
 
-def _is_shardable(p: Any) -> bool:
-    return p.ndim > 0 and p.is_floating_point()
-
-
-def _held_nbytes(params: Iterable[Any]) -> int:
-    """Bytes whole parameters occupy in memory: NumPy holds bfloat16/float8 values widened."""
-    return sum(p.numel() * p.dtype.compute.itemsize for p in params)
-
-
-def _describe(name: str, p: Any) -> str:
-    return f"'{name}' ({p.dtype.name}, shape {tuple(p.shape)})"
-
-
-def _resolve_sizes(config: Any, world: int) -> tuple[int, int]:
-    replicate, shard = config.hsdp_replicate_size, config.hsdp_shard_size
-    if shard == -1:
-        if world % replicate:
-            raise ValueError(
-                f"hsdp_replicate_size={replicate} does not divide the world size {world}, so "
-                "hsdp_shard_size=-1 (auto) cannot be resolved"
-            )
-        shard = world // replicate
-    if replicate * shard != world:
-        raise ValueError(
-            f"hsdp_replicate_size ({replicate}) * hsdp_shard_size ({shard}) = {replicate * shard}, "
-            f"but the world size is {world}"
-        )
-    return replicate, shard
+def _resolve_sizes(config: Any, world: Any) -> tuple[int, int]:
+    coords = _C.mesh_coords(world.size, world.rank, config.hsdp_replicate_size, config.hsdp_shard_size)
+    return coords["replicate"], coords["shard"]
 
 
 def _check_conditions(conditions: Any, model: Any) -> list[ShardCondition]:
@@ -123,26 +88,27 @@ def _check_conditions(conditions: Any, model: Any) -> list[ShardCondition]:
     return conds
 
 
-def _storage_dtype(p: Any, policy: MixedPrecisionPolicy) -> DType:
-    if policy.param_dtype is not None and p.dtype not in _FP8:
+def _storage_dtype(ad: TensorAdapter, p: Any, policy: MixedPrecisionPolicy) -> DType:
+    if policy.param_dtype is not None and ad.dtype(p) not in _FP8:
         return policy.param_dtype
-    return p.dtype
+    return ad.dtype(p)
 
 
 def _build_unit(ctx: HSDPShardContext, module: Any, fqn: str, is_root: bool, claimed: set[int]) -> UnitState | None:
     """Collects the module's unclaimed parameters into a new C unit filled with this rank's
     shard. Touches nothing on the model; the caller commits. None if there is nothing to hold."""
+    ad = ctx.adapter
     names: list[str] = []
     params: list[Any] = []
-    for name, p in module.named_parameters():
+    for name, p in ad.named_parameters(module):
         if id(p) in claimed or p in ctx.ignored_params:
             continue
         full = f"{fqn}.{name}" if fqn else name
-        if getattr(p, "_hsdp_state", None) is not None:
-            raise RuntimeError(f"parameter {_describe(full, p)} is already sharded")
-        if not _is_shardable(p):
+        if ad.is_sharded(p):
+            raise RuntimeError(f"parameter {_describe(ad, full, p)} is already sharded")
+        if not ad.is_shardable(p):
             raise ValueError(
-                f"parameter {_describe(full, p)} cannot be sharded: it is 0-dim or not floating "
+                f"parameter {_describe(ad, full, p)} cannot be sharded: it is 0-dim or not floating "
                 "point. Pass it in ignored_params (apply_hsdp_to_model keeps such parameters "
                 "whole on every rank for you)"
             )
@@ -150,21 +116,25 @@ def _build_unit(ctx: HSDPShardContext, module: Any, fqn: str, is_root: bool, cla
         params.append(p)
     if not params and not is_root:
         return None
-    dtypes = tuple(_storage_dtype(p, ctx.mp_policy) for p in params)
+    dtypes = tuple(_storage_dtype(ad, p, ctx.mp_policy) for p in params)
     unit = _C.Unit(
         ctx.mesh.shard_group,
         [d.name for d in dtypes],
-        [tuple(p.shape) for p in params],
+        [ad.shape(p) for p in params],
         params=tuple(params),
         name=fqn or "<root>",
+        compute_dtypes=[ad.compute_dtype(d).name for d in dtypes],
+        bind_attr=ad.bind_attr,
+        device=ad.buffer_device(ctx.target_device),
     )
     for i, p in enumerate(params):
-        if p._data is not None:  # meta parameters are filled later by a loader
-            unit.write(i, p._data)
+        src = ad.shard_source(p)
+        if src is not None:  # meta parameters are filled later by a loader
+            unit.write(i, src[0], src_dtype=src[1])
     for p in params:
         claimed.add(id(p))
     return UnitState(
-        module, fqn, unit, tuple(params), tuple(names), dtypes, ctx.reshard_after_forward, ctx.mp_policy, is_root
+        module, fqn, unit, tuple(params), tuple(names), dtypes, ctx.reshard_after_forward, ctx.mp_policy, is_root, ad
     )
 
 
@@ -210,17 +180,17 @@ def prepare_hsdp_shard_context(model: Any, hsdp_config: Any, target_device: Any 
     root (:func:`finalize_hsdp_root`), so a loader can shard each block as soon as its
     weights are in.
     """
-    _require_module(model)
+    ad = _require_module(model)
     if not isinstance(hsdp_config, HSDPInferenceConfig):
         raise TypeError(f"hsdp_config must be an HSDPInferenceConfig, got {type(hsdp_config).__name__}")
     if not hsdp_config.enabled:
         raise ValueError("HSDP is not enabled in hsdp_config (enabled=False); set enabled=True")
-    _check_device(target_device)
+    ad.check_device(target_device)
     world = distributed.init_process_group()
-    replicate, shard = _resolve_sizes(hsdp_config, world.size)
+    replicate, shard = _resolve_sizes(hsdp_config, world)
 
-    named = list(model.named_parameters())
-    has_fp8 = any(p.dtype in _FP8 for _, p in named)
+    named = list(ad.named_parameters(model))
+    has_fp8 = any(ad.dtype(p) in _FP8 for _, p in named)
     preserve = bool(getattr(model, "_hsdp_preserve_parameter_dtypes", False))
     param_dtype = None if (has_fp8 or preserve) else hsdp_config.param_dtype
     policy = MixedPrecisionPolicy(
@@ -254,11 +224,11 @@ def prepare_hsdp_shard_context(model: Any, hsdp_config: Any, target_device: Any 
             log.warning(msg)
             continue
         ignored_modules.append(sub)
-        ignored.update(sub.parameters())
+        ignored.update(p for _, p in ad.named_parameters(sub))
 
-    unshardable = [(n, p) for n, p in named if p not in ignored and not _is_shardable(p)]
+    unshardable = [(n, p) for n, p in named if p not in ignored and not ad.is_shardable(p)]
     if unshardable and target_device is None:
-        listed = ", ".join(_describe(n, p) for n, p in unshardable[:5])
+        listed = ", ".join(_describe(ad, n, p) for n, p in unshardable[:5])
         more = f" and {len(unshardable) - 5} more" if len(unshardable) > 5 else ""
         raise ValueError(
             f"{type(model).__name__} has parameters that cannot be sharded ({listed}{more}: 0-dim "
@@ -268,9 +238,10 @@ def prepare_hsdp_shard_context(model: Any, hsdp_config: Any, target_device: Any 
     ignored.update(p for _, p in unshardable)
 
     for sub in ignored_modules:
-        sub.to(target_device)
+        ad.move(sub, target_device)
     ctx = HSDPShardContext(
         model=model,
+        adapter=ad,
         mesh=mesh,
         mp_policy=policy,
         reshard_after_forward=bool(hsdp_config.reshard_after_forward),
@@ -280,7 +251,7 @@ def prepare_hsdp_shard_context(model: Any, hsdp_config: Any, target_device: Any 
         prefetch_depth=hsdp_config.prefetch_depth,
         max_unsharded_bytes=hsdp_config.max_unsharded_bytes,
     )
-    ctx.whole_bytes.append(_C.WholeBytes(_held_nbytes(ignored)))
+    ctx.whole_bytes.append(_C.WholeBytes(ad.held_nbytes(ignored)))
     return ctx
 
 
@@ -291,6 +262,7 @@ def _default_context(
     mesh: DeviceMesh | None,
     conditions: list[ShardCondition],
     ignored_params: set[Any] | None,
+    ad: TensorAdapter,
 ) -> HSDPShardContext:
     if mesh is None:
         world = distributed.init_process_group()
@@ -298,13 +270,14 @@ def _default_context(
     ignored = set(ignored_params or ())
     ctx = HSDPShardContext(
         model=model,
+        adapter=ad,
         mesh=mesh,
         mp_policy=mp_policy or MixedPrecisionPolicy(),
         reshard_after_forward=reshard_after_forward,
         hsdp_shard_conditions=conditions,
         ignored_params=ignored,
     )
-    ctx.whole_bytes.append(_C.WholeBytes(_held_nbytes(ignored)))
+    ctx.whole_bytes.append(_C.WholeBytes(ad.held_nbytes(ignored)))
     return ctx
 
 
@@ -324,7 +297,7 @@ def shard_model(
     ``ignored_params``; the root holds the rest. With ``context`` given, its mesh, policy and
     ignored parameters are used.
     """
-    _require_module(model)
+    ad = _require_module(model)
     conditions = _check_conditions(hsdp_shard_conditions, model)
     if context is not None and context.finalized:
         raise RuntimeError("this HSDP context has already sharded its root; build a new one")
@@ -340,11 +313,11 @@ def shard_model(
             "would be sharded"
         )
     if context is None:
-        context = _default_context(model, reshard_after_forward, mp_policy, mesh, conditions, ignored_params)
+        context = _default_context(model, reshard_after_forward, mp_policy, mesh, conditions, ignored_params, ad)
     elif ignored_params:
         extra = set(ignored_params) - context.ignored_params
         context.ignored_params |= extra
-        context.whole_bytes.append(_C.WholeBytes(_held_nbytes(extra)))
+        context.whole_bytes.append(_C.WholeBytes(ad.held_nbytes(extra)))
     claimed = set(context.owned)
     states = [_build_unit(context, m, n, False, claimed) for n, m in selected]
     states.append(_build_unit(context, model, "", True, claimed))
@@ -382,8 +355,7 @@ def finalize_hsdp_root(model: Any, context: HSDPShardContext) -> None:
 
 def _finish(model: Any, context: HSDPShardContext) -> None:
     context.finalized = True
-    for p in model.parameters():
-        p.requires_grad = False
+    context.adapter.freeze(model)
     object.__setattr__(model, "_hsdp_context", context)
     log.info("Sharded %d modules + root", len(context.child_units))
 

@@ -1,9 +1,17 @@
-/* comm_single.c - a world of one rank: every collective is a local copy or nothing. It has
- * no dependencies, so hsdp works (and its tests run) where no MPI or CUDA exists. */
+/* backend_single.c - a world of one rank: every collective is a local copy or nothing. It
+ * has no dependencies, so hsdp works (and its tests run) where no MPI or CUDA exists. It has
+ * no asynchronous slots: a started gather is a copy done before start returns. */
 #include <stdlib.h>
 #include <string.h>
 
-#include "comm.h"
+#include "backend.h"
+
+static int single_usable(const char **why) {
+    *why = NULL;
+    return 1;
+}
+
+static hsdp_status single_world(hsdp_group **out, int *we_init);
 
 static hsdp_status single_all_gather(hsdp_group *g, const void *send, void *recv, size_t nbytes) {
     (void)g;
@@ -22,26 +30,37 @@ static hsdp_status single_barrier(hsdp_group *g) {
     return HSDP_OK;
 }
 
+static hsdp_status single_all_to_all(hsdp_group *g, const void *send, void *recv, size_t nbytes) {
+    (void)g;
+    if (nbytes) memcpy(recv, send, nbytes);
+    return HSDP_OK;
+}
+
 static hsdp_status single_split(hsdp_group *g, int color, int key, hsdp_group **out) {
     (void)g, (void)color, (void)key;
-    return hsdp_world_single(out);
+    int unused;
+    return single_world(out, &unused);
 }
 
 static void single_free(hsdp_group *g) { free(g); }
 
-static const hsdp_comm_ops single_ops = {
+const hsdp_backend hsdp_backend_single = {
     .name = "single",
+    .usable = single_usable,
+    .world = single_world,
     .all_gather = single_all_gather,
     .broadcast = single_broadcast,
     .barrier = single_barrier,
+    .all_to_all = single_all_to_all,
     .split = single_split,
     .free = single_free,
 };
 
-hsdp_status hsdp_world_single(hsdp_group **out) {
+static hsdp_status single_world(hsdp_group **out, int *we_init) {
+    *we_init = 0;
     hsdp_group *g = malloc(sizeof *g); /* owned by the caller; hsdp_group_free */
     if (!g) return hsdp_fail(HSDP_ENOMEM, "could not allocate a process group");
-    *g = (hsdp_group){.ops = &single_ops, .rank = 0, .size = 1, .impl = NULL, .exec = NULL};
+    *g = (hsdp_group){.backend = &hsdp_backend_single, .rank = 0, .size = 1, .impl = NULL};
     *out = g;
     return HSDP_OK;
 }

@@ -1,0 +1,174 @@
+/* backend.c - the one place backends are registered, and the collectives as the rest of the
+ * core calls them. A backend's own file decides how a call runs (MPI: on its worker thread);
+ * this file only dispatches, and runs a started gather inline for a backend that has no
+ * asynchronous slots. */
+#define _POSIX_C_SOURCE 200809L /* clock_gettime */
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+
+#include "backend.h"
+
+uint64_t hsdp_now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* ---------------------------------------------------------------- NCCL, until it is built */
+static const char nccl_missing[] =
+    "the NCCL (GPU) backend is not built yet; use backend 'mpi' (CPU ranks) for now";
+
+static int nccl_usable(const char **why) {
+    *why = nccl_missing;
+    return 0;
+}
+
+static hsdp_status nccl_world(hsdp_group **out, int *we_init) {
+    *out = NULL;
+    *we_init = 0;
+    return hsdp_fail(HSDP_EUNSUPPORTED, "%s", nccl_missing);
+}
+
+static const hsdp_backend nccl_planned = {.name = "nccl", .usable = nccl_usable, .world = nccl_world};
+
+/* ---------------------------------------------------------------- the registry */
+static const hsdp_backend *const registry[] = {&hsdp_backend_single, &hsdp_backend_mpi, &nccl_planned};
+#define NBACKENDS (sizeof registry / sizeof registry[0])
+
+size_t hsdp_backend_count(void) { return NBACKENDS; }
+
+const hsdp_backend *hsdp_backend_at(size_t i) { return i < NBACKENDS ? registry[i] : NULL; }
+
+const hsdp_backend *hsdp_backend_find(const char *name) {
+    for (size_t i = 0; name && i < NBACKENDS; i++)
+        if (strcmp(registry[i]->name, name) == 0) return registry[i];
+    return NULL;
+}
+
+hsdp_status hsdp_backend_world(const char *name, hsdp_group **out, int *we_init) {
+    *out = NULL;
+    *we_init = 0;
+    const hsdp_backend *b = hsdp_backend_find(name);
+    if (!b) {
+        char known[128] = "";
+        size_t used = 0;
+        for (size_t i = 0; i < NBACKENDS && used < sizeof known; i++)
+            used += (size_t)snprintf(known + used, sizeof known - used, "%s'%s'", i ? ", " : "", registry[i]->name);
+        return hsdp_fail(HSDP_EINVAL, "unknown backend '%s'; expected one of %s", name ? name : "(null)", known);
+    }
+    const char *why = NULL;
+    if (!b->usable(&why)) return hsdp_fail(HSDP_EUNSUPPORTED, "%s", why);
+    return b->world(out, we_init);
+}
+
+hsdp_status hsdp_backend_finalize(const char *name) {
+    const hsdp_backend *b = hsdp_backend_find(name);
+    if (!b) return hsdp_fail(HSDP_EINVAL, "unknown backend '%s'", name ? name : "(null)");
+    return b->finalize ? b->finalize() : HSDP_OK;
+}
+
+/* ---------------------------------------------------------------- dispatch */
+hsdp_status hsdp_all_gather(hsdp_group *g, const void *send, void *recv, size_t nbytes) {
+    return g->backend->all_gather(g, send, recv, nbytes);
+}
+
+hsdp_status hsdp_broadcast(hsdp_group *g, void *buf, size_t nbytes, int root) {
+    return g->backend->broadcast(g, buf, nbytes, root);
+}
+
+hsdp_status hsdp_barrier(hsdp_group *g) { return g->backend->barrier(g); }
+
+hsdp_status hsdp_all_to_all(hsdp_group *g, const void *send, void *recv, size_t nbytes) {
+    if (nbytes && (size_t)g->size > SIZE_MAX / nbytes)
+        return hsdp_fail(HSDP_EINVAL, "an all-to-all of %zu bytes per rank over %d ranks overflows", nbytes, g->size);
+    const char *s = send, *r = recv;
+    size_t total = nbytes * (size_t)g->size;
+    if (total && s < r + total && r < s + total)
+        return hsdp_fail(HSDP_EINVAL, "all-to-all send and recv buffers overlap");
+    return g->backend->all_to_all(g, send, recv, nbytes);
+}
+
+hsdp_status hsdp_group_split(hsdp_group *g, int color, int key, hsdp_group **out) {
+    return g->backend->split(g, color, key, out);
+}
+
+void hsdp_group_free(hsdp_group *g) {
+    if (g) g->backend->free(g);
+}
+
+int hsdp_group_overlaps(const hsdp_group *g) { return g->backend->overlaps ? g->backend->overlaps(g) : 0; }
+
+static void req_reset(hsdp_req *r, hsdp_group *g, hsdp_status (*then)(void *), void *then_arg) {
+    r->g = g;
+    r->then = then;
+    r->then_arg = then_arg;
+    r->status = HSDP_OK;
+    r->err[0] = '\0';
+    r->submit_ns = hsdp_now_ns();
+    r->start_ns = r->end_ns = 0;
+    r->backend_owned = 0;
+}
+
+/* The gather and `then` on this thread, recorded in r. */
+static void run_here(hsdp_req *r, const void *send, void *recv, size_t nbytes) {
+    r->start_ns = hsdp_now_ns();
+    /* Zero bytes on every rank of the group (one layout): no collective at all. */
+    hsdp_status st = nbytes ? hsdp_all_gather(r->g, send, recv, nbytes) : HSDP_OK;
+    if (st == HSDP_OK && r->then) st = r->then(r->then_arg);
+    r->end_ns = hsdp_now_ns();
+    r->status = st;
+    if (st != HSDP_OK) snprintf(r->err, sizeof r->err, "%s", hsdp_last_error());
+}
+
+hsdp_status hsdp_gather_start(hsdp_req *r, hsdp_group *g, const void *send, void *recv, size_t nbytes,
+                              hsdp_status (*then)(void *), void *then_arg) {
+    req_reset(r, g, then, then_arg);
+    r->pending = 1;
+    if (g->backend->gather_start && nbytes) {
+        r->backend_owned = 1;
+        hsdp_status st = g->backend->gather_start(r, send, recv, nbytes);
+        if (st != HSDP_OK) r->pending = 0;
+        return st;
+    }
+    run_here(r, send, recv, nbytes);
+    return HSDP_OK; /* its status is the wait's */
+}
+
+hsdp_status hsdp_gather_wait(hsdp_req *r) {
+    if (r->pending && r->backend_owned) r->g->backend->gather_wait(r);
+    r->pending = 0;
+    if (r->status != HSDP_OK) return hsdp_fail(r->status, "%s", r->err);
+    return HSDP_OK;
+}
+
+hsdp_status hsdp_gather_now(hsdp_req *r, hsdp_group *g, const void *send, void *recv, size_t nbytes,
+                            hsdp_status (*then)(void *), void *then_arg) {
+    req_reset(r, g, then, then_arg);
+    r->pending = 0;
+    run_here(r, send, recv, nbytes);
+    if (r->status != HSDP_OK) return hsdp_fail(r->status, "%s", r->err);
+    return HSDP_OK;
+}
+
+/* ---------------------------------------------------------------- buffers on a device */
+void *hsdp_device_alloc(hsdp_stats *st, const hsdp_backend *b, hsdp_device device, size_t nbytes) {
+    if (device == HSDP_DEVICE_HOST) return hsdp_buffer_alloc(st, nbytes);
+    if (!b || !b->buffer_alloc) {
+        hsdp_fail(HSDP_EUNSUPPORTED, "backend '%s' cannot allocate %s buffers", b ? b->name : "(none)",
+                  hsdp_device_name(device) ? hsdp_device_name(device) : "unknown-device");
+        return NULL;
+    }
+    void *p = b->buffer_alloc(nbytes, device);
+    if (p) hsdp_stats_count_alloc(st, nbytes);
+    return p;
+}
+
+void hsdp_device_free(hsdp_stats *st, const hsdp_backend *b, hsdp_device device, void *p, size_t nbytes) {
+    if (device == HSDP_DEVICE_HOST) {
+        hsdp_buffer_free(st, p, nbytes);
+    } else if (p && b && b->buffer_free) {
+        hsdp_stats_count_free(st, nbytes);
+        b->buffer_free(p, nbytes, device);
+    }
+}

@@ -1,0 +1,101 @@
+/* backend.h - the collective backend table. Each backend is an existing engine (MPI, NCCL) or
+ * the dependency-free world of one; hsdp never does its own networking. A backend is one
+ * const table of functions, registered in backend.c and found by name. A group is a set of
+ * ranks with a backend-specific handle; every collective takes one.
+ *
+ * Required slots: world, all_gather, broadcast, barrier, all_to_all, split, free.
+ * Optional slots (NULL when absent):
+ *   gather_start / gather_wait  an all-gather that progresses while the caller computes
+ *                               (MPI: its worker thread; NCCL: a side stream and events).
+ *                               Without them a started gather runs before start returns.
+ *   overlaps                    whether started gathers really progress in the background
+ *   buffer_alloc / buffer_free  unsharded buffers on a device other than the host
+ *   finalize                    ends the backend's runtime, when world() started it */
+#ifndef HSDP_BACKEND_H
+#define HSDP_BACKEND_H
+
+#include "hsdp.h"
+
+typedef struct hsdp_backend hsdp_backend;
+
+struct hsdp_backend {
+    const char *name;
+    /* 1 when the backend is compiled in and can run in this process; else 0 with *why set to
+     * a static sentence that says what is missing and what to do. */
+    int (*usable)(const char **why);
+    /* The world group (caller owns *out). *we_init is set to 1 when this call started the
+     * backend's runtime, so that only then finalize ends it. */
+    hsdp_status (*world)(hsdp_group **out, int *we_init);
+
+    /* Every rank sends `nbytes` from send; recv (size * nbytes) receives rank i's block at
+     * i * nbytes. send may equal recv + rank * nbytes (in place). */
+    hsdp_status (*all_gather)(hsdp_group *g, const void *send, void *recv, size_t nbytes);
+    hsdp_status (*broadcast)(hsdp_group *g, void *buf, size_t nbytes, int root);
+    hsdp_status (*barrier)(hsdp_group *g);
+    /* send and recv hold size blocks of `nbytes`: block j of send goes to rank j and arrives
+     * as block (this rank) of its recv. send and recv must not overlap. */
+    hsdp_status (*all_to_all)(hsdp_group *g, const void *send, void *recv, size_t nbytes);
+    /* Collective over g: ranks with the same color form a new group, ordered by key. */
+    hsdp_status (*split)(hsdp_group *g, int color, int key, hsdp_group **out);
+    void (*free)(hsdp_group *g);
+
+    /* r->g, r->then and r->then_arg are set; the backend starts the all-gather and runs
+     * r->then after it. gather_wait blocks until both are done and fills r->status,
+     * r->err and the times. */
+    hsdp_status (*gather_start)(hsdp_req *r, const void *send, void *recv, size_t nbytes);
+    void (*gather_wait)(hsdp_req *r);
+    int (*overlaps)(const hsdp_group *g);
+    void *(*buffer_alloc)(size_t nbytes, hsdp_device device);
+    void (*buffer_free)(void *p, size_t nbytes, hsdp_device device);
+    hsdp_status (*finalize)(void);
+};
+
+struct hsdp_group {
+    const hsdp_backend *backend;
+    int rank, size;
+    void *impl; /* owned by the backend; released by backend->free */
+};
+
+/* ---------------------------------------------------------------- the registry (backend.c) */
+size_t hsdp_backend_count(void);
+const hsdp_backend *hsdp_backend_at(size_t i);
+/* NULL when no backend has that name. */
+const hsdp_backend *hsdp_backend_find(const char *name);
+/* The world group of the named backend. An unknown name is HSDP_EINVAL naming the known
+ * ones; a known backend that is not usable here is HSDP_EUNSUPPORTED with its reason. */
+hsdp_status hsdp_backend_world(const char *name, hsdp_group **out, int *we_init);
+/* Ends the named backend's runtime (only call when its world() reported *we_init). */
+hsdp_status hsdp_backend_finalize(const char *name);
+
+/* ---------------------------------------------------------------- collectives as callers use them */
+hsdp_status hsdp_all_gather(hsdp_group *g, const void *send, void *recv, size_t nbytes);
+hsdp_status hsdp_broadcast(hsdp_group *g, void *buf, size_t nbytes, int root);
+hsdp_status hsdp_barrier(hsdp_group *g);
+hsdp_status hsdp_all_to_all(hsdp_group *g, const void *send, void *recv, size_t nbytes);
+hsdp_status hsdp_group_split(hsdp_group *g, int color, int key, hsdp_group **out);
+/* Frees the group (NULL is fine). The caller owned it. */
+void hsdp_group_free(hsdp_group *g);
+/* Whether gathers started on g progress while the caller computes. */
+int hsdp_group_overlaps(const hsdp_group *g);
+
+/* An all-gather followed by `then` (may be NULL), started through the backend's asynchronous
+ * slots, or run here before returning when it has none. r is owned by the caller and stays
+ * alive until hsdp_gather_wait returns. */
+hsdp_status hsdp_gather_start(hsdp_req *r, hsdp_group *g, const void *send, void *recv, size_t nbytes,
+                              hsdp_status (*then)(void *), void *then_arg);
+/* Waits for r and returns its status (its message becomes this thread's last error). */
+hsdp_status hsdp_gather_wait(hsdp_req *r);
+/* The same work, synchronously, through the backend's synchronous all_gather. */
+hsdp_status hsdp_gather_now(hsdp_req *r, hsdp_group *g, const void *send, void *recv, size_t nbytes,
+                            hsdp_status (*then)(void *), void *then_arg);
+
+/* An accounted unsharded buffer on `device`: host memory from hsdp_buffer_alloc, any other
+ * device from the backend's buffer slot (HSDP_EUNSUPPORTED when it has none). */
+void *hsdp_device_alloc(hsdp_stats *st, const hsdp_backend *b, hsdp_device device, size_t nbytes);
+void hsdp_device_free(hsdp_stats *st, const hsdp_backend *b, hsdp_device device, void *p, size_t nbytes);
+
+/* The backends, each defined in its own file. */
+extern const hsdp_backend hsdp_backend_single; /* backend_single.c */
+extern const hsdp_backend hsdp_backend_mpi;    /* backend_mpi.c */
+
+#endif

@@ -1,0 +1,256 @@
+/* group_type.c - ProcessGroup over the backend registry, and the module functions that ask it
+ * what is built (backends) and end what hsdp started (finalize_backends). Backends are found
+ * by name in the registry; nothing here knows any backend in particular. */
+#include "pyhsdp.h"  /* first: Python.h must precede system headers */
+
+static PyObject *group_wrap(PyTypeObject *type, hsdp_group *g) {
+    GroupObject *self = (GroupObject *)type->tp_alloc(type, 0);
+    if (!self) {
+        hsdp_group_free(g);
+        return NULL;
+    }
+    self->g = g;
+    self->module = Py_NewRef(PyType_GetModule(type));
+    return (PyObject *)self;
+}
+
+static PyObject *group_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"backend", NULL};
+    const char *backend = "single";
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|s", kwlist, &backend)) return NULL;
+    hsdp_group *g = NULL;
+    hsdp_status st;
+    int we_init = 0;
+    Py_BEGIN_ALLOW_THREADS /* starting a runtime (MPI_Init) can take a while */
+    st = hsdp_backend_world(backend, &g, &we_init);
+    Py_END_ALLOW_THREADS
+    if (we_init) {
+        for (size_t i = 0; i < hsdp_backend_count(); i++)
+            if (hsdp_backend_at(i) == hsdp_backend_find(backend)) hsdp_py_state(type)->we_init |= 1u << i;
+    }
+    if (st != HSDP_OK) return hsdp_py_raise(st);
+    return group_wrap(type, g);
+}
+
+static void group_dealloc(GroupObject *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    hsdp_group_free(self->g);
+    Py_XDECREF(self->module);
+    tp->tp_free(self);
+    Py_DECREF(tp);
+}
+
+static PyObject *group_get_rank(GroupObject *self, void *c) {
+    (void)c;
+    return PyLong_FromLong(self->g->rank);
+}
+static PyObject *group_get_size(GroupObject *self, void *c) {
+    (void)c;
+    return PyLong_FromLong(self->g->size);
+}
+static PyObject *group_get_backend(GroupObject *self, void *c) {
+    (void)c;
+    return PyUnicode_FromString(self->g->backend->name);
+}
+static PyObject *group_get_overlaps(GroupObject *self, void *c) {
+    (void)c;
+    return PyBool_FromLong(hsdp_group_overlaps(self->g));
+}
+
+static PyObject *group_barrier(GroupObject *self, PyObject *unused) {
+    (void)unused;
+    hsdp_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = hsdp_barrier(self->g);
+    Py_END_ALLOW_THREADS
+    if (st != HSDP_OK) return hsdp_py_raise(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *group_split(GroupObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"color", "key", NULL};
+    int color, key;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "ii", kwlist, &color, &key)) return NULL;
+    if (color < 0) return PyErr_Format(PyExc_ValueError, "color must be >= 0, got %d", color);
+    hsdp_group *out = NULL;
+    hsdp_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = hsdp_group_split(self->g, color, key, &out);
+    Py_END_ALLOW_THREADS
+    if (st != HSDP_OK) return hsdp_py_raise(st);
+    return group_wrap(Py_TYPE(self), out);
+}
+
+static PyObject *group_broadcast(GroupObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"array", "root", NULL};
+    PyObject *obj;
+    int root = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|i", kwlist, &obj, &root)) return NULL;
+    PyArrayObject *a = hsdp_py_writable_array(obj, "array");
+    if (!a) return NULL;
+    hsdp_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = hsdp_broadcast(self->g, PyArray_DATA(a), (size_t)PyArray_NBYTES(a), root);
+    Py_END_ALLOW_THREADS
+    if (st != HSDP_OK) return hsdp_py_raise(st);
+    Py_RETURN_NONE;
+}
+
+/* send and recv of a collective that moves size blocks: send holds `send_blocks` of them. */
+static int block_arrays(GroupObject *self, PyObject *so, PyObject *ro, int send_blocks, void **s, void **r,
+                        size_t *block) {
+    PyArrayObject *ra = hsdp_py_writable_array(ro, "recv");
+    if (!ra) return -1;
+    if (!PyArray_Check(so) || !PyArray_IS_C_CONTIGUOUS((PyArrayObject *)so)) {
+        PyErr_Format(PyExc_TypeError, "send must be a C-contiguous NumPy array");
+        return -1;
+    }
+    size_t sn = (size_t)PyArray_NBYTES((PyArrayObject *)so), size = (size_t)self->g->size;
+    if (send_blocks > 1 && sn % size) {
+        PyErr_Format(PyExc_ValueError, "send holds %zu bytes, not a multiple of the group size %zu", sn, size);
+        return -1;
+    }
+    size_t b = send_blocks > 1 ? sn / size : sn;
+    if ((size_t)PyArray_NBYTES(ra) != b * size) {
+        PyErr_Format(PyExc_ValueError, "recv holds %zd bytes; %zu blocks of %zu bytes need %zu", PyArray_NBYTES(ra),
+                     size, b, b * size);
+        return -1;
+    }
+    *s = PyArray_DATA((PyArrayObject *)so);
+    *r = PyArray_DATA(ra);
+    *block = b;
+    return 0;
+}
+
+/* The backend's collective on caller-owned arrays, on this thread when its worker is idle:
+ * the raw collective benchmarks compare a unit gather with. */
+static PyObject *group_all_gather(GroupObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"send", "recv", NULL};
+    PyObject *so, *ro;
+    void *s, *r;
+    size_t n;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO", kwlist, &so, &ro)) return NULL;
+    if (block_arrays(self, so, ro, 1, &s, &r, &n) < 0) return NULL;
+    hsdp_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = hsdp_all_gather(self->g, s, r, n);
+    Py_END_ALLOW_THREADS
+    if (st != HSDP_OK) return hsdp_py_raise(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *group_all_to_all(GroupObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"send", "recv", NULL};
+    PyObject *so, *ro;
+    void *s, *r;
+    size_t n;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO", kwlist, &so, &ro)) return NULL;
+    if (block_arrays(self, so, ro, self->g->size, &s, &r, &n) < 0) return NULL;
+    hsdp_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = hsdp_all_to_all(self->g, s, r, n);
+    Py_END_ALLOW_THREADS
+    if (st != HSDP_OK) return hsdp_py_raise(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *group_repr(GroupObject *self) {
+    return PyUnicode_FromFormat("ProcessGroup(backend='%s', rank=%d, size=%d)", self->g->backend->name,
+                                self->g->rank, self->g->size);
+}
+
+static PyGetSetDef group_getset[] = {
+    {"rank", (getter)group_get_rank, NULL, "this process's rank in the group", NULL},
+    {"size", (getter)group_get_size, NULL, "number of ranks in the group", NULL},
+    {"backend", (getter)group_get_backend, NULL, "the backend's registered name", NULL},
+    {"overlaps", (getter)group_get_overlaps, NULL,
+     "whether started gathers progress while Python computes (MPI: its worker thread runs)", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyMethodDef group_methods[] = {
+    {"barrier", (PyCFunction)group_barrier, METH_NOARGS, "Wait for every rank of the group."},
+    {"split", (PyCFunction)(void (*)(void))group_split, METH_VARARGS | METH_KEYWORDS,
+     "split(color, key): collective; ranks with equal color form a new group ordered by key."},
+    {"broadcast", (PyCFunction)(void (*)(void))group_broadcast, METH_VARARGS | METH_KEYWORDS,
+     "broadcast(array, root=0): in place, from the group rank `root`."},
+    {"all_gather", (PyCFunction)(void (*)(void))group_all_gather, METH_VARARGS | METH_KEYWORDS,
+     "all_gather(send, recv): the backend's collective on this thread (queued behind the worker when it is "
+     "busy); recv receives size * send.nbytes bytes."},
+    {"all_to_all", (PyCFunction)(void (*)(void))group_all_to_all, METH_VARARGS | METH_KEYWORDS,
+     "all_to_all(send, recv): block j of send goes to rank j; block i of recv comes from rank i (send and recv "
+     "hold size equal blocks and must not overlap)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot group_slots[] = {
+    {Py_tp_new, group_new},
+    {Py_tp_dealloc, group_dealloc},
+    {Py_tp_getset, group_getset},
+    {Py_tp_methods, group_methods},
+    {Py_tp_repr, group_repr},
+    {Py_tp_doc, "ProcessGroup(backend='single'): the world group of a registered collective backend (see "
+                "backends())."},
+    {0, NULL},
+};
+
+PyType_Spec hsdp_py_group_spec = {"hsdp._C.ProcessGroup", sizeof(GroupObject), 0, Py_TPFLAGS_DEFAULT, group_slots};
+
+/* ------------------------------------------------------------------ registry functions */
+
+/* backends(): ((name, usable, reason or None), ...) in registry order. */
+static PyObject *mod_backends(PyObject *m, PyObject *unused) {
+    (void)m, (void)unused;
+    size_t n = hsdp_backend_count();
+    PyObject *t = PyTuple_New((Py_ssize_t)n);
+    for (size_t i = 0; t && i < n; i++) {
+        const hsdp_backend *b = hsdp_backend_at(i);
+        const char *why = NULL;
+        int ok = b->usable(&why);
+        PyObject *row = Py_BuildValue("(sOz)", b->name, ok ? Py_True : Py_False, ok ? NULL : why);
+        if (!row) {
+            Py_CLEAR(t);
+            break;
+        }
+        PyTuple_SET_ITEM(t, (Py_ssize_t)i, row);
+    }
+    return t;
+}
+
+/* finalize_backends(): ends every backend runtime hsdp started (only those: whoever else
+ * started one owns its end). Returns the names it finalised. */
+static PyObject *mod_finalize_backends(PyObject *m, PyObject *unused) {
+    (void)unused;
+    modstate *ms = PyModule_GetState(m);
+    PyObject *done = PyList_New(0);
+    if (!done) return NULL;
+    for (size_t i = 0; i < hsdp_backend_count(); i++) {
+        if (!(ms->we_init & (1u << i))) continue;
+        const char *name = hsdp_backend_at(i)->name;
+        hsdp_status st;
+        Py_BEGIN_ALLOW_THREADS
+        st = hsdp_backend_finalize(name);
+        Py_END_ALLOW_THREADS
+        if (st != HSDP_OK) {
+            Py_DECREF(done);
+            return hsdp_py_raise(st);
+        }
+        ms->we_init &= ~(1u << i);
+        PyObject *s = PyUnicode_FromString(name);
+        if (!s || PyList_Append(done, s) < 0) {
+            Py_XDECREF(s);
+            Py_DECREF(done);
+            return NULL;
+        }
+        Py_DECREF(s);
+    }
+    return done;
+}
+
+PyMethodDef hsdp_py_backend_functions[] = {
+    {"backends", mod_backends, METH_NOARGS,
+     "The registered backends: (name, usable, reason it is not usable or None) each."},
+    {"finalize_backends", mod_finalize_backends, METH_NOARGS,
+     "End every backend runtime hsdp started itself (MPI_Finalize, say); returns their names."},
+    {NULL, NULL, 0, NULL},
+};

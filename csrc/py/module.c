@@ -1,0 +1,146 @@
+/* module.c - the CPython extension hsdp._C: module state, initialisation, the one mapper from
+ * core statuses to exceptions, and the accounting and mesh functions. It follows CPython's
+ * conventions for extensions (heap types bound to the module state, no global mutable
+ * state). The types live one per file (see pyhsdp.h). */
+#define HSDP_PY_MAIN
+#include "pyhsdp.h"  /* first: Python.h must precede system headers */
+#include <stdatomic.h>
+#include <string.h>
+
+static struct PyModuleDef hsdp_module;
+
+modstate *hsdp_py_state(PyTypeObject *t) { return (modstate *)PyType_GetModuleState(t); }
+
+PyObject *hsdp_py_raise(hsdp_status st) {
+    PyObject *exc;
+    switch (st) {
+    case HSDP_EINVAL: exc = PyExc_ValueError; break;
+    case HSDP_ETYPE: exc = PyExc_TypeError; break;
+    case HSDP_ENOMEM: exc = PyExc_MemoryError; break;
+    case HSDP_EIO: exc = PyExc_OSError; break;
+    case HSDP_EUNSUPPORTED: exc = PyExc_NotImplementedError; break;
+    default: exc = PyExc_RuntimeError; break;
+    }
+    PyErr_SetString(exc, hsdp_last_error());
+    return NULL;
+}
+
+static PyObject *mod_memory_stats(PyObject *m, PyObject *unused) {
+    (void)unused;
+    modstate *ms = PyModule_GetState(m);
+    hsdp_stats *s = &ms->stats;
+    return Py_BuildValue("{s:n,s:n,s:n,s:n,s:n,s:K,s:K,s:l,s:l,s:i}", "sharded_bytes",
+                         (Py_ssize_t)atomic_load(&s->sharded_bytes), "pooled_bytes",
+                         (Py_ssize_t)atomic_load(&s->pooled_bytes), "unsharded_bytes",
+                         (Py_ssize_t)atomic_load(&s->unsharded_bytes), "peak_unsharded_bytes",
+                         (Py_ssize_t)atomic_load(&s->peak_unsharded_bytes), "whole_bytes",
+                         (Py_ssize_t)atomic_load(&s->whole_bytes), "buffer_allocs",
+                         (unsigned long long)atomic_load(&s->buffer_allocs), "gathers",
+                         (unsigned long long)atomic_load(&s->gathers), "live_buffers", ms->live_buffers,
+                         "peak_live_buffers", ms->peak_live_buffers, "pool_capacity", ms->pool_cap);
+}
+
+static PyObject *mod_reset_peak(PyObject *m, PyObject *unused) {
+    (void)unused;
+    modstate *ms = PyModule_GetState(m);
+    atomic_store(&ms->stats.peak_unsharded_bytes, atomic_load(&ms->stats.unsharded_bytes));
+    ms->peak_live_buffers = ms->live_buffers;
+    Py_RETURN_NONE;
+}
+
+static PyObject *mod_now_ns(PyObject *m, PyObject *unused) {
+    (void)m, (void)unused;
+    return PyLong_FromUnsignedLongLong((unsigned long long)hsdp_now_ns());
+}
+
+/* mesh_coords(world_size, rank, replicate, shard): the core's one validation of mesh sizes
+ * (-1 resolved), this rank's coordinates and its two groups' world ranks. */
+static PyObject *mod_mesh_coords(PyObject *m, PyObject *args, PyObject *kw) {
+    (void)m;
+    static char *kwlist[] = {"world_size", "rank", "replicate", "shard", NULL};
+    int world, rank, replicate, shard;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iiii", kwlist, &world, &rank, &replicate, &shard)) return NULL;
+    hsdp_mesh mesh;
+    hsdp_status st = hsdp_mesh_init(&mesh, world, rank, replicate, shard);
+    if (st != HSDP_OK) return hsdp_py_raise(st);
+    PyObject *sg = PyTuple_New(mesh.shard), *rg = PyTuple_New(mesh.replicate);
+    if (!sg || !rg) goto fail;
+    for (int i = 0; i < mesh.shard; i++) PyTuple_SET_ITEM(sg, i, PyLong_FromLong(hsdp_mesh_rank_of(&mesh, mesh.r, i)));
+    for (int i = 0; i < mesh.replicate; i++)
+        PyTuple_SET_ITEM(rg, i, PyLong_FromLong(hsdp_mesh_rank_of(&mesh, i, mesh.s)));
+    return Py_BuildValue("{s:i,s:i,s:i,s:i,s:N,s:N}", "replicate", mesh.replicate, "shard", mesh.shard, "r", mesh.r,
+                         "s", mesh.s, "shard_group", sg, "replicate_group", rg);
+fail:
+    Py_XDECREF(sg);
+    Py_XDECREF(rg);
+    return NULL;
+}
+
+static PyMethodDef mod_methods[] = {
+    {"memory_stats", mod_memory_stats, METH_NOARGS, "Bytes this process holds for hsdp, from the core's counters."},
+    {"reset_peak", mod_reset_peak, METH_NOARGS, "Reset the peak counters to the current values."},
+    {"now_ns", mod_now_ns, METH_NOARGS, "CLOCK_MONOTONIC in ns (the clock of gather_times)."},
+    {"mesh_coords", (PyCFunction)(void (*)(void))mod_mesh_coords, METH_VARARGS | METH_KEYWORDS,
+     "mesh_coords(world_size, rank, replicate, shard): validated sizes, coordinates and group ranks."},
+    {NULL, NULL, 0, NULL},
+};
+
+static int mod_traverse(PyObject *m, visitproc visit, void *arg) {
+    modstate *ms = PyModule_GetState(m);
+    if (!ms) return 0;
+    Py_VISIT(ms->group_type);
+    Py_VISIT(ms->unit_type);
+    Py_VISIT(ms->buffer_type);
+    Py_VISIT(ms->config_type);
+    Py_VISIT(ms->token_type);
+    for (int i = 0; i < ms->pool_n; i++) Py_VISIT(ms->pool[i]);
+    Py_VISIT(ms->empty);
+    return 0;
+}
+
+static int mod_clear(PyObject *m) {
+    modstate *ms = PyModule_GetState(m);
+    if (!ms) return 0;
+    ms->pool_cap = 0;
+    hsdp_py_pool_trim(ms, 0);
+    Py_CLEAR(ms->empty);
+    Py_CLEAR(ms->group_type);
+    Py_CLEAR(ms->unit_type);
+    Py_CLEAR(ms->buffer_type);
+    Py_CLEAR(ms->config_type);
+    Py_CLEAR(ms->token_type);
+    return 0;
+}
+
+static struct PyModuleDef hsdp_module = {
+    PyModuleDef_HEAD_INIT, "hsdp._C", "The hsdp C core: process groups, units, dtype casts, accounting.",
+    sizeof(modstate), mod_methods, NULL, mod_traverse, mod_clear, NULL,
+};
+
+static int add_type(PyObject *m, PyType_Spec *spec, PyTypeObject **slot, const char *public_name) {
+    *slot = (PyTypeObject *)PyType_FromModuleAndSpec(m, spec, NULL);
+    if (!*slot) return -1;
+    return public_name ? PyModule_AddObjectRef(m, public_name, (PyObject *)*slot) : 0;
+}
+
+PyMODINIT_FUNC PyInit__C(void) {
+    import_array();
+    PyObject *m = PyModule_Create(&hsdp_module);
+    if (!m) return NULL;
+    modstate *ms = PyModule_GetState(m);
+    memset(ms, 0, sizeof *ms);
+    hsdp_stats_init(&ms->stats);
+    if (add_type(m, &hsdp_py_group_spec, &ms->group_type, "ProcessGroup") < 0 ||
+        add_type(m, &hsdp_py_unit_spec, &ms->unit_type, "Unit") < 0 ||
+        add_type(m, &hsdp_py_buffer_spec, &ms->buffer_type, NULL) < 0 ||
+        add_type(m, &hsdp_py_config_spec, &ms->config_type, "HSDPInferenceConfig") < 0 ||
+        add_type(m, &hsdp_py_token_spec, &ms->token_type, "WholeBytes") < 0 ||
+        PyModule_AddFunctions(m, hsdp_py_npy_functions) < 0 || PyModule_AddFunctions(m, hsdp_py_pool_functions) < 0 ||
+        PyModule_AddFunctions(m, hsdp_py_backend_functions) < 0 ||
+        PyModule_AddIntConstant(m, "ALIGN", HSDP_ALIGN) < 0 ||
+        PyModule_AddIntConstant(m, "POOL_SLOTS", HSDP_POOL_SLOTS) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

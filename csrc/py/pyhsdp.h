@@ -1,0 +1,116 @@
+/* pyhsdp.h - what the files of the CPython wrapper hsdp._C share: the module state, the
+ * object layouts that cross files, and one helper each for the bookkeeping they repeat. Only
+ * csrc/py/ includes it; the core (the .c files in csrc/) never sees Python.
+ *
+ *   module.c       module state, init, accounting and mesh functions, the error mapper
+ *   npy.c          the NumPy bridge: dtype <-> NumPy type, casts of arrays, pread into arrays
+ *   token_type.c   WholeBytes: accounting of parameters kept whole
+ *   buffer_type.c  _Buffer (an unsharded buffer) and the pool of idle ones
+ *   group_type.c   ProcessGroup over the backend registry
+ *   unit_type.c    Unit: one flat shard unit, its gathers and its parameter views
+ *   config_type.c  HSDPInferenceConfig */
+#ifndef HSDP_PYHSDP_H
+#define HSDP_PYHSDP_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#define NPY_NO_DEPRECATED_API NPY_1_20_API_VERSION
+#define PY_ARRAY_UNIQUE_SYMBOL hsdp_py_ARRAY_API
+#ifndef HSDP_PY_MAIN /* module.c imports the NumPy API; the other files share it */
+#define NO_IMPORT_ARRAY
+#endif
+#include <numpy/arrayobject.h>
+
+#include "../backend.h"
+#include "../hsdp.h"
+
+/* The pool keeps at most this many idle unsharded buffers (exported as _C.POOL_SLOTS, which
+ * the Python schedule reads). */
+#define HSDP_POOL_SLOTS 256
+
+struct BufferObject;
+
+typedef struct {
+    PyTypeObject *group_type;
+    PyTypeObject *unit_type;
+    PyTypeObject *buffer_type;
+    PyTypeObject *config_type;
+    PyTypeObject *token_type;
+    hsdp_stats stats;
+    unsigned we_init; /* bit i: hsdp started backend i's runtime, so may finalise it */
+    /* Idle unsharded buffers kept for reuse, oldest first, so that a steady-state forward
+     * allocates nothing. Strong references; capacity set by the Python schedule from the
+     * recorded order (0: no pooling). */
+    struct BufferObject *pool[HSDP_POOL_SLOTS];
+    int pool_n, pool_cap;
+    long live_buffers, peak_live_buffers;
+    struct BufferObject *empty; /* strong: the one 0-byte buffer units with no bytes share */
+} modstate;
+
+modstate *hsdp_py_state(PyTypeObject *t);
+/* Raises the Python exception that matches a core status, with the core's message; NULL. */
+PyObject *hsdp_py_raise(hsdp_status st);
+
+/* ------------------------------------------------------------------ npy.c */
+/* Any dtype spelling (name, NumPy dtype, torch dtype, hsdp DType) -> core dtype, through
+ * hsdp.dtypes.as_dtype so that the aliases live in one place. */
+int hsdp_py_parse_dtype(PyObject *obj, hsdp_dtype *out);
+/* The NumPy type number of a core dtype, or -1 where NumPy has none (bfloat16, float8). */
+int hsdp_py_npy_type(hsdp_dtype dt);
+/* The dtype NumPy computes a value of dt in: itself, or float32 where NumPy has no type. */
+hsdp_dtype hsdp_py_npy_compute(hsdp_dtype dt);
+/* The core dtype of an array's elements; -1 with TypeError for anything else. */
+int hsdp_py_array_dtype(PyArrayObject *a, hsdp_dtype *out);
+PyObject *hsdp_py_dtype_name_or_none(int code);
+/* A writable C-contiguous array, or NULL with an error naming the parameter `what`. */
+PyArrayObject *hsdp_py_writable_array(PyObject *obj, const char *what);
+extern PyMethodDef hsdp_py_npy_functions[];
+
+/* ------------------------------------------------------------------ buffer_type.c */
+typedef struct BufferObject {
+    PyObject_HEAD
+    void *p; /* owned: hsdp_device_free in dealloc */
+    size_t n;
+    hsdp_device device;
+    const hsdp_backend *backend; /* allocates device buffers; static tables, never freed */
+    hsdp_stats *stats;
+    PyObject *module; /* strong: keeps the stats alive */
+} BufferObject;
+
+extern PyType_Spec hsdp_py_buffer_spec;
+extern PyMethodDef hsdp_py_pool_functions[];
+/* A buffer of n bytes on device: an idle pooled one of that size and device first, else a
+ * fresh one. New reference. */
+BufferObject *hsdp_py_buffer_take(modstate *ms, size_t n, const hsdp_backend *b, hsdp_device device);
+/* Gives a buffer back: to the pool when nothing else (no view a user kept) refers to it and
+ * the pool has room, else it is released. Steals the reference; NULL is fine. */
+void hsdp_py_buffer_give(modstate *ms, BufferObject *b);
+void hsdp_py_pool_trim(modstate *ms, int keep);
+
+/* ------------------------------------------------------------------ group_type.c */
+typedef struct {
+    PyObject_HEAD
+    hsdp_group *g; /* owned: hsdp_group_free in dealloc */
+    PyObject *module;
+} GroupObject;
+
+extern PyType_Spec hsdp_py_group_spec;
+extern PyMethodDef hsdp_py_backend_functions[];
+
+/* ------------------------------------------------------------------ the rest */
+extern PyType_Spec hsdp_py_unit_spec;
+extern PyType_Spec hsdp_py_config_spec;
+extern PyType_Spec hsdp_py_token_spec;
+
+/* Runs `stmt` with the GIL released while `flag` (an object's busy field) is set, so the
+ * object refuses re-entry from another Python thread meanwhile. */
+#define HSDP_PY_BUSY_NOGIL(flag, stmt) \
+    do {                               \
+        (flag) = 1;                    \
+        Py_BEGIN_ALLOW_THREADS         \
+        stmt;                          \
+        Py_END_ALLOW_THREADS           \
+        (flag) = 0;                    \
+    } while (0)
+
+#endif
