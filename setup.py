@@ -42,9 +42,23 @@ def variant(compile_args: list[str]) -> str:
 
 
 class VariantBuildExt(build_ext):
+    """Object files go to build_temp/<variant>, and a build whose variant differs from the
+    last one is forced: setuptools would otherwise call the extension up to date and keep
+    the one compiled with the other flags."""
+
     def finalize_options(self) -> None:
         super().finalize_options()
+        self._stamp = Path(self.build_temp) / "variant"
         self.build_temp = os.path.join(self.build_temp, variant(cflags))
+
+    def run(self) -> None:
+        now = variant(cflags)
+        last = self._stamp.read_text() if self._stamp.exists() else None
+        if last != now:
+            self.force = True
+        super().run()
+        self._stamp.parent.mkdir(parents=True, exist_ok=True)
+        self._stamp.write_text(now)
 
 
 def mpi_flags() -> tuple[list[str], list[str]]:

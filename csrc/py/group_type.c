@@ -122,36 +122,32 @@ static int block_arrays(GroupObject *self, PyObject *so, PyObject *ro, int send_
     return 0;
 }
 
-/* The backend's collective on caller-owned arrays, on this thread when its worker is idle:
- * the raw collective benchmarks compare a unit gather with. */
-static PyObject *group_all_gather(GroupObject *self, PyObject *args, PyObject *kw) {
+typedef hsdp_status (*block_collective)(hsdp_group *, const void *, void *, size_t);
+
+/* A collective of size equal blocks on caller-owned arrays, with the GIL released. */
+static PyObject *blocks_call(GroupObject *self, PyObject *args, PyObject *kw, int send_blocks, block_collective fn) {
     static char *kwlist[] = {"send", "recv", NULL};
     PyObject *so, *ro;
     void *s, *r;
     size_t n;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OO", kwlist, &so, &ro)) return NULL;
-    if (block_arrays(self, so, ro, 1, &s, &r, &n) < 0) return NULL;
+    if (block_arrays(self, so, ro, send_blocks, &s, &r, &n) < 0) return NULL;
     hsdp_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = hsdp_all_gather(self->g, s, r, n);
+    st = fn(self->g, s, r, n);
     Py_END_ALLOW_THREADS
     if (st != HSDP_OK) return hsdp_py_raise(st);
     Py_RETURN_NONE;
 }
 
+/* The backend's collective, on this thread when its worker is idle: the raw collective
+ * benchmarks compare a unit gather with. */
+static PyObject *group_all_gather(GroupObject *self, PyObject *args, PyObject *kw) {
+    return blocks_call(self, args, kw, 1, hsdp_all_gather);
+}
+
 static PyObject *group_all_to_all(GroupObject *self, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"send", "recv", NULL};
-    PyObject *so, *ro;
-    void *s, *r;
-    size_t n;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO", kwlist, &so, &ro)) return NULL;
-    if (block_arrays(self, so, ro, self->g->size, &s, &r, &n) < 0) return NULL;
-    hsdp_status st;
-    Py_BEGIN_ALLOW_THREADS
-    st = hsdp_all_to_all(self->g, s, r, n);
-    Py_END_ALLOW_THREADS
-    if (st != HSDP_OK) return hsdp_py_raise(st);
-    Py_RETURN_NONE;
+    return blocks_call(self, args, kw, self->g->size, hsdp_all_to_all);
 }
 
 static PyObject *group_repr(GroupObject *self) {
