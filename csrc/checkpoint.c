@@ -1,5 +1,5 @@
 /* checkpoint.c - the safetensors data path: each rank preads only the bytes of its own
- * chunk (validated offsets come from the Python index; see python/hsdp/checkpoint.py) and
+ * chunk (validated offsets come from the Python index; see python/hsdp/checkpoint/) and
  * casts them to the storage dtype on the way in. The header is parsed in Python with json. */
 #define _XOPEN_SOURCE 700 /* pread */
 #include <errno.h>

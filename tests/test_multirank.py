@@ -24,8 +24,9 @@ def test_mesh_all_scenarios(replicate: int, shard: int) -> None:
 
 
 def test_failing_rank_ends_job_under_plain_mpiexec() -> None:
-    """Design decision 9: a peer that dies ends the job with an error in bounded time. The
-    failing rank skips MPI_Finalize at exit, so mpiexec terminates the waiting one."""
+    """A peer that dies ends the job with an error in bounded time (docs/design.md, "Starting
+    and stopping MPI"). The failing rank skips MPI_Finalize at exit, so mpiexec terminates
+    the waiting one."""
     import os
     import subprocess
     import sys

@@ -1,8 +1,8 @@
 """``Parameter``: a named weight whose storage the sharding engine can swap underneath it.
 
-The contract with the C engine (docs/design.md, decision 6): the Parameter object a user holds
-never changes. While unsharded the engine sets ``_data`` directly to a read-only view into the
-unit's gathered buffer; while sharded it sets ``_data`` to None and ``_hsdp_state`` to a short
+The contract with the C engine (docs/design.md, "Read-only views and parameter identity"): the
+Parameter object a user holds never changes. While unsharded the engine sets ``_data``
+directly to a read-only view into the unit's gathered buffer; while sharded it sets ``_data`` to None and ``_hsdp_state`` to a short
 description. Every read goes through :attr:`Parameter.data`, so a sharded parameter used
 outside its unit fails loudly instead of computing with stale numbers.
 """
