@@ -1,6 +1,7 @@
 # The two commands of the quick start: `make test` and `make demo`. Each installs what it
 # needs: Open MPI through apt-get (when absent and running as root), then the package and its
-# test extras into a virtual environment at .venv (set VENV to move it).
+# test extras (torch, diffusers and accelerate among them) into a virtual environment at
+# .venv (set VENV to move it).
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -44,6 +45,8 @@ $(VENV)/.stamp: pyproject.toml | sysdeps
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q --upgrade "setuptools>=70" wheel "numpy>=2.0" "pytest>=7" "safetensors>=0.4"
+	@echo "installing torch, diffusers and accelerate (the torch wheel brings its CUDA libraries: a few GB)"
+	$(PY) -m pip install -q "torch>=2.4" "diffusers>=0.35" "accelerate>=1.0"
 	touch $@
 
 venv: $(VENV)/.stamp

@@ -160,15 +160,21 @@ void *hsdp_device_alloc(hsdp_stats *st, const hsdp_backend *b, hsdp_device devic
         return NULL;
     }
     void *p = b->buffer_alloc(nbytes, device);
-    if (p) hsdp_stats_count_alloc(st, nbytes);
+    if (!p) {
+        hsdp_fail(HSDP_ENOMEM, "backend '%s' could not allocate %zu bytes of %s memory", b->name, nbytes,
+                  hsdp_device_name(device));
+        return NULL;
+    }
+    hsdp_stats_count_alloc(st, nbytes);
     return p;
 }
 
 void hsdp_device_free(hsdp_stats *st, const hsdp_backend *b, hsdp_device device, void *p, size_t nbytes) {
     if (device == HSDP_DEVICE_HOST) {
         hsdp_buffer_free(st, p, nbytes);
-    } else if (p && b && b->buffer_free) {
+    } else if (p) {
         hsdp_stats_count_free(st, nbytes);
-        b->buffer_free(p, nbytes, device);
+        /* a backend that allocates on a device frees there too (both slots are required together) */
+        if (b && b->buffer_free) b->buffer_free(p, nbytes, device);
     }
 }

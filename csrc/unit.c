@@ -39,7 +39,8 @@ hsdp_status hsdp_unit_init(hsdp_unit *u, const size_t *numels, const hsdp_dtype 
                              hsdp_dtype_name(dt), hsdp_dtype_name(ct) ? hsdp_dtype_name(ct) : "an unknown dtype");
         }
         u->compute[i] = ct;
-        if (ct == dt) {
+        /* Nothing to convert in an empty slot: its (empty) view is the gathered buffer's. */
+        if (ct == dt || u->layout.slots[i].numel == 0) {
             u->widen_offset[i] = SIZE_MAX;
             continue;
         }

@@ -419,13 +419,13 @@ def test_failure_in_a_later_unit_rolls_back():
     assert np.array_equal(last.packed.data, np.arange(6, dtype=np.int8))
 
 
-def test_torch_module_is_not_implemented():
-    class FakeTorch:
+def test_non_module_is_a_type_error_naming_its_class():
+    class FakeTorch:  # looks like torch by its module name, but is no torch.nn.Module
         def named_modules(self):
             return iter(())
 
     FakeTorch.__module__ = "torch.nn.modules.module"
-    with pytest.raises(NotImplementedError, match="DLPack"):
+    with pytest.raises(TypeError, match=r"torch.nn.Module or an hsdp.nn.Module, got torch.nn.modules.module.FakeTorch"):
         hsdp.apply_hsdp_to_model(FakeTorch(), cfg())
     with pytest.raises(TypeError, match="hsdp.nn.Module"):
         hsdp.apply_hsdp_to_model(object(), cfg())

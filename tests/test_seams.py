@@ -174,8 +174,13 @@ def test_unit_defaults_compute_in_storage_dtype_on_host():
 
 def test_cuda_unit_on_single_backend_stays_sharded():
     """device='cuda' on 'single': built fine, unshard raises NotImplementedError and changes nothing."""
-    u = _C.Unit(group(), ["float32"], [(16,)], device="cuda", params=(Plain(),), bind_attr="_data")
+    u = _C.Unit(group(), ["float32"], [(16,)], device="cuda", params=(Plain(),))
     assert u.device == "cuda"
+    # NumPy views of device memory, or a host conversion of it, are refused up front
+    with pytest.raises(ValueError, match="bind_attr makes NumPy views, which need host memory"):
+        _C.Unit(group(), ["float32"], [(16,)], device="cuda", params=(Plain(),), bind_attr="_data")
+    with pytest.raises(ValueError, match="conversion runs on the host"):
+        _C.Unit(group(), ["bfloat16"], [(16,)], device="cuda", compute_dtypes=["float32"])
     before = hsdp.memory_stats()
     for call in (u.unshard, u.start_unshard):
         with pytest.raises(NotImplementedError, match=re.escape("backend 'single' cannot allocate cuda buffers")):
@@ -444,6 +449,10 @@ def scenario_explicit(rec):
     assert same(m(*x), expect)
     hsdp.reshard(m, recurse=True)
     assert no_views(m) and hsdp.memory_stats()["unsharded_bytes"] == 0
+    # the gathered state dict: copies, equal to the reference, and the units resharded again
+    full = hsdp.full_state_dict(m)
+    assert set(full) == set(refp) and all(same(full[n], refp[n].data) for n in refp)
+    assert no_views(m) and hsdp.memory_stats()["unsharded_bytes"] == 0
     # resident: gathered once, every step uses the same views
     with hsdp.resident(m) as held:
         assert held is m
@@ -583,6 +592,7 @@ def test_whole_api_through_adapter_covers_the_protocol(rec, tmp_path):
         "owns", "named_parameters", "add_hooks", "move", "freeze", "dtype", "shape", "is_shardable",
         "is_sharded", "shard_source", "values", "assign", "restore", "held_nbytes", "mark_sharded",
         "compute_dtype", "check_device", "buffer_device", "cast_inputs", "cast_output", "bind", "unbind",
+        "copy_state_dict",
     }
     scenario_forwards(rec, "bfloat16", 1)
     scenario_output_dtype(rec)
@@ -610,7 +620,7 @@ def test_adapter_registry_order_and_removal():
     assert adapters.adapter_for(m) is adapters.NUMPY
     with pytest.raises(ValueError, match="cannot be removed"):
         adapters.unregister_adapter(adapters.NUMPY)
-    with pytest.raises(TypeError, match="must be an hsdp.nn.Module, got int"):
+    with pytest.raises(TypeError, match="or an hsdp.nn.Module, got builtins.int"):
         adapters.adapter_for(3)
 
 
@@ -696,3 +706,51 @@ def test_setup_and_makefile_read_the_same_list():
     assert re.search(r"^include csrc/sources\.mk$", makefile, re.M)
     setup_src = (ROOT / "setup.py").read_text()
     assert 'sources=[*SRC["CORE_SRC"], *SRC["WRAP_SRC"]]' in setup_src
+
+
+def test_empty_converting_slot_is_a_view_of_the_gathered_buffer():
+    """A 0-element parameter whose compute dtype differs needs no conversion (it used to crash)."""
+    p = Plain()
+    u = _C.Unit(group(), ["bfloat16", "bfloat16"], [(0,), (3,)], params=(p, Plain()), compute_dtypes=["float32"] * 2,
+                bind_attr="_data")
+    assert u.view_specs[0][0] == 0 and u.view_specs[1][0] == 1
+    u.unshard()
+    assert p._data.shape == (0,) and p._data.dtype == np.float32
+    u.reshard()
+    only_empty = _C.Unit(group(), ["bfloat16"], [(0,)], params=(Plain(),), compute_dtypes=["float32"], bind_attr="_data")
+    assert only_empty.widened_bytes == 0
+    only_empty.unshard()
+    only_empty.reshard()
+
+
+def test_failed_adapter_bind_leaves_no_view_and_binds_next_time():
+    """A bind that raises unbinds what it did; the next forward binds again, even if the unit stayed unsharded."""
+    fails = {"n": 1}
+
+    class Flaky(adapters.NumpyAdapter):
+        bind_attr = None
+
+        def owns(self, module):
+            return isinstance(module, models.VideoDiT) and getattr(module, "_flaky", False)
+
+        def bind(self, state):
+            super().bind(state)
+            if fails["n"] and state.fqn == "blocks.0":
+                fails["n"] -= 1
+                raise RuntimeError("bind failed on purpose")
+
+    a = Flaky()
+    adapters.register_adapter(a)
+    try:
+        m = models.make_model("tiny", seed=0)
+        m._flaky = True
+        hsdp.apply_hsdp_to_model(m, hsdp.HSDPInferenceConfig(enabled=True, reshard_after_forward=False))
+        x = models.make_inputs(TINY, seed=0)
+        with pytest.raises(RuntimeError, match="bind failed on purpose"):
+            m(*x)
+        assert all(q._data is None for q in m.blocks[0].parameters())
+        ref = models.make_model("tiny", seed=0)
+        hsdp.apply_hsdp_to_model(ref, hsdp.HSDPInferenceConfig(enabled=True, reshard_after_forward=False))
+        assert np.array_equal(m(*x), ref(*x))
+    finally:
+        adapters.unregister_adapter(a)

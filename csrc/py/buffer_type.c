@@ -8,7 +8,11 @@
 
 static BufferObject *buffer_new(modstate *ms, size_t n, const hsdp_backend *b, hsdp_device device) {
     void *p = hsdp_device_alloc(&ms->stats, b, device, n);
-    if (!p) return (BufferObject *)hsdp_py_raise(device == HSDP_DEVICE_HOST ? HSDP_ENOMEM : HSDP_EUNSUPPORTED);
+    if (!p) {
+        /* hsdp_device_alloc recorded why; a missing slot is "not supported", else memory */
+        int unsupported = device != HSDP_DEVICE_HOST && (!b || !b->buffer_alloc);
+        return (BufferObject *)hsdp_py_raise(unsupported ? HSDP_EUNSUPPORTED : HSDP_ENOMEM);
+    }
     BufferObject *buf = PyObject_New(BufferObject, ms->buffer_type);
     if (!buf) {
         hsdp_device_free(&ms->stats, b, device, p, n);
@@ -75,7 +79,8 @@ void hsdp_py_buffer_give(modstate *ms, BufferObject *b) {
 }
 
 void hsdp_py_pool_trim(modstate *ms, int keep) {
-    while (ms->pool_n > keep) Py_DECREF(pool_remove(ms, ms->pool_n - 1, OUT_TO_FREE));
+    /* the oldest go first, as when a full pool takes a new buffer */
+    while (ms->pool_n > keep) Py_DECREF(pool_remove(ms, 0, OUT_TO_FREE));
 }
 
 static void buffer_dealloc(BufferObject *self) {
@@ -121,7 +126,8 @@ static PyType_Slot buffer_slots[] = {
     {Py_tp_dealloc, buffer_dealloc},
     {Py_bf_getbuffer, buffer_getbuffer},
     {Py_tp_getset, buffer_getset},
-    {Py_tp_doc, "An unsharded buffer (internal): read-only bytes through the buffer protocol."},
+    {Py_tp_methods, hsdp_py_dlpack_methods},
+    {Py_tp_doc, "An unsharded buffer (internal): read-only bytes through the buffer protocol and DLPack."},
     {0, NULL},
 };
 

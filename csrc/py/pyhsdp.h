@@ -6,6 +6,7 @@
  *   npy.c          the NumPy bridge: dtype <-> NumPy type, casts of arrays, pread into arrays
  *   token_type.c   WholeBytes: accounting of parameters kept whole
  *   buffer_type.c  _Buffer (an unsharded buffer) and the pool of idle ones
+ *   dlpack.c       _Buffer.__dlpack__: the buffer exported zero-copy to torch and others
  *   group_type.c   ProcessGroup over the backend registry
  *   unit_type.c    Unit: one flat shard unit, its gathers and its parameter views
  *   config_type.c  HSDPInferenceConfig */
@@ -78,6 +79,7 @@ typedef struct BufferObject {
 } BufferObject;
 
 extern PyType_Spec hsdp_py_buffer_spec;
+extern PyMethodDef hsdp_py_dlpack_methods[]; /* dlpack.c: __dlpack__, __dlpack_device__ */
 extern PyMethodDef hsdp_py_pool_functions[];
 /* A buffer of n bytes on device: an idle pooled one of that size and device first, else a
  * fresh one. New reference. */

@@ -119,6 +119,11 @@ static PyObject *unit_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
             ok = 0;
         }
     }
+    if (ok && dev != HSDP_DEVICE_HOST && self->bind_attr) {
+        PyErr_Format(PyExc_ValueError, "bind_attr makes NumPy views, which need host memory; device='%s' needs an "
+                     "adapter that binds itself (bind_attr=None)", device);
+        ok = 0;
+    }
     for (Py_ssize_t i = 0; ok && i < n; i++) {
         if (hsdp_py_parse_dtype(PyTuple_GET_ITEM(dt_seq, i), &codes[i]) < 0) ok = 0;
         ccodes[i] = codes[i];
@@ -175,6 +180,12 @@ static PyObject *unit_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
         } else {
             self->initialised = 1;
         }
+    }
+    if (ok && dev != HSDP_DEVICE_HOST && self->u.widened_bytes) {
+        /* the conversion is a host cast: it cannot read device memory */
+        PyErr_Format(PyExc_ValueError, "device='%s' needs every compute dtype equal to its storage dtype (the "
+                     "conversion runs on the host)", device);
+        ok = 0;
     }
     free(numels);
     free(codes);

@@ -49,6 +49,9 @@ class HSDPShardContext:
     # set cheap and never call a user's __eq__).
     owned: set[int] = field(default_factory=set)
     whole_bytes: list[Any] = field(default_factory=list)
+    # diffusers' _keep_in_fp32_modules: parameters under a module of one of these names keep
+    # their own dtype when param_dtype is set (FSDP2 casts them anyway)
+    keep_dtype_modules: frozenset[str] = frozenset()
     finalized: bool = False
     prefetch_depth: int = 1
     max_unsharded_bytes: int | None = None
@@ -88,10 +91,14 @@ def _check_conditions(conditions: Any, model: Any) -> list[ShardCondition]:
     return conds
 
 
-def _storage_dtype(ad: TensorAdapter, p: Any, policy: MixedPrecisionPolicy) -> DType:
-    if policy.param_dtype is not None and ad.dtype(p) not in _FP8:
+def _storage_dtype(ad: TensorAdapter, p: Any, policy: MixedPrecisionPolicy, keep: bool) -> DType:
+    if policy.param_dtype is not None and ad.dtype(p) not in _FP8 and not keep:
         return policy.param_dtype
     return ad.dtype(p)
+
+
+def _keep_modules(model: Any) -> frozenset[str]:
+    return frozenset(getattr(model, "_keep_in_fp32_modules", None) or ())
 
 
 def _build_unit(ctx: HSDPShardContext, module: Any, fqn: str, is_root: bool, claimed: set[int]) -> UnitState | None:
@@ -116,7 +123,11 @@ def _build_unit(ctx: HSDPShardContext, module: Any, fqn: str, is_root: bool, cla
         params.append(p)
     if not params and not is_root:
         return None
-    dtypes = tuple(_storage_dtype(ad, p, ctx.mp_policy) for p in params)
+    keep = ctx.keep_dtype_modules
+    dtypes = tuple(
+        _storage_dtype(ad, p, ctx.mp_policy, bool(keep) and not keep.isdisjoint(n.split(".")))
+        for p, n in zip(params, names)
+    )
     unit = _C.Unit(
         ctx.mesh.shard_group,
         [d.name for d in dtypes],
@@ -248,6 +259,7 @@ def prepare_hsdp_shard_context(model: Any, hsdp_config: Any, target_device: Any 
         hsdp_shard_conditions=conditions,
         ignored_params=ignored,
         target_device=target_device,
+        keep_dtype_modules=_keep_modules(model),
         prefetch_depth=hsdp_config.prefetch_depth,
         max_unsharded_bytes=hsdp_config.max_unsharded_bytes,
     )
@@ -276,6 +288,7 @@ def _default_context(
         reshard_after_forward=reshard_after_forward,
         hsdp_shard_conditions=conditions,
         ignored_params=ignored,
+        keep_dtype_modules=_keep_modules(model),
     )
     ctx.whole_bytes.append(_C.WholeBytes(ad.held_nbytes(ignored)))
     return ctx
@@ -434,6 +447,15 @@ class resident:  # noqa: N801 (a context manager named like the verb users write
 
     def __exit__(self, *exc: object) -> None:
         reshard(self.model, recurse=True)
+
+
+def full_state_dict(model: Any) -> dict[str, Any]:
+    """The whole model's state dict, gathered: a copy of every parameter (and, for torch,
+    every persistent buffer) under its own name, in its storage dtype. One collective call on
+    every rank of the job; every rank gets the full dict. The units reshard afterwards."""
+    get_units(model)  # a clear error for a model hsdp did not shard
+    with resident(model):
+        return model._hsdp_context.adapter.copy_state_dict(model)
 
 
 def get_units(model: Any) -> list[UnitState]:

@@ -46,6 +46,8 @@ class DeviceMesh:
         names = tuple(mesh_dim_names)
         if len(names) != 2 or len(set(names)) != 2:
             raise ValueError(f"mesh_dim_names must be two distinct names, got {names!r}")
+        if any(x <= 0 for x in shape):
+            raise ValueError(f"mesh shape {shape}: both sizes must be positive")
         world = distributed.init_process_group()
         if world.backend not in DEVICE_BACKENDS[self.device_type]:
             raise RuntimeError(

@@ -41,6 +41,7 @@ class UnitState:
         self.adapter = adapter
         self._binds = adapter.bind_attr is None  # the adapter binds views, not the C unit
         self._bound = False
+        self.adapter_data: Any = None  # what the adapter keeps per unit (its view layout, say)
         self.fqn = fqn
         self.unit = unit
         self.params = params
@@ -90,8 +91,8 @@ class UnitState:
                 sched.begin()
             if sched.in_forward:
                 sched.enter(self)  # records the order, or notices a departure from it
-        if not self.unit.is_unsharded:
-            self._unshard_unit()  # waits for a prefetched gather, or gathers now
+        if not self.unit.is_unsharded or (self._binds and not self._bound):
+            self._unshard_unit()  # waits for a prefetched gather, or gathers now; binds
         if sched is not None and sched.in_forward:
             sched.prefetch()  # the next units gather while this one computes
         if trace.enabled:
@@ -149,15 +150,21 @@ class UnitState:
         else:
             self.unit.unshard()
         if self._binds and not self._bound:
-            self.adapter.bind(self)
-            self._bound = True
+            self._bind()
 
     def _wait_unit(self) -> None:
         """Waits for an explicitly started gather and binds the views."""
         self.unit.wait()
         if self._binds and not self._bound and self.unit.is_unsharded:
+            self._bind()
+
+    def _bind(self) -> None:
+        try:
             self.adapter.bind(self)
-            self._bound = True
+        except BaseException:
+            self.adapter.unbind(self)  # no parameter keeps a view from a half-done bind
+            raise
+        self._bound = True
 
     def _reshard_unit(self) -> None:
         """Unbinds (so no view of ours keeps the buffers from the pool) and reshards."""

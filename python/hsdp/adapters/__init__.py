@@ -2,7 +2,9 @@
 
 :func:`adapter_for` finds the adapter that owns a module; :func:`register_adapter` adds
 one (tried before the built-in ones). The protocol is :class:`TensorAdapter` in ``base``.
-Built in: ``numpy`` (``hsdp.nn``). torch modules are recognised but not supported yet.
+Built in: ``numpy`` (``hsdp.nn``) and ``torch`` (``torch.nn.Module``); the torch adapter is
+imported and registered only once torch itself has been imported by the program, so
+``import hsdp`` never imports torch.
 """
 
 from __future__ import annotations
@@ -15,6 +17,18 @@ from .numpy import NumpyAdapter
 
 NUMPY = NumpyAdapter()
 _adapters: list[TensorAdapter] = [NUMPY]
+_torch_registered = False
+
+
+def _register_torch() -> None:
+    """Adds the torch adapter once the program has imported torch (a torch module implies it)."""
+    global _torch_registered
+    if _torch_registered or "torch" not in sys.modules:
+        return
+    from .torch import TorchAdapter
+
+    _adapters.append(TorchAdapter())
+    _torch_registered = True
 
 
 def register_adapter(adapter: TensorAdapter) -> None:
@@ -30,24 +44,15 @@ def unregister_adapter(adapter: TensorAdapter) -> None:
     _adapters.remove(adapter)
 
 
-def _is_torch_module(obj: Any) -> bool:
-    torch = sys.modules.get("torch")  # never imported here: a torch module implies torch is loaded
-    if torch is not None and isinstance(obj, torch.nn.Module):
-        return True
-    return hasattr(obj, "named_modules") and type(obj).__module__.split(".")[0] in ("torch", "diffusers")
-
-
 def adapter_for(module: Any, what: str = "model") -> TensorAdapter:
     """The adapter that owns ``module``; a clear error naming its class when none does."""
+    _register_torch()
     for adapter in _adapters:
         if adapter.owns(module):
             return adapter
-    if _is_torch_module(module):
-        raise NotImplementedError(
-            f"{what} is a torch module ({type(module).__name__}); the torch adapter (zero-copy views "
-            "through DLPack) is not built yet. Build the model with hsdp.nn for now."
-        )
-    raise TypeError(f"{what} must be an hsdp.nn.Module, got {type(module).__name__}")
+    raise TypeError(
+        f"{what} must be a torch.nn.Module or an hsdp.nn.Module, got {type(module).__module__}.{type(module).__name__}"
+    )
 
 
 __all__ = ["NUMPY", "NumpyAdapter", "TensorAdapter", "adapter_for", "register_adapter", "unregister_adapter"]

@@ -51,6 +51,10 @@ class TensorAdapter(Protocol):
     def freeze(self, module: Any) -> None:
         """Turns off ``requires_grad`` on every parameter: inference only."""
 
+    def copy_state_dict(self, module: Any) -> dict[str, Any]:
+        """A copy of the module's state dict (name -> tensor), taken while every unit is
+        unsharded: what ``hsdp.full_state_dict`` returns."""
+
     # -- parameters ------------------------------------------------------------------------
     def dtype(self, p: Any) -> DType:
         """The parameter's logical dtype (its storage dtype while sharded)."""

@@ -67,6 +67,9 @@ class NumpyAdapter:
         for p in module.parameters():
             p.requires_grad = False
 
+    def copy_state_dict(self, module: Any) -> dict[str, Any]:
+        return {k: np.array(v, copy=True) for k, v in module.state_dict().items()}
+
     # -- parameters ------------------------------------------------------------------------
     def dtype(self, p: Any) -> DType:
         return p.dtype
@@ -131,6 +134,8 @@ class NumpyAdapter:
         for p, (which, offset), dt in zip(state.params, state.unit.view_specs, state.unit.compute_dtypes):
             shape = self.shape(p)
             compute = as_dtype(dt).compute
+            if compute.name != dt:
+                raise TypeError(f"parameter of unit '{state.label}' is computed in {dt}, which NumPy has no type for")
             view = np.frombuffer(bufs[which], dtype=compute, count=math.prod(shape), offset=offset)
             p._data = view.reshape(shape)
 

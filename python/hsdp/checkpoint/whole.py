@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from .. import _C
+from ..adapters import adapter_for
 from .errors import CheckpointError, in_context
 from .format import TensorEntry
 from .index import Checkpoint, CheckpointPath, open_checkpoint
@@ -70,8 +71,9 @@ def load_model_whole(
         for it in plan.items:
             values.append(read_tensor(it.entry))
             prog.advance(it.entry.nbytes)
+        ad = adapter_for(model)
         for it, v in zip(plan.items, values):
-            it.param.data = v
+            ad.assign(it.param, v)
         prog.finish()
         seconds = time.perf_counter() - t0
         set_report(model, LoadReport(ckpt.path, "whole", len(plan.items), prog.bytes_read, prog.bytes_read, seconds))

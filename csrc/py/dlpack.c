@@ -1,0 +1,157 @@
+/* dlpack.c - _Buffer.__dlpack__ / __dlpack_device__: a gathered buffer exported zero-copy as
+ * a 1-D uint8 tensor, so torch (torch.from_dlpack) and any other DLPack consumer views the
+ * very bytes the gather wrote. The structs below follow the public DLPack ABI (1.x, and the
+ * legacy unversioned form for consumers that ask for no version). The exported tensor holds
+ * a strong reference to the buffer until the consumer's deleter runs, so the pool never
+ * reuses a buffer something still views. */
+#include "pyhsdp.h" /* first: Python.h must precede system headers */
+#include <stdint.h>
+#include <stdlib.h>
+
+typedef struct {
+    uint32_t major, minor;
+} DLPackVersion;
+typedef struct {
+    int32_t device_type; /* kDLCPU = 1, kDLCUDA = 2 */
+    int32_t device_id;
+} DLDevice;
+typedef struct {
+    uint8_t code; /* kDLUInt = 1 */
+    uint8_t bits;
+    uint16_t lanes;
+} DLDataType;
+typedef struct {
+    void *data;
+    DLDevice device;
+    int32_t ndim;
+    DLDataType dtype;
+    int64_t *shape;
+    int64_t *strides;
+    uint64_t byte_offset;
+} DLTensor;
+typedef struct DLManagedTensor {
+    DLTensor dl_tensor;
+    void *manager_ctx;
+    void (*deleter)(struct DLManagedTensor *self);
+} DLManagedTensor;
+typedef struct DLManagedTensorVersioned {
+    DLPackVersion version;
+    void *manager_ctx;
+    void (*deleter)(struct DLManagedTensorVersioned *self);
+    uint64_t flags;
+    DLTensor dl_tensor;
+} DLManagedTensorVersioned;
+
+#define DLPACK_FLAG_READ_ONLY 1u /* a write would be lost at reshard */
+
+/* One allocation per export, owned by the capsule until a consumer takes it, then by the
+ * consumer until it calls the deleter. */
+typedef struct {
+    union {
+        DLManagedTensorVersioned v;
+        DLManagedTensor legacy;
+    } t;
+    int64_t shape[1], strides[1];
+} export_block;
+
+static void release_owner(void *ctx) {
+    /* The consumer may free its tensor on any thread, and after the interpreter is gone. */
+    if (!ctx || !Py_IsInitialized()) return;
+    PyGILState_STATE g = PyGILState_Ensure();
+    Py_DECREF((PyObject *)ctx);
+    PyGILState_Release(g);
+}
+
+static void delete_versioned(DLManagedTensorVersioned *self) {
+    release_owner(self->manager_ctx);
+    free(self); /* the export_block: t is its first member */
+}
+
+static void delete_legacy(DLManagedTensor *self) {
+    release_owner(self->manager_ctx);
+    free(self);
+}
+
+static void capsule_versioned(PyObject *cap) {
+    /* Still named "dltensor_versioned": nobody consumed it, so the export is ours to free. */
+    if (PyCapsule_IsValid(cap, "dltensor_versioned")) {
+        DLManagedTensorVersioned *t = PyCapsule_GetPointer(cap, "dltensor_versioned");
+        if (t && t->deleter) t->deleter(t);
+    }
+}
+
+static void capsule_legacy(PyObject *cap) {
+    if (PyCapsule_IsValid(cap, "dltensor")) {
+        DLManagedTensor *t = PyCapsule_GetPointer(cap, "dltensor");
+        if (t && t->deleter) t->deleter(t);
+    }
+}
+
+static DLDevice device_of(const BufferObject *b) {
+    DLDevice d = {b->device == HSDP_DEVICE_CUDA ? 2 : 1, 0};
+    return d;
+}
+
+/* __dlpack__(*, stream=None, max_version=None, dl_device=None, copy=None) */
+static PyObject *buffer_dlpack(BufferObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"stream", "max_version", "dl_device", "copy", NULL};
+    PyObject *stream = Py_None, *max_version = Py_None, *dl_device = Py_None, *copy = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|$OOOO", kwlist, &stream, &max_version, &dl_device, &copy))
+        return NULL;
+    (void)stream; /* host buffers need no stream; device buffers are complete when unsharded */
+    if (copy == Py_True)
+        return PyErr_Format(PyExc_BufferError, "an hsdp buffer is exported without a copy (copy=True refused)");
+    if (self->device != HSDP_DEVICE_HOST && dl_device != Py_None)
+        return PyErr_Format(PyExc_BufferError, "an hsdp %s buffer cannot be exported to another device",
+                            hsdp_device_name(self->device));
+    long major = 0;
+    if (max_version != Py_None) {
+        if (!PyTuple_Check(max_version) || PyTuple_GET_SIZE(max_version) < 1)
+            return PyErr_Format(PyExc_TypeError, "max_version must be a (major, minor) tuple, got %R", max_version);
+        major = PyLong_AsLong(PyTuple_GET_ITEM(max_version, 0));
+        if (major == -1 && PyErr_Occurred()) return NULL;
+    }
+    export_block *blk = calloc(1, sizeof *blk); /* owned as described above */
+    if (!blk) return PyErr_NoMemory();
+    blk->shape[0] = (int64_t)self->n;
+    blk->strides[0] = 1;
+    DLTensor tensor = {.data = self->p,
+                       .device = device_of(self),
+                       .ndim = 1,
+                       .dtype = {.code = 1, .bits = 8, .lanes = 1},
+                       .shape = blk->shape,
+                       .strides = blk->strides,
+                       .byte_offset = 0};
+    PyObject *cap;
+    Py_INCREF(self); /* released by the deleter */
+    if (major >= 1) {
+        blk->t.v = (DLManagedTensorVersioned){.version = {1, 0},
+                                              .manager_ctx = self,
+                                              .deleter = delete_versioned,
+                                              .flags = DLPACK_FLAG_READ_ONLY,
+                                              .dl_tensor = tensor};
+        cap = PyCapsule_New(&blk->t.v, "dltensor_versioned", capsule_versioned);
+    } else {
+        blk->t.legacy = (DLManagedTensor){.dl_tensor = tensor, .manager_ctx = self, .deleter = delete_legacy};
+        cap = PyCapsule_New(&blk->t.legacy, "dltensor", capsule_legacy);
+    }
+    if (!cap) {
+        Py_DECREF(self);
+        free(blk);
+    }
+    return cap;
+}
+
+static PyObject *buffer_dlpack_device(BufferObject *self, PyObject *unused) {
+    (void)unused;
+    DLDevice d = device_of(self);
+    return Py_BuildValue("(ii)", d.device_type, d.device_id);
+}
+
+PyMethodDef hsdp_py_dlpack_methods[] = {
+    {"__dlpack__", (PyCFunction)(void (*)(void))buffer_dlpack, METH_VARARGS | METH_KEYWORDS,
+     "__dlpack__(*, stream=None, max_version=None, dl_device=None, copy=None): the buffer as a 1-D uint8 "
+     "DLPack tensor (read-only flag set), zero-copy; it keeps the buffer alive until the consumer lets go."},
+    {"__dlpack_device__", (PyCFunction)buffer_dlpack_device, METH_NOARGS, "(device type, device id) for DLPack."},
+    {NULL, NULL, 0, NULL},
+};

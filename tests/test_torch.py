@@ -1,0 +1,172 @@
+"""Sharding stock diffusers (torch) models: parity with the unsharded model bit for bit, in
+float32 and in bfloat16 against a copy cast to the dtypes hsdp stores; parameter identity,
+placeholders and hooks; one process here, real MPI ranks on the meshes 1x2, 2x2 and 1x4 in
+tests/torch_worker.py."""
+
+from __future__ import annotations
+
+import gc
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import hsdp
+from hsdp.distributed import init_process_group
+from mpirun import run_ranks
+from torch_models import MODELS, is_wan_block, make_wan, reference, run, wan_inputs
+
+init_process_group("single")
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    yield
+    gc.collect()
+    hsdp.empty_pool()
+
+
+def sharded(kind: str, **kw):
+    make, _, cond = MODELS[kind]
+    model = make(0)
+    model._hsdp_shard_conditions = [cond]
+    kw.setdefault("enabled", True)
+    hsdp.apply_hsdp_to_model(model, hsdp.HSDPInferenceConfig(**kw))
+    return model
+
+
+@pytest.mark.parametrize("kind", ["wan", "flux"])
+@pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_parity_with_the_unsharded_model(kind, param_dtype, depth):
+    """Every forward equals the unsharded reference bit for bit, prefetching or not."""
+    model = sharded(kind, param_dtype=param_dtype, prefetch_depth=depth)
+    expect = run(reference(kind, param_dtype), kind)
+    assert expect.dtype == (torch.float32 if param_dtype == "float32" else torch.bfloat16)
+    for _ in range(3):
+        got = run(model, kind)
+        assert got.dtype == expect.dtype and torch.equal(got, expect)
+
+
+@pytest.mark.parametrize("mesh", [(1, 2), (2, 2), (1, 4)])
+def test_parity_across_ranks(mesh):
+    """On real MPI ranks: Wan and Flux, float32 and bfloat16, equal the unsharded model."""
+    r, s = mesh
+    specs = ["wan:float32", "wan:bfloat16", "flux:float32", "flux:bfloat16"]
+    out = run_ranks(r * s, "tests/torch_worker.py", str(r), str(s), *specs, timeout=300).stdout
+    assert out.count("ok") == r * s * len(specs), out
+
+
+def test_parameters_keep_identity_and_become_placeholders():
+    """The same nn.Parameter objects stay; outside a forward each is a 0-element tensor of its
+    storage dtype, with its shape kept; inside its unit's forward a view of the gather."""
+    model = make_wan(0)
+    model._hsdp_shard_conditions = [is_wan_block]
+    before = list(model.named_parameters())
+    hsdp.apply_hsdp_to_model(model, hsdp.HSDPInferenceConfig(enabled=True))
+    assert [(n, id(p)) for n, p in model.named_parameters()] == [(n, id(p)) for n, p in before]
+    q = model.blocks[0].attn1.to_q.weight
+    assert q.numel() == 0 and q.dtype == torch.bfloat16 and q._hsdp_shape == (32, 32)
+    assert not q.requires_grad
+    seen = {}
+    handle = model.blocks[0].attn1.to_q.register_forward_pre_hook(
+        lambda m, a: seen.update(shape=tuple(m.weight.shape), ptr=m.weight.data_ptr()))
+    run(model, "wan")
+    handle.remove()
+    unit = model.blocks[0]._hsdp_unit.unit
+    assert seen["shape"] == (32, 32) and seen["ptr"] != 0
+    assert q.numel() == 0 and not unit.holds_buffers
+
+
+def test_keep_in_fp32_modules_are_honoured():
+    """diffusers' _keep_in_fp32_modules keep float32 when param_dtype is bfloat16 (FSDP2 casts them)."""
+    model = sharded("wan")
+    keep = set(model._keep_in_fp32_modules)
+    for n, p in model.named_parameters():
+        want = torch.float32 if not keep.isdisjoint(n.split(".")) else torch.bfloat16
+        assert p.dtype == want, n
+    assert model.blocks[0].scale_shift_table.dtype == torch.float32
+    assert model.blocks[0].ffn.net[2].weight.dtype == torch.bfloat16
+
+
+def test_no_grad_and_inference_mode_and_no_allocation():
+    """Forwards under no_grad and inference_mode agree; steady forwards allocate no buffer."""
+    model = sharded("wan")
+    args, kwargs = wan_inputs()
+    with torch.no_grad():
+        a = model(*args, **kwargs)[0]
+    allocs = hsdp.memory_stats()["buffer_allocs"]
+    with torch.inference_mode():
+        b = model(*args, **kwargs)[0]
+        c = model(*args, **kwargs)[0]
+    assert torch.equal(a, b) and torch.equal(b, c)
+    assert hsdp.memory_stats()["buffer_allocs"] == allocs
+    assert not any(p.is_inference() for p in model.parameters())
+
+
+def test_exception_in_a_forward_still_reshards():
+    """The post-hook runs with always_call: a block that raises leaves nothing unsharded."""
+    model = sharded("wan")
+    run(model, "wan")
+
+    def boom(module, args):
+        raise KeyError("boom")
+
+    h = model.blocks[1].attn1.register_forward_pre_hook(boom)
+    with pytest.raises(KeyError, match="boom"):
+        run(model, "wan")
+    h.remove()
+    assert not any(u.unit.holds_buffers for u in hsdp.get_units(model))
+    assert torch.equal(run(model, "wan"), run(reference("wan", "bfloat16"), "wan"))
+
+
+def test_explicit_unshard_resident_and_full_state_dict():
+    """unshard/reshard, resident and full_state_dict work on torch models as on hsdp.nn."""
+    model = sharded("wan", param_dtype="float32")
+    ref = reference("wan", "float32")
+    hsdp.unshard(model.blocks[0])
+    assert torch.equal(model.blocks[0].ffn.net[0].proj.weight, ref.blocks[0].ffn.net[0].proj.weight)
+    hsdp.reshard(model.blocks[0])
+    assert model.blocks[0].ffn.net[0].proj.weight.numel() == 0
+    with hsdp.resident(model):
+        gathers = hsdp.memory_stats()["gathers"]
+        assert torch.equal(run(model, "wan"), run(ref, "wan"))
+        assert hsdp.memory_stats()["gathers"] == gathers
+    full = hsdp.full_state_dict(model)
+    assert set(full) == set(ref.state_dict())
+    assert all(torch.equal(full[k], v) for k, v in ref.state_dict().items())
+    assert not any(u.unit.holds_buffers for u in hsdp.get_units(model))
+
+
+def test_conditions_on_the_class_and_a_model_without_conditions():
+    """_hsdp_shard_conditions may be a class attribute; a stock model without them is an error naming its class."""
+    from diffusers import WanTransformer3DModel
+
+    class ShardedWan(WanTransformer3DModel):
+        _hsdp_shard_conditions = [is_wan_block]
+
+    torch.manual_seed(0)
+    cfg = make_wan(0).config
+    model = ShardedWan.from_config(cfg)
+    hsdp.apply_hsdp_to_model(model, hsdp.HSDPInferenceConfig(enabled=True))
+    assert len(hsdp.get_units(model)) == 4
+    with pytest.raises(ValueError, match="WanTransformer3DModel declares no _hsdp_shard_conditions"):
+        hsdp.apply_hsdp_to_model(make_wan(0), hsdp.HSDPInferenceConfig(enabled=True))
+
+
+def test_gpu_target_device_is_not_built_yet():
+    """target_device='cuda' says the NCCL backend is not built yet; the model is untouched."""
+    model = make_wan(0)
+    model._hsdp_shard_conditions = [is_wan_block]
+    with pytest.raises(NotImplementedError, match="NCCL"):
+        hsdp.apply_hsdp_to_model(model, hsdp.HSDPInferenceConfig(enabled=True), target_device="cuda")
+    assert model.blocks[0].attn1.to_q.weight.shape == (32, 32) and not hasattr(model.blocks[0], "_hsdp_unit")
+
+
+def test_import_hsdp_does_not_import_torch():
+    """torch is optional: import hsdp (and sharding hsdp.nn models) never imports it."""
+    code = "import sys, hsdp; from hsdp import models; hsdp.adapters.adapter_for(models.make_model('tiny')); " \
+           "print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
