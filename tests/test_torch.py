@@ -170,3 +170,74 @@ def test_import_hsdp_does_not_import_torch():
            "print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def _save(tmp_path, shard_size=None):
+    folder = tmp_path / "wan"
+    kw = {"max_shard_size": shard_size} if shard_size else {}
+    make_wan(0).save_pretrained(folder, **kw)
+    return folder
+
+
+def _empty_wan(folder):
+    import accelerate
+    from diffusers import WanTransformer3DModel
+
+    with accelerate.init_empty_weights():
+        model = WanTransformer3DModel.from_config(WanTransformer3DModel.load_config(folder)).eval()
+    model._hsdp_shard_conditions = [is_wan_block]
+    return model
+
+
+@pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shard_size", [None, "20KB"])
+def test_streaming_load_from_save_pretrained(tmp_path, param_dtype, shard_size):
+    """A save_pretrained folder (one file, or a sharded index) streams into a model built under
+    init_empty_weights, and the result equals the unsharded model bit for bit."""
+    folder = _save(tmp_path, shard_size)
+    assert (folder / "diffusion_pytorch_model.safetensors.index.json").exists() == bool(shard_size)
+    model = _empty_wan(folder)
+    assert model.blocks[0].attn1.to_q.weight.is_meta
+    hsdp.load_model_sharded(model, folder, hsdp.HSDPInferenceConfig(enabled=True, param_dtype=param_dtype),
+                            progress=False)
+    assert not any(p.is_meta for p in model.parameters()) and not any(b.is_meta for b in model.buffers())
+    assert torch.equal(run(model, "wan"), run(reference("wan", param_dtype), "wan"))
+
+
+def test_streaming_load_across_ranks(tmp_path):
+    """On 2 and 2x2 ranks each rank reads only its own bytes and the streamed model is exact."""
+    folder = _save(tmp_path, "20KB")
+    for r, s in ((1, 2), (2, 2)):
+        out = run_ranks(r * s, "tests/torch_worker.py", "load", str(folder), str(r), str(s), "bfloat16",
+                        timeout=300).stdout
+        assert out.count("ok load") == r * s, out
+
+
+def test_meta_buffers_left_after_loading_are_an_error_naming_them(tmp_path):
+    """Under torch.device('meta') the RoPE buffers stay meta (FSDP2's route gives all-NaN
+    outputs); hsdp names them and leaves the model plainly unusable."""
+    from diffusers import WanTransformer3DModel
+
+    folder = _save(tmp_path)
+    with torch.device("meta"):
+        model = WanTransformer3DModel.from_config(WanTransformer3DModel.load_config(folder)).eval()
+    model._hsdp_shard_conditions = [is_wan_block]
+    with pytest.raises(RuntimeError, match=r"no values \(meta\): 'rope.freqs_cos', 'rope.freqs_sin'"):
+        hsdp.load_model_sharded(model, folder, hsdp.HSDPInferenceConfig(enabled=True), progress=False)
+    with pytest.raises(RuntimeError, match="unusable"):
+        run(model, "wan")
+
+
+def test_failed_load_leaves_the_model_as_it_was(tmp_path):
+    """A checkpoint cut short is refused before any data is read: no unit made, the model still meta."""
+    from hsdp.checkpoint import CheckpointError
+
+    folder = _save(tmp_path)
+    f = folder / "diffusion_pytorch_model.safetensors"
+    data = f.read_bytes()
+    model = _empty_wan(folder)
+    f.write_bytes(data[: len(data) - 4096])
+    with pytest.raises(CheckpointError, match="run past the end of the data section"):
+        hsdp.load_model_sharded(model, folder, hsdp.HSDPInferenceConfig(enabled=True), progress=False)
+    assert all(p.is_meta for p in model.parameters())
+    assert not any(hasattr(m, "_hsdp_unit") for m in model.modules())

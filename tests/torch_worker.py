@@ -4,6 +4,7 @@ unsharded reference bit for bit, over several forwards (prefetch on), and the ga
 state dict to equal the reference's.
 
 usage: torch_worker.py R S KIND:PARAM_DTYPE [KIND:PARAM_DTYPE ...]
+       torch_worker.py load DIR R S PARAM_DTYPE   (a Wan save_pretrained folder, streamed in)
 """
 
 from __future__ import annotations
@@ -43,7 +44,32 @@ def main(kind: str, param_dtype: str, r: int, s: int) -> None:
     print(f"rank {world.rank}: ok {kind} {param_dtype} {r}x{s}")
 
 
+def load(folder: str, param_dtype: str, r: int, s: int) -> None:
+    import accelerate
+    from diffusers import WanTransformer3DModel
+
+    from torch_models import is_wan_block
+
+    world = hsdp.distributed.init_process_group()
+    with accelerate.init_empty_weights():
+        model = WanTransformer3DModel.from_config(WanTransformer3DModel.load_config(folder)).eval()
+    model._hsdp_shard_conditions = [is_wan_block]
+    cfg = hsdp.HSDPInferenceConfig(enabled=True, hsdp_replicate_size=r, hsdp_shard_size=s, param_dtype=param_dtype)
+    hsdp.load_model_sharded(model, folder, cfg, progress=False)
+    report = hsdp.checkpoint.load_report(model)
+    expect = run(reference("wan", param_dtype), "wan")
+    for _ in range(2):
+        got = run(model, "wan")
+        assert torch.equal(got, expect), f"rank {world.rank}: streamed model differs"
+    # each rank read its own shard (and the parameters kept whole), not the whole file
+    assert report.strategy == "streaming" and report.bytes_read < report.bytes_read_total, report
+    print(f"rank {world.rank}: ok load {param_dtype} {r}x{s} read {report.bytes_read} of {report.bytes_read_total}")
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "load":
+        load(sys.argv[2], sys.argv[5], int(sys.argv[3]), int(sys.argv[4]))
+        sys.exit(0)
     r, s = int(sys.argv[1]), int(sys.argv[2])
     for spec in sys.argv[3:]:
         kind, dtype = spec.split(":")

@@ -81,6 +81,10 @@ class TensorAdapter(Protocol):
     def restore(self, p: Any, saved: Any) -> None:
         """Puts back what :meth:`values` returned (undoing a failed load)."""
 
+    def unloaded(self, module: Any) -> list[str]:
+        """Names of the parameters (not held by hsdp) and buffers of ``module`` that hold no
+        values (meta): after a load, each is an error, never silent garbage."""
+
     def held_nbytes(self, params: Iterable[Any]) -> int:
         """Bytes these parameters occupy in memory while held whole."""
 

@@ -96,6 +96,9 @@ class NumpyAdapter:
     def restore(self, p: Any, saved: Any) -> None:
         p._data = saved
 
+    def unloaded(self, module: Any) -> list[str]:
+        return [n for n, p in module.named_parameters() if p._data is None and p._hsdp_state is None]
+
     def held_nbytes(self, params: Iterable[Any]) -> int:
         return sum(p.numel() * p.dtype.compute.itemsize for p in params)
 

@@ -35,6 +35,18 @@ def _torch_dtype(d: DType) -> torch.dtype:
     return getattr(torch, "bool" if d.name == "bool" else d.name)
 
 
+def _set_data(p: Any, t: torch.Tensor) -> None:
+    """p.data = t, also across device types (a meta parameter given real values), keeping
+    the Parameter object itself: torch refuses set_data between meta and CPU tensors, so the
+    contents are swapped into the same Python object instead."""
+    if p.device.type == t.device.type:
+        p.data = t
+        return
+    new = torch.nn.Parameter(t, requires_grad=p.requires_grad)
+    new.__dict__.update(p.__dict__)
+    torch.utils.swap_tensors(p, new)
+
+
 def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     out, step = [], 1
     for n in reversed(shape):
@@ -118,10 +130,15 @@ class TorchAdapter:
 
     def assign(self, p: Any, array: Any) -> None:
         # checkpoint arrays arrive in NumPy's compute dtype (bfloat16 widened): back to p's own
-        p.data = torch.from_numpy(np.ascontiguousarray(array)).to(p.dtype)
+        _set_data(p, torch.from_numpy(np.ascontiguousarray(array)).to(p.dtype))
 
     def restore(self, p: Any, saved: Any) -> None:
-        p.data = saved
+        _set_data(p, saved)
+
+    def unloaded(self, module: Any) -> list[str]:
+        # buffers too: diffusers' RoPE tables are non-persistent buffers no checkpoint holds
+        params = [n for n, p in module.named_parameters() if p.is_meta and not self.is_sharded(p)]
+        return params + [n for n, b in module.named_buffers() if b.is_meta]
 
     def held_nbytes(self, params: Iterable[Any]) -> int:
         return sum(p.numel() * p.element_size() for p in params)
@@ -129,7 +146,7 @@ class TorchAdapter:
     def mark_sharded(self, params: tuple[Any, ...], dtypes: tuple[DType, ...], state: str) -> None:
         for p, dt in zip(params, dtypes):
             p._hsdp_shape = tuple(p.shape)
-            p.data = self._placeholder(_torch_dtype(dt))
+            _set_data(p, self._placeholder(_torch_dtype(dt)))  # a meta parameter becomes a CPU one
             p._hsdp_state = state
 
     def _placeholder(self, dt: torch.dtype) -> torch.Tensor:

@@ -232,6 +232,17 @@ def _load(
     except BaseException as e:
         loader.fail(e)
         raise
+    left = ctx.adapter.unloaded(model)
+    if left:
+        listed = ", ".join(repr(n) for n in left[:8]) + (f" and {len(left) - 8} more" if len(left) > 8 else "")
+        err = RuntimeError(
+            f"after loading '{plan.checkpoint.path}', {type(model).__name__} still has tensors with no values "
+            f"(meta): {listed}. Buffers no checkpoint holds (RoPE tables, say) must be real before loading: "
+            "build the model under accelerate.init_empty_weights() (which keeps buffers) rather than "
+            "torch.device('meta')"
+        )
+        loader.fail(err)
+        raise err
     prog.finish()
     units = len(ctx.units)
     seconds = time.perf_counter() - t0
