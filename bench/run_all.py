@@ -15,6 +15,9 @@ BENCHES = [
     ("Figures 2 and 3: sharded vs unsharded forward, prefetch, residency", ["bench_forward.py"]),
     ("Figure 4: hook overhead", ["bench_hooks.py"]),
     ("Loading: streaming vs whole-model peak memory", ["bench_load.py"]),
+    ("Torch: hsdp vs FSDP2 forward on a diffusers Wan model", ["bench_torch.py"]),
+    ("Torch: loading peak, streaming vs FSDP2's full-then-shard", ["bench_torch.py", "--load"]),
+    ("Torch: hook overhead", ["bench_torch.py", "--hooks"]),
 ]
 
 

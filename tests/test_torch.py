@@ -241,3 +241,36 @@ def test_failed_load_leaves_the_model_as_it_was(tmp_path):
         hsdp.load_model_sharded(model, folder, hsdp.HSDPInferenceConfig(enabled=True), progress=False)
     assert all(p.is_meta for p in model.parameters())
     assert not any(hasattr(m, "_hsdp_unit") for m in model.modules())
+
+
+def test_buffer_dlpack_export_is_zero_copy_and_keeps_the_buffer_alive():
+    """_Buffer.__dlpack__ (versioned and legacy) gives torch the gathered bytes themselves; the
+    tensor holds the buffer until it dies, so a viewed buffer is never pooled for reuse."""
+    import sys as _sys
+
+    import numpy as np
+
+    from hsdp import _C
+
+    g = hsdp.init_device_mesh("cpu", (1, 1)).shard_group
+    u = _C.Unit(g, ["bfloat16"], [(100,)])
+    u.write(0, np.arange(100, dtype=np.float32))
+    u.unshard()
+    full, _ = u.buffers()
+    base = _sys.getrefcount(full)
+    t = torch.from_dlpack(full)  # versioned capsule
+    assert t.dtype == torch.uint8 and t.numel() == full.nbytes and t.data_ptr() == full.address
+    assert torch.equal(t[:200].view(torch.bfloat16)[:5].float(), torch.arange(5.0))
+    assert _sys.getrefcount(full) == base + 1
+    legacy = torch.utils.dlpack.from_dlpack(full.__dlpack__())  # no max_version: the legacy capsule
+    assert legacy.data_ptr() == full.address and _sys.getrefcount(full) == base + 2
+    unused = full.__dlpack__(max_version=(1, 0))
+    del t, legacy, unused
+    gc.collect()
+    assert _sys.getrefcount(full) == base
+    assert full.__dlpack_device__() == (1, 0)
+    with pytest.raises(BufferError, match="without a copy"):
+        full.__dlpack__(copy=True)
+    del full
+    u.reshard()
+

@@ -31,8 +31,25 @@ if TYPE_CHECKING:
 _RAW_AS = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8}
 
 
+_TORCH_DTYPES: dict[str, torch.dtype] = {}
+
+
 def _torch_dtype(d: DType) -> torch.dtype:
-    return getattr(torch, "bool" if d.name == "bool" else d.name)
+    dt = _TORCH_DTYPES.get(d)
+    if dt is None:
+        dt = _TORCH_DTYPES[str.__str__(d)] = getattr(torch, str.__str__(d))
+    return dt
+
+
+# torch.from_dlpack's Python wrapper costs microseconds per call on the hot path; the
+# capsule route underneath is the same conversion (public since torch 1.10)
+_capsule_to_tensor = getattr(torch._C, "_from_dlpack", None)
+
+
+def _from_dlpack(buf: Any) -> torch.Tensor:
+    if _capsule_to_tensor is not None:
+        return _capsule_to_tensor(buf.__dlpack__(max_version=(1, 0)))
+    return torch.from_dlpack(buf)
 
 
 def _set_data(p: Any, t: torch.Tensor) -> None:
@@ -56,18 +73,21 @@ def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 class _UnitViews:
-    """What a unit's views need, computed once: per parameter its buffer, dtype, shape,
-    strides and element offset."""
+    """What a unit's views need, computed once: the typed bases to cut from its buffers, and
+    per parameter its base, shape, strides and element offset."""
 
-    __slots__ = ("slots",)
+    __slots__ = ("bases", "slots", "params")
 
     def __init__(self, state: UnitState, adapter: TorchAdapter) -> None:
+        keys: dict[tuple[int, torch.dtype], int] = {}
         self.slots = []
+        self.params = state.params
         for p, (which, offset), name in zip(state.params, state.unit.view_specs, state.unit.compute_dtypes):
             dt = _torch_dtype(as_dtype(name))
-            item = torch.empty((), dtype=dt).element_size()
             shape = adapter.shape(p)
-            self.slots.append((p, which, dt, shape, _strides(shape), offset // item))
+            base = keys.setdefault((which, dt), len(keys))
+            self.slots.append((p, base, shape, _strides(shape), offset // dt.itemsize, dt))
+        self.bases = list(keys)  # (buffer index, dtype)
 
 
 class TorchAdapter:
@@ -75,6 +95,9 @@ class TorchAdapter:
 
     name = "torch"
     bind_attr: str | None = None  # views are torch tensors: bound here, not by the C unit
+
+    def __init__(self) -> None:
+        self._placeholders: dict[torch.dtype, torch.Tensor] = {}
 
     # -- modules ---------------------------------------------------------------------------
     def owns(self, module: Any) -> bool:
@@ -150,9 +173,13 @@ class TorchAdapter:
             p._hsdp_state = state
 
     def _placeholder(self, dt: torch.dtype) -> torch.Tensor:
-        # outside inference mode, so a parameter never becomes an inference tensor for good
-        with torch.inference_mode(False):
-            return torch.empty(0, dtype=dt)
+        # one per dtype, made outside inference mode, so that a parameter is never left an
+        # inference tensor (set_data shares storage, and a 0-element one is safe to share)
+        ph = self._placeholders.get(dt)
+        if ph is None:
+            with torch.inference_mode(False):
+                ph = self._placeholders[dt] = torch.empty(0, dtype=dt)
+        return ph
 
     # -- dtypes and devices ----------------------------------------------------------------
     def compute_dtype(self, storage: DType) -> DType:
@@ -175,23 +202,31 @@ class TorchAdapter:
 
     # -- forwards --------------------------------------------------------------------------
     def _cast(self, obj: Any, dt: torch.dtype) -> Any:
+        # the hot path of every unit's pre-forward: plain tensors and tuples first, cheaply
         if isinstance(obj, torch.Tensor):
-            return obj.to(dt) if obj.is_floating_point() and obj.dtype != dt else obj
-        if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-            return tuple(self._cast(x, dt) for x in obj)
-        if isinstance(obj, list):
-            return [self._cast(x, dt) for x in obj]
+            return obj.to(dt) if obj.dtype != dt and obj.is_floating_point() else obj
+        kind = type(obj)
+        if kind is tuple or kind is list:
+            return kind([self._cast(x, dt) for x in obj])
+        if kind is dict:
+            return {k: self._cast(v, dt) for k, v in obj.items()}
+        if obj is None or kind in (int, float, bool, str):
+            return obj
+        if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
+            return kind(*(self._cast(x, dt) for x in obj))
         if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
             # diffusers' outputs (BaseOutput) are dataclasses
             fields = {f.name: self._cast(getattr(obj, f.name), dt) for f in dataclasses.fields(obj)}
             return dataclasses.replace(obj, **fields)
+        if isinstance(obj, (tuple, list)):
+            return kind(self._cast(x, dt) for x in obj)
         if isinstance(obj, dict):
             return type(obj)((k, self._cast(v, dt)) for k, v in obj.items())
         return obj
 
     def cast_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any], dtype: DType) -> tuple[Any, Any]:
         dt = _torch_dtype(dtype)
-        return self._cast(args, dt), self._cast(kwargs, dt)
+        return self._cast(args, dt), (self._cast(kwargs, dt) if kwargs else kwargs)
 
     def cast_output(self, output: Any, dtype: DType) -> Any:
         return self._cast(output, _torch_dtype(dtype))
@@ -202,22 +237,15 @@ class TorchAdapter:
         if views is None:
             views = state.adapter_data = _UnitViews(state, self)
         bufs = state.unit.buffers()
-        with torch.inference_mode(False):
-            bases = [torch.from_dlpack(b) if b is not None else None for b in bufs]
-            typed: dict[tuple[int, torch.dtype], torch.Tensor] = {}
-            for p, which, dt, shape, strides, offset in views.slots:
-                base = typed.get((which, dt))
-                if base is None:
-                    raw = bases[which]
-                    item = torch.empty((), dtype=dt).element_size()
-                    base = typed[(which, dt)] = raw[: raw.numel() - raw.numel() % item].view(dt)
-                p.data = torch.as_strided(base, shape, strides, offset)
+        raw = [_from_dlpack(b) if b is not None else None for b in bufs]
+        typed = []
+        for which, dt in views.bases:
+            r = raw[which]
+            extra = r.numel() % dt.itemsize  # only the converted buffer can end mid-element
+            typed.append((r[: r.numel() - extra] if extra else r).view(dt))
+        for p, base, shape, strides, offset, _dt in views.slots:
+            p.data = torch.as_strided(typed[base], shape, strides, offset)
 
     def unbind(self, state: UnitState) -> None:
-        views = state.adapter_data
-        placeholders: dict[torch.dtype, torch.Tensor] = {}
-        for p, _which, dt, _shape, _strides_, _offset in views.slots:
-            ph = placeholders.get(dt)
-            if ph is None:
-                ph = placeholders[dt] = self._placeholder(dt)
-            p.data = ph
+        for p, _base, _shape, _strides, _offset, dt in state.adapter_data.slots:
+            p.data = self._placeholder(dt)

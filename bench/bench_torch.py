@@ -1,0 +1,304 @@
+"""hsdp against PyTorch FSDP2 on the same stock diffusers model, in the same processes.
+
+A diffusers ``WanTransformer3DModel`` the size of the reference ``base`` preset (dim 512, 8
+blocks, ffn 2048), 512 tokens. Two MPI ranks; in each, three copies of the model with the
+same weights run interleaved, forward by forward:
+
+- *unsharded*: the whole model on every rank (its weights cast to the dtypes hsdp stores);
+- *hsdp*: ``apply_hsdp_to_model`` with the library's defaults (``param_dtype`` aside);
+- *FSDP2*: ``fully_shard`` on every block, then on the root, over gloo (its CPU backend).
+
+hsdp's output must equal the unsharded model's bit for bit before anything is timed.
+``--load`` measures the loading peak instead (each strategy in fresh processes), ``--hooks``
+the per-unit hook overhead (one process).
+
+    .venv/bin/python bench/bench_torch.py            # forward table, fp32 and bf16
+    .venv/bin/python bench/bench_torch.py --load     # streaming load vs FSDP2's full-then-shard
+    .venv/bin/python bench/bench_torch.py --hooks    # hook overhead per unit
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import interleaved, launch, machine, table  # noqa: E402
+
+WAN = dict(
+    patch_size=(1, 2, 2), num_attention_heads=8, attention_head_dim=64, in_channels=16, out_channels=16,
+    text_dim=256, freq_dim=256, ffn_dim=2048, num_layers=8, cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads", rope_max_seq_len=1024,
+)
+CHECKPOINT = Path(tempfile.gettempdir()) / "hsdp-bench-wan-base"
+
+
+def is_block(name: str, module: object) -> bool:
+    return name.startswith("blocks.") and name.count(".") == 1
+
+
+def make(seed: int = 0):
+    import torch
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(seed)
+    return WanTransformer3DModel(**WAN).eval()
+
+
+def inputs(tokens_frames: int = 2, size: int = 32):
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 16, tokens_frames, size, size, generator=g)  # 2 x 16 x 16 patches = 512 tokens
+    ctx = torch.randn(1, 64, 256, generator=g)
+    return (x, torch.tensor([500]), ctx), {"return_dict": False}
+
+
+def rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def reset_peak() -> None:
+    """Linux: writing 5 to clear_refs resets the peak RSS (VmHWM) to the current RSS."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def gloo_init():
+    import torch.distributed as dist
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29541")
+    dist.init_process_group("gloo", rank=int(os.environ["OMPI_COMM_WORLD_RANK"]),
+                            world_size=int(os.environ["OMPI_COMM_WORLD_SIZE"]))
+    return dist
+
+
+def fsdp2(model, dtype):
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    mp = MixedPrecisionPolicy(param_dtype=dtype) if dtype != torch.float32 else MixedPrecisionPolicy()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    return model
+
+
+def reference(dtype):
+    """The unsharded model with the dtypes and input casts hsdp applies (see tests/torch_models.py)."""
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from torch_models import _cast
+
+    ref = make(0)
+    if dtype == torch.float32:
+        return ref
+    keep = set(ref._keep_in_fp32_modules)
+    for n, p in ref.named_parameters():
+        if p.ndim > 0 and p.is_floating_point() and keep.isdisjoint(n.split(".")):
+            p.data = p.data.to(dtype)
+    pre = lambda m, a, k: (_cast(a, dtype), _cast(k, dtype))  # noqa: E731
+    ref.register_forward_pre_hook(pre, with_kwargs=True)
+    for b in ref.blocks:
+        b.register_forward_pre_hook(pre, with_kwargs=True)
+    return ref
+
+
+def worker_forward(reps: int) -> None:
+    import torch
+
+    import hsdp
+
+    dist = gloo_init()
+    world = hsdp.distributed.init_process_group()
+    rows = []
+    args, kwargs = inputs()
+    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        ref = reference(dtype)
+        ours = make(0)
+        ours._hsdp_shard_conditions = [is_block]
+        hsdp.apply_hsdp_to_model(ours, hsdp.HSDPInferenceConfig(enabled=True, param_dtype=name))
+        theirs = fsdp2(make(0), dtype)
+        with torch.no_grad():
+            expect = ref(*args, **kwargs)[0]
+            got = ours(*args, **kwargs)[0]
+            fs = theirs(*args, **kwargs)[0]
+        if not torch.equal(got, expect):
+            raise SystemExit(f"rank {world.rank}: hsdp differs from the unsharded model in {name}")
+        fsdp_diff = (fs.float() - expect.float()).abs().max().item()
+
+        def fwd(m):
+            def run():
+                with torch.no_grad():
+                    m(*args, **kwargs)
+            return run
+
+        for f in (fwd(ref), fwd(ours), fwd(theirs)):  # warm up: hsdp records its order, pools fill
+            f()
+        t_ref, t_ours, t_theirs = interleaved([fwd(ref), fwd(ours), fwd(theirs)], reps, sync=world.barrier)
+        rows.append([name, f"{t_ref:.3f}", f"{t_ours:.3f}", f"{t_theirs:.3f}", f"{t_ours / t_ref:.3f}",
+                     f"{t_theirs / t_ref:.3f}", f"{t_ours / t_theirs:.3f}", f"{fsdp_diff:.2g}"])
+        del ref, ours, theirs
+        gc.collect()
+        hsdp.empty_pool()
+    if world.rank == 0:
+        n_params = sum(p.numel() for p in make(0).parameters())
+        print(f"hsdp vs FSDP2 (gloo), diffusers WanTransformer3DModel, {n_params / 1e6:.1f} M parameters, 512 tokens, "
+              f"{world.size} ranks ({machine()}, torch {torch.__version__}); median s / forward, {reps} reps")
+        print(table(["dtype", "unsharded", "hsdp", "FSDP2", "hsdp / unsharded", "FSDP2 / unsharded",
+                     "hsdp / FSDP2", "FSDP2 max |diff|"], rows))
+    dist.destroy_process_group()
+
+
+def worker_load(strategy: str) -> None:
+    """Peak RSS of getting the model sharded onto this rank, in a fresh process."""
+    import torch
+
+    import hsdp
+
+    dist = gloo_init()
+    world = hsdp.distributed.init_process_group()
+    from diffusers import WanTransformer3DModel
+
+    if world.rank == 0 and not (CHECKPOINT / "config.json").exists():
+        make(0).save_pretrained(CHECKPOINT, max_shard_size="64MB")
+    world.barrier()
+    import accelerate
+
+    with accelerate.init_empty_weights():  # sizes only: no memory
+        block = sum(p.numel() * 2 for p in WanTransformer3DModel(**WAN).blocks[0].parameters())  # bf16
+    gc.collect()
+    base = rss_mib()
+    reset_peak()
+    t0 = time.perf_counter()
+    if strategy == "hsdp":
+        with accelerate.init_empty_weights():
+            model = WanTransformer3DModel.from_config(WanTransformer3DModel.load_config(CHECKPOINT))
+        model._hsdp_shard_conditions = [is_block]
+        hsdp.load_model_sharded(model, CHECKPOINT, hsdp.HSDPInferenceConfig(enabled=True), progress=False)
+        shard = hsdp.memory_stats()["sharded_bytes"] + hsdp.memory_stats()["whole_bytes"]
+    else:  # FSDP2's usual route: the full model on every rank, loaded, then sharded
+        model = WanTransformer3DModel.from_pretrained(CHECKPOINT)
+        fsdp2(model, torch.bfloat16)
+        shard = sum(p.to_local().numel() * p.to_local().element_size() for p in model.parameters())
+    seconds = time.perf_counter() - t0
+    peak = peak_mib()
+    target = base + (shard + block) / 2**20
+    print(f"RESULT {strategy} rank={world.rank} seconds={seconds:.2f} base={base:.1f} peak={peak:.1f} "
+          f"shard={shard / 2**20:.1f} block={block / 2**20:.1f} ratio={peak / target:.3f}")
+    dist.destroy_process_group()
+
+
+def hooks(reps: int) -> None:
+    """Hook overhead per unit: 128 Linear(8, 8) units in a world of one."""
+    import torch
+
+    import hsdp
+
+    hsdp.distributed.init_process_group("single")
+
+    class Chain(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(128))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    torch.manual_seed(0)
+    plain, sharded = Chain(), Chain()
+    sharded.load_state_dict(plain.state_dict())
+    sharded._hsdp_shard_conditions = [lambda n, m: n.startswith("layers.") and n.count(".") == 1]
+    hsdp.apply_hsdp_to_model(sharded, hsdp.HSDPInferenceConfig(enabled=True, param_dtype="float32"))
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        assert torch.equal(plain(x), sharded(x))
+
+    def fwd(m):
+        def run():
+            with torch.no_grad():
+                for _ in range(10):
+                    m(x)
+        return run
+
+    # FSDP2 on the same chain, a world of one over gloo, for scale
+    os.environ.setdefault("OMPI_COMM_WORLD_RANK", "0")
+    os.environ.setdefault("OMPI_COMM_WORLD_SIZE", "1")
+    dist = gloo_init()
+    theirs = Chain()
+    theirs.load_state_dict(plain.state_dict())
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (1,))
+    for layer in theirs.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(theirs, mesh=mesh)
+    t_plain, t_sharded, t_fsdp = interleaved([fwd(plain), fwd(sharded), fwd(theirs)], reps)
+    per_unit = (t_sharded - t_plain) / 10 / 129 * 1e6
+    per_unit_fsdp = (t_fsdp - t_plain) / 10 / 129 * 1e6
+    print(f"Hook overhead per unit per forward, torch, 128 Linear(8, 8) units + root, world of one ({machine()})")
+    print(table(["path", "us / forward", "overhead us / unit", "<= 20 us"],
+                [["unsharded", f"{t_plain / 10 * 1e6:.0f}", "-", "-"],
+                 ["hsdp (defaults, float32)", f"{t_sharded / 10 * 1e6:.0f}", f"{per_unit:.1f}",
+                  "yes" if per_unit <= 20 else "no"],
+                 ["FSDP2 (gloo)", f"{t_fsdp / 10 * 1e6:.0f}", f"{per_unit_fsdp:.1f}", "-"]]))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--load", action="store_true", help="measure the loading peak instead")
+    ap.add_argument("--hooks", action="store_true", help="measure the hook overhead per unit instead")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--worker", choices=["forward", "hsdp", "fsdp2"], help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker == "forward":
+        worker_forward(a.reps)
+    elif a.worker:
+        worker_load(a.worker)
+    elif a.hooks:
+        hooks(max(a.reps, 9))
+    elif a.load:
+        rows = []
+        for strategy in ("hsdp", "fsdp2"):
+            for line in launch(2, __file__, "--worker", strategy).splitlines():
+                if line.startswith("RESULT"):
+                    kv = dict(f.split("=") for f in line.split()[2:])
+                    above = float(kv["peak"]) - float(kv["base"])
+                    rows.append([strategy, line.split()[2].split("=")[1], kv["seconds"], kv["base"], kv["peak"],
+                                 f"{above:.1f}", kv["shard"], kv["block"], kv["ratio"]])
+        print(f"Loading peak per rank, diffusers Wan (base size), 2 ranks ({machine()}); "
+              "ratio = peak / (baseline + shard + one bf16 block), goal <= 1.1")
+        print(table(["strategy", "rank", "s", "baseline MiB", "peak MiB", "peak - baseline", "shard MiB", "block MiB",
+                     "ratio"], rows))
+    else:
+        print(launch(2, __file__, "--worker", "forward", "--reps", str(a.reps)), end="")
+
+
+if __name__ == "__main__":
+    main()
