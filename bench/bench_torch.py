@@ -15,6 +15,7 @@ the per-unit hook overhead (one process).
     .venv/bin/python bench/bench_torch.py            # forward table, fp32 and bf16
     .venv/bin/python bench/bench_torch.py --load     # streaming load vs FSDP2's full-then-shard
     .venv/bin/python bench/bench_torch.py --hooks    # hook overhead per unit
+    .venv/bin/python bench/bench_torch.py --build    # RSS after build-then-shard, torch and NumPy
 """
 
 from __future__ import annotations
@@ -211,6 +212,48 @@ def worker_load(strategy: str) -> None:
     dist.destroy_process_group()
 
 
+def worker_build(framework: str) -> None:
+    """RSS above the baseline after building the model in full and sharding it in place. The
+    baseline is taken after one model was built and dropped, so that the framework's own
+    first-use costs (torch's kernels and thread pools) are not counted as the model's."""
+    import hsdp
+
+    world = hsdp.distributed.init_process_group()
+    if framework == "numpy":
+        from hsdp import models
+
+        build = lambda: models.make_model("base", seed=0)  # noqa: E731
+        nbytes_of = models.param_nbytes
+    else:
+        import torch  # noqa: F401
+
+        build = make
+        nbytes_of = lambda m: sum(p.numel() * p.element_size() for p in m.parameters())  # noqa: E731
+    if framework == "fsdp2":
+        gloo_init()
+    warm = build()
+    del warm
+    gc.collect()
+    hsdp._C.trim_memory()
+    base = rss_mib()
+    model = build()
+    nbytes = nbytes_of(model)
+    built = rss_mib()
+    if framework == "fsdp2":
+        import torch
+
+        fsdp2(model, torch.bfloat16)
+        gc.collect()
+        held = sum(p.to_local().numel() * p.to_local().element_size() for p in model.parameters())
+    else:
+        model._hsdp_shard_conditions = [is_block]
+        hsdp.apply_hsdp_to_model(model, hsdp.HSDPInferenceConfig(enabled=True))
+        held = hsdp.memory_stats()["held_bytes"]
+    after = rss_mib()
+    print(f"RESULT {framework} rank={world.rank} params={nbytes / 2**20:.1f} built={built - base:.1f} "
+          f"after={after - base:.1f} held={held / 2**20:.1f} ratio={(after - base) * 2**20 / nbytes:.3f}")
+
+
 def hooks(reps: int) -> None:
     """Hook overhead per unit: 128 Linear(8, 8) units in a world of one."""
     import torch
@@ -274,15 +317,31 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--load", action="store_true", help="measure the loading peak instead")
     ap.add_argument("--hooks", action="store_true", help="measure the hook overhead per unit instead")
+    ap.add_argument("--build", action="store_true", help="measure the RSS left after build-then-shard instead")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--worker", choices=["forward", "hsdp", "fsdp2"], help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=["forward", "hsdp", "fsdp2", "build-torch", "build-numpy", "build-fsdp2"],
+                    help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker == "forward":
         worker_forward(a.reps)
+    elif a.worker and a.worker.startswith("build-"):
+        worker_build(a.worker.split("-")[1])
     elif a.worker:
         worker_load(a.worker)
     elif a.hooks:
         hooks(max(a.reps, 9))
+    elif a.build:
+        rows = []
+        for fw in ("numpy", "torch", "fsdp2"):
+            for line in launch(2, __file__, "--worker", f"build-{fw}").splitlines():
+                if line.startswith("RESULT"):
+                    kv = dict(f.split("=") for f in line.split()[2:])
+                    rows.append([fw, kv["rank"] if "rank" in kv else line.split()[2].split("=")[1], kv["params"],
+                                 kv["built"], kv["after"], kv["held"], kv["ratio"]])
+        print(f"Build in full, then shard in place (hsdp: apply_hsdp_to_model, defaults, bf16 shards; FSDP2: "
+              f"fully_shard, fp32 shards), 2 ranks ({machine()}); MiB above the baseline RSS; "
+              "ratio = after / parameter bytes")
+        print(table(["path", "rank", "params MiB", "built", "after sharding", "shards held", "ratio"], rows))
     elif a.load:
         rows = []
         for strategy in ("hsdp", "fsdp2"):

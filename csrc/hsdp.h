@@ -105,6 +105,9 @@ int hsdp_device_from_name(const char *name, hsdp_device *out);
  * hsdp_buffer_free. */
 void *hsdp_buffer_alloc(hsdp_stats *st, size_t nbytes);
 void hsdp_buffer_free(hsdp_stats *st, void *p, size_t nbytes);
+/* Returns freed heap memory to the system where the C library keeps it (glibc's
+ * malloc_trim); 1 if it released any. Called after sharding, when the full weights are gone. */
+int hsdp_trim_memory(void);
 /* The accounting alone, for allocators of other devices and for pools: nbytes become
  * unsharded (the peak follows); an allocation is counted; nbytes stop being unsharded. */
 void hsdp_stats_note_unsharded(hsdp_stats *st, size_t nbytes);

@@ -3,8 +3,21 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 
 #include "hsdp.h"
+
+int hsdp_trim_memory(void) {
+#if defined(__GLIBC__)
+    /* glibc keeps freed heap memory (many mid-size arrays, say) for reuse; after sharding
+     * the full weights are gone for good, so give their pages back. */
+    return malloc_trim(0);
+#else
+    return 0;
+#endif
+}
 
 void hsdp_stats_init(hsdp_stats *st) {
     atomic_init(&st->sharded_bytes, 0);

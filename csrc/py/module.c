@@ -48,6 +48,15 @@ static PyObject *mod_reset_peak(PyObject *m, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+static PyObject *mod_trim_memory(PyObject *m, PyObject *unused) {
+    (void)m, (void)unused;
+    int released;
+    Py_BEGIN_ALLOW_THREADS
+    released = hsdp_trim_memory();
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(released);
+}
+
 static PyObject *mod_now_ns(PyObject *m, PyObject *unused) {
     (void)m, (void)unused;
     return PyLong_FromUnsignedLongLong((unsigned long long)hsdp_now_ns());
@@ -80,6 +89,8 @@ static PyMethodDef mod_methods[] = {
     {"memory_stats", mod_memory_stats, METH_NOARGS, "Bytes this process holds for hsdp, from the core's counters."},
     {"reset_peak", mod_reset_peak, METH_NOARGS, "Reset the peak counters to the current values."},
     {"now_ns", mod_now_ns, METH_NOARGS, "CLOCK_MONOTONIC in ns (the clock of gather_times)."},
+    {"trim_memory", mod_trim_memory, METH_NOARGS,
+     "Give freed heap memory back to the system (glibc malloc_trim); whether any was released."},
     {"mesh_coords", (PyCFunction)(void (*)(void))mod_mesh_coords, METH_VARARGS | METH_KEYWORDS,
      "mesh_coords(world_size, rank, replicate, shard): validated sizes, coordinates and group ranks."},
     {NULL, NULL, 0, NULL},

@@ -12,6 +12,7 @@ adapter (``hsdp.adapters``), so the same code shards any framework that has one.
 
 from __future__ import annotations
 
+import gc
 import logging
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -369,6 +370,10 @@ def finalize_hsdp_root(model: Any, context: HSDPShardContext) -> None:
 def _finish(model: Any, context: HSDPShardContext) -> None:
     context.finalized = True
     context.adapter.freeze(model)
+    # The full weights a model was built with are freed by now; without this, glibc keeps
+    # their pages for reuse and the process stays as large as the unsharded model.
+    gc.collect()
+    _C.trim_memory()
     object.__setattr__(model, "_hsdp_context", context)
     log.info("Sharded %d modules + root", len(context.child_units))
 
