@@ -1,0 +1,325 @@
+"""Text-to-video with a stock diffusers Wan transformer, its weights sharded by HSDP.
+
+The torch twin of ``text_to_video.py``: a diffusers ``WanTransformer3DModel`` (a small
+config, random weights from ``--seed``, saved with ``save_pretrained`` on first use: no
+downloads) is streamed into a model built under ``accelerate.init_empty_weights()``, each
+rank reading only its own shard, then diffusers' ``FlowMatchEulerDiscreteScheduler`` runs
+``--num-inference-steps`` steps from seeded noise and a seeded stand-in for the text
+embedding. Same flags, report and JSON as the NumPy example.
+
+    python -m hsdp.launch -n 4 -- examples/offline_inference/text_to_video_wan.py \\
+        --use-hsdp --hsdp-shard-size 4 --verify
+
+Exit status: 0 on success, 1 when --verify finds a difference, 2 for a configuration error
+or a parallel degree the runtime cannot execute yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+import hsdp
+from hsdp.config import DiffusionParallelConfig, add_parallel_args
+from hsdp.distributed import init_process_group
+
+# Modules next to this script: `python SCRIPT` and hsdp.launch both put its folder on sys.path.
+from inference_report import (
+    Progress,
+    broadcast_int,
+    format_table,
+    gather_ints,
+    peak_rss_bytes,
+    reset_peak_rss,
+    report_rows,
+    write_json,
+)
+
+TEXT_LEN = 16
+EXIT_MISMATCH = 1
+EXIT_CONFIG = 2
+
+# Wan configs by size; "base" matches the reference DiT's base preset (dim 512, 8 blocks).
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4, text_dim=32,
+                 freq_dim=32, ffn_dim=64, num_layers=2),
+    "small": dict(num_attention_heads=4, attention_head_dim=32, in_channels=16, out_channels=16, text_dim=64,
+                  freq_dim=64, ffn_dim=512, num_layers=4),
+    "base": dict(num_attention_heads=8, attention_head_dim=64, in_channels=16, out_channels=16, text_dim=256,
+                 freq_dim=256, ffn_dim=2048, num_layers=8),
+}
+COMMON = dict(patch_size=(1, 2, 2), cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=1024)
+
+
+def is_block(name: str, module: Any) -> bool:
+    return name.startswith("blocks.") and name.count(".") == 1
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Text-to-video on a diffusers Wan transformer, weights sharded with HSDP.")
+    p.add_argument("--preset", default="small", choices=sorted(PRESETS), help="model size (default: %(default)s)")
+    p.add_argument("--num-inference-steps", type=int, default=8, metavar="N",
+                   help="denoising steps (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the weights, the noise and the text (default: %(default)s)")
+    p.add_argument("--output", type=Path, default=Path("outputs/text_to_video_wan.npy"), metavar="PATH",
+                   help="final latents (.npy); the report goes next to it as .json (default: %(default)s)")
+    p.add_argument("--checkpoint-dir", type=Path, default=Path("outputs/checkpoints"), metavar="DIR",
+                   help="where the model's save_pretrained folder is written on first use and loaded "
+                   "from (default: %(default)s)")
+    p.add_argument("--batch", type=int, default=1, help="videos per run (default: %(default)s)")
+    p.add_argument("--frames", type=int, default=4, help="latent frames (default: %(default)s)")
+    p.add_argument("--height", type=int, default=32, help="latent height (default: %(default)s)")
+    p.add_argument("--width", type=int, default=32, help="latent width (default: %(default)s)")
+    p.add_argument("--param-dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                   help="dtype the weights are stored (and gathered, and computed) in (default: %(default)s)")
+    p.add_argument("--verify", action="store_true",
+                   help="also run the loop unsharded on rank 0 and report the largest difference")
+    p.add_argument("--resident", action="store_true",
+                   help="gather the sharded weights once and keep them for the whole denoising loop")
+    add_parallel_args(p)
+    args = p.parse_args(argv)
+    for name in ("num_inference_steps", "batch", "frames", "height", "width"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("height", "width"):
+        if getattr(args, name) % 2:
+            p.error(f"--{name} {getattr(args, name)} must be a multiple of the patch size 2")
+    if args.output.suffix != ".npy":
+        args.output = args.output.with_name(args.output.name + ".npy")
+    return args
+
+
+# ------------------------------------------------------------------------------------ model
+
+
+def checkpoint_dir(args: argparse.Namespace) -> Path:
+    return args.checkpoint_dir / f"wan-{args.preset}-seed{args.seed}"
+
+
+def ensure_checkpoint(args: argparse.Namespace, world: Any, progress: Progress) -> Path:
+    """The model as a diffusers save_pretrained folder, written by rank 0 on first use into a
+    temporary folder and renamed, so an interrupted write never looks complete."""
+    from diffusers import WanTransformer3DModel
+
+    folder = checkpoint_dir(args)
+    if world.rank == 0 and not (folder / "config.json").exists():
+        progress.note(f"writing the checkpoint {folder} (first use)")
+        tmp = folder.with_name(folder.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        torch.manual_seed(args.seed)
+        WanTransformer3DModel(**PRESETS[args.preset], **COMMON).save_pretrained(tmp, max_shard_size="64MB")
+        shutil.rmtree(folder, ignore_errors=True)
+        os.replace(tmp, folder)
+    world.barrier()
+    return folder
+
+
+def empty_model(folder: Path) -> Any:
+    import accelerate
+    from diffusers import WanTransformer3DModel
+
+    with accelerate.init_empty_weights():  # meta parameters, real (RoPE) buffers
+        model = WanTransformer3DModel.from_config(WanTransformer3DModel.load_config(folder))
+    model._hsdp_shard_conditions = [is_block]  # on the instance: the stock class is enough
+    return model.eval()
+
+
+def _cast(v: Any, dt: torch.dtype) -> Any:
+    if isinstance(v, (tuple, list)):
+        return type(v)(_cast(x, dt) for x in v)
+    if isinstance(v, dict):
+        return {k: _cast(x, dt) for k, x in v.items()}
+    return v.to(dt) if torch.is_tensor(v) and v.is_floating_point() else v
+
+
+def unsharded_model(args: argparse.Namespace, folder: Path) -> Any:
+    """The whole model on this rank, with the dtypes a ``--param-dtype`` shard holds (diffusers'
+    _keep_in_fp32_modules stay float32) and the same input casts hsdp's units make."""
+    from diffusers import WanTransformer3DModel
+
+    model = WanTransformer3DModel.from_pretrained(folder).eval()
+    # from_pretrained leaves the weights where the file put them (mmap'd, 8-byte aligned); the
+    # CPU's matrix kernels round differently on such memory than on the 64-byte-aligned
+    # memory torch allocates (and hsdp's layout guarantees). Copies make the run comparable.
+    for p in model.parameters():
+        p.data = p.data.clone()
+    if args.param_dtype == "float32":
+        return model
+    dt = getattr(torch, args.param_dtype)
+    keep = set(model._keep_in_fp32_modules)
+    for n, p in model.named_parameters():
+        if p.ndim > 0 and p.is_floating_point() and keep.isdisjoint(n.split(".")):
+            p.data = p.data.to(dt)
+    pre = lambda m, a, k: (_cast(a, dt), _cast(k, dt))  # noqa: E731
+    model.register_forward_pre_hook(pre, with_kwargs=True)
+    for block in model.blocks:
+        block.register_forward_pre_hook(pre, with_kwargs=True)
+    return model
+
+
+def build_model(args: argparse.Namespace, hsdp_cfg: Any | None, folder: Path) -> Any:
+    if hsdp_cfg is None:
+        return unsharded_model(args, folder)
+    return hsdp.load_model_sharded(empty_model(folder), folder, hsdp_cfg)
+
+
+# ------------------------------------------------------------------------------------ sampling
+
+
+def initial_noise(args: argparse.Namespace, channels: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(args.seed * 1000 + 1)
+    return torch.randn(args.batch, channels, args.frames, args.height, args.width, generator=g)
+
+
+def text_context(args: argparse.Namespace, text_dim: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(args.seed * 1000 + 2)
+    return torch.randn(args.batch, TEXT_LEN, text_dim, generator=g)
+
+
+def denoise(model: Any, x: torch.Tensor, context: torch.Tensor, steps: int,
+            progress: Progress) -> tuple[torch.Tensor, list[float]]:
+    """diffusers' flow-matching Euler scheduler, the one Wan pipelines use."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    scheduler.set_timesteps(steps)
+    seconds = []
+    with torch.inference_mode():
+        for i, t in enumerate(scheduler.timesteps):
+            start = time.perf_counter()
+            v = model(x, t.expand(x.shape[0]), context, return_dict=False)[0]
+            x = scheduler.step(v, t, x, return_dict=False)[0]
+            seconds.append(time.perf_counter() - start)
+            progress.step(i + 1, seconds[-1])
+    return x, seconds
+
+
+# ------------------------------------------------------------------------------------ report
+
+
+def _param_bytes(model: Any) -> dict[str, int]:
+    count = stored = 0
+    for p in model.parameters():
+        n = p.numel() if not hasattr(p, "_hsdp_shape") else int(np.prod(p._hsdp_shape))
+        count += n
+        stored += n * p.element_size()
+    return {"count": count, "unsharded_bytes": stored, "unsharded_bytes_float32": count * 4}
+
+
+def _held_bytes(model: Any, sharded: bool) -> int:
+    if not sharded:
+        return sum(p.numel() * p.element_size() for p in model.parameters())
+    stats = hsdp.memory_stats()
+    return stats["sharded_bytes"] + stats["whole_bytes"]
+
+
+def _timing(seconds: list[float]) -> dict[str, Any]:
+    later = seconds[1:]
+    return {"steps": len(seconds), "first_step_seconds": seconds[0],
+            "seconds_per_step": sum(later) / len(later) if later else None, "step_seconds": seconds}
+
+
+def _verify(args: argparse.Namespace, x_t: torch.Tensor, context: torch.Tensor, result: torch.Tensor) -> dict[str, Any]:
+    progress = Progress(True, "verify step", args.num_inference_steps)
+    progress.note("verify: running the same loop unsharded on rank 0")
+    reference, _ = denoise(unsharded_model(args, checkpoint_dir(args)), x_t, context, args.num_inference_steps,
+                           progress)
+    diff = float((result.float() - reference.float()).abs().max())
+    return {"max_abs_diff": diff, "exact": bool(torch.equal(result, reference))}
+
+
+# ------------------------------------------------------------------------------------ main
+
+
+def _config_error(is_rank0: bool, message: str) -> int:
+    if is_rank0:
+        sys.stderr.write(f"text_to_video_wan: error: {message}\n")
+        sys.stderr.flush()
+    return EXIT_CONFIG
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    world = init_process_group()
+    is_rank0 = world.rank == 0
+    logging.basicConfig(level=logging.INFO if is_rank0 else logging.WARNING, format="%(name)s: %(message)s")
+    try:
+        parallel = DiffusionParallelConfig.from_cli_args(args)
+        parallel.check_world(world.size)
+        hsdp_cfg = parallel.to_hsdp_config(param_dtype=args.param_dtype) if parallel.use_hsdp else None
+        parallel.require_supported()
+    except (ValueError, NotImplementedError) as exc:
+        return _config_error(is_rank0, f"{type(exc).__name__}: {exc}")
+
+    phase = Progress(is_rank0, "build")
+    folder = ensure_checkpoint(args, world, phase)
+    reset_peak_rss()  # writing the checkpoint materialised the model once on rank 0
+    phase.note(f"loading the '{args.preset}' Wan transformer (seed {args.seed}) on {world.size} rank(s): {parallel}")
+    model = build_model(args, hsdp_cfg, folder)
+    phase.done()
+    held = _held_bytes(model, hsdp_cfg is not None)
+
+    cfg = PRESETS[args.preset]
+    x_t, context = initial_noise(args, cfg["in_channels"]), text_context(args, cfg["text_dim"])
+    loop = Progress(is_rank0, "step", args.num_inference_steps)
+    if args.resident and hsdp_cfg is not None:
+        loop.note("weights resident for the loop (hsdp.resident): gathered once, resharded after")
+        with hsdp.resident(model):
+            latents, seconds = denoise(model, x_t, context, args.num_inference_steps, loop)
+    else:
+        latents, seconds = denoise(model, x_t, context, args.num_inference_steps, loop)
+    loop.done()
+    per_rank = gather_ints(world, [held, peak_rss_bytes()])
+
+    status = 0
+    if is_rank0:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        np.save(args.output, latents.float().numpy())
+        verify = _verify(args, x_t, context, latents) if args.verify else None
+        params = _param_bytes(model)
+        sharded = parallel.use_hsdp
+        held_all = [int(v) for v in per_rank[:, 0]]
+        report = {
+            "world_size": int(per_rank.shape[0]),
+            "mesh": {"replicate": parallel.hsdp_replicate_size, "shard": parallel.hsdp_shard_size} if sharded else None,
+            "hsdp_mode": parallel.hsdp_mode,
+            "parallel": parallel.describe(),
+            "parallel_config": parallel.to_dict(),
+            "model": "diffusers.WanTransformer3DModel",
+            "preset": args.preset,
+            "param_dtype": args.param_dtype,
+            "resident": bool(args.resident and sharded),
+            "seed": args.seed,
+            "latent_shape": list(latents.shape),
+            "params": params,
+            "held_bytes_per_rank": held_all,
+            "held_ratio": max(held_all) / params["unsharded_bytes"],
+            "held_ratio_of": args.param_dtype,
+            "expected_ratio": 1 / parallel.hsdp_shard_size if sharded else 1.0,
+            "peak_rss_bytes_per_rank": [int(v) for v in per_rank[:, 1]],
+            "timing": _timing(seconds),
+            "verify": verify,
+            "output": str(args.output),
+        }
+        print("\n" + format_table("text_to_video_wan report", report_rows(report)), flush=True)
+        json_path = args.output.with_suffix(".json")
+        write_json(json_path, report)
+        print(f"latents: {args.output}  report: {json_path}", file=sys.stderr)
+        if verify is not None and not verify["exact"]:
+            status = EXIT_MISMATCH
+    return broadcast_int(world, status)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
