@@ -274,3 +274,59 @@ def test_buffer_dlpack_export_is_zero_copy_and_keeps_the_buffer_alive():
     del full
     u.reshard()
 
+
+
+class _Block(torch.nn.Linear):
+    def forward(self, x):  # a float8 weight is computed with in the input's dtype
+        w = self.weight
+        return torch.nn.functional.linear(x, w.to(x.dtype) if w.dtype == torch.float8_e4m3fn else w, self.bias)
+
+
+class _Mixed(torch.nn.Module):
+    """Blocks, plus what hsdp keeps whole: an ignored module, a 0-d scale and an integer table."""
+
+    _hsdp_shard_conditions = [lambda n, m: n.startswith("blocks.") and n.count(".") == 1]
+    _hsdp_ignored_modules = ["embed"]
+
+    def __init__(self, fp8: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Linear(8, 8)
+        self.blocks = torch.nn.ModuleList(_Block(8, 8) for _ in range(2))
+        self.scale = torch.nn.Parameter(torch.tensor(0.5))
+        self.table = torch.nn.Parameter(torch.arange(8, dtype=torch.int32), requires_grad=False)
+        if fp8:
+            self.blocks[1].weight.data = self.blocks[1].weight.data.to(torch.float8_e4m3fn)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for b in self.blocks:
+            x = b(x)
+        return x * self.scale + self.table.to(x.dtype)
+
+
+def test_kept_whole_parameters_ignored_modules_and_torch_dtypes():
+    """As on the NumPy runtime: ignored modules and 0-d / integer parameters stay whole on
+    target_device; config dtypes accept torch dtypes; the output equals the unsharded model."""
+    ref, model = _Mixed(), _Mixed()
+    with pytest.raises(ValueError, match="target_device is None"):
+        hsdp.apply_hsdp_to_model(_Mixed(), hsdp.HSDPInferenceConfig(enabled=True))
+    cfg = hsdp.HSDPInferenceConfig(enabled=True, param_dtype=torch.float32)
+    assert cfg.param_dtype == "float32"
+    hsdp.apply_hsdp_to_model(model, cfg, target_device="cpu")
+    assert model.embed.weight.shape == (8, 8) and getattr(model.embed.weight, "_hsdp_state", None) is None
+    assert model.scale.ndim == 0 and model.table.dtype == torch.int32 and model.table.numel() == 8
+    assert model.blocks[0].weight.numel() == 0  # sharded: a placeholder outside the forward
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        assert torch.equal(model(x), ref(x))
+
+
+def test_fp8_parameters_keep_their_dtype():
+    """A model holding float8 parameters keeps every parameter's own dtype (no param_dtype cast)."""
+    ref, model = _Mixed(fp8=True), _Mixed(fp8=True)
+    hsdp.apply_hsdp_to_model(model, hsdp.HSDPInferenceConfig(enabled=True), target_device="cpu")
+    assert model.blocks[1].weight.dtype == torch.float8_e4m3fn and model.blocks[0].weight.dtype == torch.float32
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        assert torch.equal(model(x), ref(x))
