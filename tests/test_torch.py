@@ -330,3 +330,88 @@ def test_fp8_parameters_keep_their_dtype():
     x = torch.randn(3, 8)
     with torch.no_grad():
         assert torch.equal(model(x), ref(x))
+
+
+def test_state_dict_of_a_sharded_model_is_refused_not_empty(tmp_path):
+    """model.state_dict() / save_pretrained on a sharded model would write 0-element
+    placeholders: refused, naming the unit; full_state_dict and resident work."""
+    model = sharded("wan", param_dtype="float32")
+    with pytest.raises(RuntimeError, match=r"sharded by hsdp \(unit '.*'\); use hsdp.full_state_dict"):
+        model.state_dict()
+    with pytest.raises(RuntimeError, match="full_state_dict"):
+        model.save_pretrained(tmp_path / "never")
+    with hsdp.resident(model):
+        sd = model.state_dict()
+    assert all(v.numel() > 0 for k, v in sd.items() if not k.startswith("rope"))
+    assert set(hsdp.full_state_dict(model)) == set(sd)
+
+
+def test_resident_under_inference_mode_leaves_normal_parameters():
+    """Views bound inside inference_mode are normal tensors: after a resident loop under
+    inference_mode, a no_grad (or grad-mode) forward of the same resident model still runs."""
+    model = sharded("wan", param_dtype="float32")
+    args, kwargs = wan_inputs()
+    with hsdp.resident(model):
+        with torch.inference_mode():
+            a = model(*args, **kwargs)[0]
+        assert not any(p.is_inference() for p in model.parameters())
+        x = args[0].clone().requires_grad_(True)
+        b = model(x, *args[1:], **kwargs)[0]
+        b.sum().backward()  # grads flow to the input through the gathered views
+    assert torch.equal(a, b.detach()) and x.grad is not None
+
+
+def test_model_built_in_inference_mode_shards_and_runs():
+    """A model whose parameters are inference tensors (built under inference_mode) still shards."""
+    with torch.inference_mode():
+        model = make_wan(0)
+    model._hsdp_shard_conditions = [is_wan_block]
+    hsdp.apply_hsdp_to_model(model, hsdp.HSDPInferenceConfig(enabled=True, param_dtype="float32"))
+    with torch.no_grad():
+        assert torch.equal(run(model, "wan"), run(reference("wan", "float32"), "wan"))
+
+
+def test_streaming_load_with_ignored_modules(tmp_path):
+    """An ignored module of an empty (meta) model is filled whole by the loader, not moved as meta."""
+    src = _Mixed()
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in src.state_dict().items()}, folder / "model.safetensors")
+    import accelerate
+
+    with accelerate.init_empty_weights():
+        empty = _Mixed()
+    hsdp.load_model_sharded(empty, folder, hsdp.HSDPInferenceConfig(enabled=True, param_dtype="float32"),
+                            target_device="cpu", progress=False)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        assert torch.equal(empty(x), src(x))
+
+
+def test_keep_in_fp32_modules_are_float32_even_on_a_bfloat16_model():
+    """As diffusers loads them: the kept modules are float32 whatever the model was cast to."""
+    model = make_wan(0).to(torch.bfloat16)
+    model._hsdp_shard_conditions = [is_wan_block]
+    hsdp.apply_hsdp_to_model(model, hsdp.HSDPInferenceConfig(enabled=True))
+    assert model.blocks[0].scale_shift_table.dtype == torch.float32
+    assert model.condition_embedder.time_embedder.linear_1.weight.dtype == torch.float32
+    assert model.blocks[0].ffn.net[2].weight.dtype == torch.bfloat16
+
+
+def test_dlpack_refuses_another_device():
+    """A consumer that asks for another DLPack device gets BufferError (no copy is made)."""
+    import numpy as np
+
+    from hsdp import _C
+
+    u = _C.Unit(hsdp.init_device_mesh("cpu", (1, 1)).shard_group, ["float32"], [(4,)])
+    u.write(0, np.arange(4, dtype=np.float32))
+    u.unshard()
+    full, _ = u.buffers()
+    assert full.__dlpack__(dl_device=(1, 0)) is not None
+    with pytest.raises(BufferError, match=r"lives on DLPack device \(1, 0\), not \(2, 0\)"):
+        full.__dlpack__(dl_device=(2, 0))
+    del full
+    u.reshard()

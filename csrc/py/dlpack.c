@@ -101,9 +101,16 @@ static PyObject *buffer_dlpack(BufferObject *self, PyObject *args, PyObject *kw)
     (void)stream; /* host buffers need no stream; device buffers are complete when unsharded */
     if (copy == Py_True)
         return PyErr_Format(PyExc_BufferError, "an hsdp buffer is exported without a copy (copy=True refused)");
-    if (self->device != HSDP_DEVICE_HOST && dl_device != Py_None)
-        return PyErr_Format(PyExc_BufferError, "an hsdp %s buffer cannot be exported to another device",
-                            hsdp_device_name(self->device));
+    if (dl_device != Py_None) { /* the consumer names a device: it must be this buffer's own */
+        DLDevice own = device_of(self);
+        int type = -1, id = -1;
+        if (!PyArg_ParseTuple(dl_device, "ii;dl_device must be a (device_type, device_id) tuple", &type, &id))
+            return NULL;
+        if (type != own.device_type || id != own.device_id)
+            return PyErr_Format(PyExc_BufferError, "an hsdp %s buffer lives on DLPack device (%d, %d), not (%d, %d); "
+                                "it is exported without a copy", hsdp_device_name(self->device), own.device_type,
+                                own.device_id, type, id);
+    }
     long major = 0;
     if (max_version != Py_None) {
         if (!PyTuple_Check(max_version) || PyTuple_GET_SIZE(max_version) < 1)
@@ -151,7 +158,8 @@ static PyObject *buffer_dlpack_device(BufferObject *self, PyObject *unused) {
 PyMethodDef hsdp_py_dlpack_methods[] = {
     {"__dlpack__", (PyCFunction)(void (*)(void))buffer_dlpack, METH_VARARGS | METH_KEYWORDS,
      "__dlpack__(*, stream=None, max_version=None, dl_device=None, copy=None): the buffer as a 1-D uint8 "
-     "DLPack tensor (read-only flag set), zero-copy; it keeps the buffer alive until the consumer lets go."},
+     "DLPack tensor, zero-copy; it keeps the buffer alive until the consumer lets go. The read-only flag is set, "
+     "but torch ignores it: a write through the tensor changes the gathered weights until the next reshard."},
     {"__dlpack_device__", (PyCFunction)buffer_dlpack_device, METH_NOARGS, "(device type, device id) for DLPack."},
     {NULL, NULL, 0, NULL},
 };

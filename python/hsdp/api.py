@@ -21,7 +21,7 @@ from typing import Any
 
 from . import _C, distributed
 from .adapters import TensorAdapter, adapter_for
-from .dtypes import DType, float8_e4m3fn, float8_e5m2
+from .dtypes import DType, float8_e4m3fn, float8_e5m2, float32
 from .mesh import DeviceMesh, init_device_mesh
 from .policy import MixedPrecisionPolicy
 from .schedule import Schedule
@@ -93,13 +93,17 @@ def _check_conditions(conditions: Any, model: Any) -> list[ShardCondition]:
 
 
 def _storage_dtype(ad: TensorAdapter, p: Any, policy: MixedPrecisionPolicy, keep: bool) -> DType:
-    if policy.param_dtype is not None and ad.dtype(p) not in _FP8 and not keep:
-        return policy.param_dtype
-    return ad.dtype(p)
+    pd = policy.param_dtype
+    if pd is None or ad.dtype(p) in _FP8:
+        return ad.dtype(p)
+    if keep and pd.itemsize < float32.itemsize:
+        return float32  # as diffusers loads them: float32 whatever the rest is stored in
+    return pd
 
 
 def _keep_modules(model: Any) -> frozenset[str]:
-    return frozenset(getattr(model, "_keep_in_fp32_modules", None) or ())
+    keep = getattr(model, "_keep_in_fp32_modules", None) or ()
+    return frozenset([keep] if isinstance(keep, str) else keep)
 
 
 def _build_unit(ctx: HSDPShardContext, module: Any, fqn: str, is_root: bool, claimed: set[int]) -> UnitState | None:

@@ -42,26 +42,41 @@ def _torch_dtype(d: DType) -> torch.dtype:
 
 
 # torch.from_dlpack's Python wrapper costs microseconds per call on the hot path; the
-# capsule route underneath is the same conversion (public since torch 1.10)
+# capsule route underneath is the same conversion. Versioned capsules are understood only
+# by the torch releases that can also make them (2.9 on); older ones take the legacy form.
 _capsule_to_tensor = getattr(torch._C, "_from_dlpack", None)
+_VERSIONED = hasattr(torch._C, "_to_dlpack_versioned")
 
 
 def _from_dlpack(buf: Any) -> torch.Tensor:
-    if _capsule_to_tensor is not None:
-        return _capsule_to_tensor(buf.__dlpack__(max_version=(1, 0)))
-    return torch.from_dlpack(buf)
+    if _capsule_to_tensor is None:
+        return torch.from_dlpack(buf)
+    return _capsule_to_tensor(buf.__dlpack__(max_version=(1, 0)) if _VERSIONED else buf.__dlpack__())
 
 
 def _set_data(p: Any, t: torch.Tensor) -> None:
     """p.data = t, also across device types (a meta parameter given real values), keeping
     the Parameter object itself: torch refuses set_data between meta and CPU tensors, so the
     contents are swapped into the same Python object instead."""
-    if p.device.type == t.device.type:
+    # an inference parameter (built under inference_mode) cannot take normal data in place
+    if p.device.type == t.device.type and not (p.is_inference() and not t.is_inference()):
         p.data = t
         return
     new = torch.nn.Parameter(t, requires_grad=p.requires_grad)
     new.__dict__.update(p.__dict__)
     torch.utils.swap_tensors(p, new)
+
+
+def _refuse_sharded_state_dict(module: Any, prefix: str, keep_vars: bool) -> None:
+    """A sharded unit's parameters are 0-element placeholders: a state dict of them (and so
+    save_pretrained) would be empty tensors, silently. Refused, unless the unit is unsharded
+    (hsdp.full_state_dict, hsdp.resident, hsdp.unshard)."""
+    st = getattr(module, "_hsdp_unit", None)
+    if st is not None and not st.unit.is_unsharded:
+        raise RuntimeError(
+            f"the parameters of '{prefix.rstrip('.') or type(module).__name__}' are sharded by hsdp (unit "
+            f"'{st.label}'); use hsdp.full_state_dict(model) for the gathered state dict"
+        )
 
 
 def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -110,10 +125,12 @@ class TorchAdapter:
         return [
             module.register_forward_pre_hook(pre, with_kwargs=True),
             module.register_forward_hook(post, with_kwargs=True, always_call=True),
+            module.register_state_dict_pre_hook(_refuse_sharded_state_dict),
         ]
 
     def move(self, module: Any, device: Any) -> None:
-        module.to(device)
+        # meta tensors (a model built empty, to be loaded) stay meta: the loader fills them
+        module._apply(lambda t: t if t.is_meta else t.to(device))
 
     def freeze(self, module: Any) -> None:
         for p in module.parameters():
@@ -236,6 +253,14 @@ class TorchAdapter:
         views = state.adapter_data
         if views is None:
             views = state.adapter_data = _UnitViews(state, self)
+        if torch.is_inference_mode_enabled():
+            # views made in inference mode would leave the parameters inference tensors for
+            # as long as the unit stays unsharded (resident, say): make them normal ones
+            with torch.inference_mode(False):
+                return self._bind(views, state)
+        return self._bind(views, state)
+
+    def _bind(self, views: _UnitViews, state: UnitState) -> None:
         bufs = state.unit.buffers()
         raw = [_from_dlpack(b) if b is not None else None for b in bufs]
         typed = []
