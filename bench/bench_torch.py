@@ -107,24 +107,14 @@ def fsdp2(model, dtype):
 
 
 def reference(dtype):
-    """The unsharded model with the dtypes and input casts hsdp applies (see tests/torch_models.py)."""
+    """The unsharded model with the dtypes and input casts hsdp applies."""
     import torch
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from torch_models import _cast
+    from hsdp.adapters.torch import unsharded_reference
 
     ref = make(0)
-    if dtype == torch.float32:
-        return ref
-    keep = set(ref._keep_in_fp32_modules)
-    for n, p in ref.named_parameters():
-        if p.ndim > 0 and p.is_floating_point() and keep.isdisjoint(n.split(".")):
-            p.data = p.data.to(dtype)
-    pre = lambda m, a, k: (_cast(a, dtype), _cast(k, dtype))  # noqa: E731
-    ref.register_forward_pre_hook(pre, with_kwargs=True)
-    for b in ref.blocks:
-        b.register_forward_pre_hook(pre, with_kwargs=True)
-    return ref
+    ref._hsdp_shard_conditions = [is_block]
+    return unsharded_reference(ref, "float32" if dtype == torch.float32 else "bfloat16")
 
 
 def worker_forward(reps: int) -> None:

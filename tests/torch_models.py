@@ -1,8 +1,7 @@
 """Stock diffusers models at tiny sizes with random weights, their inputs, and the unsharded
-reference hsdp must equal: the same model with each parameter cast to the dtype hsdp stores
-it in, and floating forward inputs cast the way cast_forward_inputs casts them (nested too,
-as FSDP2 does), at the root and at every unit. Imported by the torch tests and their
-multi-rank worker."""
+reference hsdp must equal (hsdp.adapters.torch.unsharded_reference: each parameter in the
+dtype hsdp stores it in, floating inputs cast at the root and at every unit). Imported by
+the torch tests and their multi-rank worker."""
 
 from __future__ import annotations
 
@@ -67,34 +66,14 @@ MODELS: dict[str, tuple[Callable[..., Any], Callable[..., Any], Callable[[str, A
 }
 
 
-def _cast(v: Any, dt: torch.dtype) -> Any:
-    if isinstance(v, (tuple, list)):
-        return type(v)(_cast(x, dt) for x in v)
-    if isinstance(v, dict):
-        return {k: _cast(x, dt) for k, x in v.items()}
-    return v.to(dt) if torch.is_tensor(v) and v.is_floating_point() else v
-
-
 def reference(kind: str, param_dtype: str | None, seed: int = 0) -> Any:
     """The unsharded model hsdp's sharded one must equal bit for bit."""
+    from hsdp.adapters.torch import unsharded_reference
+
     make, _, cond = MODELS[kind]
     ref = make(seed)
-    if param_dtype is None or param_dtype == "float32":
-        return ref
-    dt = getattr(torch, param_dtype)
-    keep = set(getattr(ref, "_keep_in_fp32_modules", None) or ())
-    for n, p in ref.named_parameters():
-        if p.ndim > 0 and p.is_floating_point() and keep.isdisjoint(n.split(".")):
-            p.data = p.data.to(dt)
-
-    def pre(module: Any, args: Any, kwargs: Any) -> Any:
-        return _cast(args, dt), _cast(kwargs, dt)
-
-    ref.register_forward_pre_hook(pre, with_kwargs=True)
-    for n, m in ref.named_modules():
-        if n and cond(n, m):
-            m.register_forward_pre_hook(pre, with_kwargs=True)
-    return ref
+    ref._hsdp_shard_conditions = [cond]  # which modules' inputs the units cast
+    return unsharded_reference(ref, param_dtype)
 
 
 def run(model: Any, kind: str) -> torch.Tensor:

@@ -1,10 +1,13 @@
-"""Measuring and reporting an inference run: progress lines, memory, the final table and JSON.
+"""What the offline pipelines share: their common flags, progress lines, memory, and the
+final report (table and JSON).
 
-Kept apart from text_to_video.py so that the pipeline itself reads like a pipeline.
+Kept apart from text_to_video.py and text_to_video_wan.py so that each pipeline reads like a
+pipeline.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -13,6 +16,82 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+
+def add_run_args(p: argparse.ArgumentParser, presets: Sequence[str], default_output: str,
+                 checkpoint_what: str) -> None:
+    """The flags both pipelines take (the parallel flags are added by the caller)."""
+    p.add_argument("--preset", default="small", choices=list(presets), help="model size (default: %(default)s)")
+    p.add_argument("--num-inference-steps", type=int, default=8, metavar="N",
+                   help="denoising steps (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the weights, the noise and the text (default: %(default)s)")
+    p.add_argument("--output", type=Path, default=Path(default_output), metavar="PATH",
+                   help="final latents (.npy); the report goes next to it as .json (default: %(default)s)")
+    p.add_argument("--checkpoint-dir", type=Path, default=Path("outputs/checkpoints"), metavar="DIR",
+                   help=f"where the model's {checkpoint_what} is written on first use and loaded from "
+                   "(default: %(default)s)")
+    p.add_argument("--batch", type=int, default=1, help="videos per run (default: %(default)s)")
+    p.add_argument("--frames", type=int, default=4, help="latent frames (default: %(default)s)")
+    p.add_argument("--height", type=int, default=32, help="latent height (default: %(default)s)")
+    p.add_argument("--width", type=int, default=32, help="latent width (default: %(default)s)")
+    p.add_argument("--param-dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                   help="dtype the weights are stored (and gathered) in (default: %(default)s)")
+    p.add_argument("--verify", action="store_true",
+                   help="also run the loop unsharded on rank 0 and report the largest difference")
+    p.add_argument("--resident", action="store_true",
+                   help="gather the sharded weights once and keep them for the whole denoising loop "
+                   "(hsdp.resident): no gathers per step, the whole model per rank while it runs")
+
+
+def check_run_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Checked before any rank builds a model, so a typo costs nothing."""
+    for name in ("num_inference_steps", "batch", "frames", "height", "width"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.output.suffix != ".npy":  # np.save would add it anyway; keep the report path in step
+        args.output = args.output.with_name(args.output.name + ".npy")
+
+
+def timing(seconds: list[float]) -> dict[str, Any]:
+    later = seconds[1:]
+    return {
+        "steps": len(seconds),
+        "first_step_seconds": seconds[0],
+        # The first step also records the prefetch order and warms caches: reported apart.
+        "seconds_per_step": sum(later) / len(later) if later else None,
+        "step_seconds": seconds,
+    }
+
+
+def build_report(args: argparse.Namespace, parallel: Any, per_rank: np.ndarray, seconds: list[float],
+                 verify: dict[str, Any] | None, *, params: dict[str, int], whole_bytes: int, ratio_of: str,
+                 latent_shape: list[int], **extra: Any) -> dict[str, Any]:
+    """The report both pipelines write: ``per_rank`` rows are (held bytes, peak RSS)."""
+    sharded = parallel.use_hsdp
+    held = [int(v) for v in per_rank[:, 0]]
+    return {
+        "world_size": int(per_rank.shape[0]),
+        "mesh": {"replicate": parallel.hsdp_replicate_size, "shard": parallel.hsdp_shard_size} if sharded else None,
+        "hsdp_mode": parallel.hsdp_mode,
+        "parallel": parallel.describe(),
+        "parallel_config": parallel.to_dict(),
+        **extra,
+        "preset": args.preset,
+        "param_dtype": args.param_dtype,
+        "resident": bool(args.resident and sharded),
+        "seed": args.seed,
+        "latent_shape": latent_shape,
+        "params": params,
+        "held_bytes_per_rank": held,
+        "held_ratio": max(held) / whole_bytes,
+        "held_ratio_of": ratio_of,
+        "expected_ratio": 1 / parallel.hsdp_shard_size if sharded else 1.0,
+        "peak_rss_bytes_per_rank": [int(v) for v in per_rank[:, 1]],
+        "timing": timing(seconds),
+        "verify": verify,
+        "output": str(args.output),
+    }
 
 
 class Progress:

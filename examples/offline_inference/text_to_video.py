@@ -34,7 +34,10 @@ from hsdp.distributed import init_process_group
 # A module next to this script: `python SCRIPT` and hsdp.launch both put its folder on sys.path.
 from inference_report import (
     Progress,
+    add_run_args,
     broadcast_int,
+    build_report,
+    check_run_args,
     format_table,
     gather_ints,
     peak_rss_bytes,
@@ -50,45 +53,15 @@ EXIT_CONFIG = 2
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Text-to-video on the reference DiT, weights sharded with HSDP.")
-    p.add_argument("--preset", default="small", choices=models.preset_names(),
-                   help="model size (default: %(default)s)")
-    p.add_argument("--num-inference-steps", type=int, default=8, metavar="N",
-                   help="denoising steps (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0,
-                   help="seed of the weights, the noise and the text (default: %(default)s)")
-    p.add_argument("--output", type=Path, default=Path("outputs/text_to_video.npy"), metavar="PATH",
-                   help="final latents (.npy); the report goes next to it as .json (default: %(default)s)")
-    p.add_argument("--checkpoint-dir", type=Path, default=Path("outputs/checkpoints"), metavar="DIR",
-                   help="where the model's safetensors checkpoint is written on first use and "
-                   "loaded from (default: %(default)s)")
-    p.add_argument("--batch", type=int, default=1, help="videos per run (default: %(default)s)")
-    p.add_argument("--frames", type=int, default=4, help="latent frames (default: %(default)s)")
-    p.add_argument("--height", type=int, default=32, help="latent height (default: %(default)s)")
-    p.add_argument("--width", type=int, default=32, help="latent width (default: %(default)s)")
-    p.add_argument("--param-dtype", default="bfloat16", choices=("bfloat16", "float32"),
-                   help="dtype the weights are stored (and gathered) in (default: %(default)s)")
-    p.add_argument("--verify", action="store_true",
-                   help="also run the loop unsharded on rank 0 and report the largest difference")
-    p.add_argument("--resident", action="store_true",
-                   help="gather the sharded weights once and keep them for the whole denoising loop "
-                   "(hsdp.resident): no gathers per step, the whole model per rank while it runs")
+    add_run_args(p, models.preset_names(), "outputs/text_to_video.npy", "safetensors checkpoint")
     add_parallel_args(p)
     args = p.parse_args(argv)
-    _check_sizes(p, args)
-    if args.output.suffix != ".npy":  # np.save would add it anyway; keep the report path in step
-        args.output = args.output.with_name(args.output.name + ".npy")
-    return args
-
-
-def _check_sizes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    # Checked before any rank builds a model, so a typo costs nothing.
-    for name in ("num_inference_steps", "batch", "frames", "height", "width"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    check_run_args(p, args)
     patch = models.DiTConfig.preset(args.preset).patch_size
-    for name, size, p in zip(("frames", "height", "width"), (args.frames, args.height, args.width), patch):
-        if size % p:
-            parser.error(f"--{name} {size} must be a multiple of the patch size {p} ({args.preset} preset)")
+    for name, size, n in zip(("frames", "height", "width"), (args.frames, args.height, args.width), patch):
+        if size % n:
+            p.error(f"--{name} {size} must be a multiple of the patch size {n} ({args.preset} preset)")
+    return args
 
 
 # ------------------------------------------------------------------------------------ model
@@ -204,17 +177,6 @@ def _held_bytes(model: Any, sharded: bool) -> int:
     return stats["sharded_bytes"] + stats["whole_bytes"]
 
 
-def _timing(seconds: list[float]) -> dict[str, Any]:
-    later = seconds[1:]
-    return {
-        "steps": len(seconds),
-        "first_step_seconds": seconds[0],
-        # The first step also records the prefetch order and warms caches: reported apart.
-        "seconds_per_step": sum(later) / len(later) if later else None,
-        "step_seconds": seconds,
-    }
-
-
 def _verify(args: argparse.Namespace, x_t: np.ndarray, context: np.ndarray, result: np.ndarray) -> dict[str, Any]:
     """The same loop on an unsharded model with the same weights; the largest difference."""
     progress = Progress(True, "verify step", args.num_inference_steps)
@@ -313,32 +275,14 @@ def _report(
     verify: dict[str, Any] | None,
 ) -> dict[str, Any]:
     params = _param_bytes(model, args.param_dtype)
-    sharded = parallel.use_hsdp
-    held = [int(v) for v in per_rank[:, 0]]
     # Sharded, a rank holds the storage dtype; unsharded, float32 arrays (see unsharded_model).
-    ratio_of = args.param_dtype if sharded else "float32"
-    whole = params["unsharded_bytes"] if sharded else params["unsharded_bytes_float32"]
-    return {
-        "world_size": int(per_rank.shape[0]),
-        "mesh": {"replicate": parallel.hsdp_replicate_size, "shard": parallel.hsdp_shard_size} if sharded else None,
-        "hsdp_mode": parallel.hsdp_mode,
-        "parallel": parallel.describe(),
-        "parallel_config": parallel.to_dict(),
-        "preset": args.preset,
-        "param_dtype": args.param_dtype,
-        "resident": bool(args.resident and sharded),
-        "seed": args.seed,
-        "latent_shape": [args.batch, model.config.in_channels, args.frames, args.height, args.width],
-        "params": params,
-        "held_bytes_per_rank": held,
-        "held_ratio": max(held) / whole,
-        "held_ratio_of": ratio_of,
-        "expected_ratio": 1 / parallel.hsdp_shard_size if sharded else 1.0,
-        "peak_rss_bytes_per_rank": [int(v) for v in per_rank[:, 1]],
-        "timing": _timing(seconds),
-        "verify": verify,
-        "output": str(args.output),
-    }
+    sharded = parallel.use_hsdp
+    return build_report(
+        args, parallel, per_rank, seconds, verify, params=params,
+        whole_bytes=params["unsharded_bytes"] if sharded else params["unsharded_bytes_float32"],
+        ratio_of=args.param_dtype if sharded else "float32",
+        latent_shape=[args.batch, model.config.in_channels, args.frames, args.height, args.width],
+    )
 
 
 if __name__ == "__main__":

@@ -36,7 +36,10 @@ from hsdp.distributed import init_process_group
 # Modules next to this script: `python SCRIPT` and hsdp.launch both put its folder on sys.path.
 from inference_report import (
     Progress,
+    add_run_args,
     broadcast_int,
+    build_report,
+    check_run_args,
     format_table,
     gather_ints,
     peak_rss_bytes,
@@ -67,36 +70,13 @@ def is_block(name: str, module: Any) -> bool:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Text-to-video on a diffusers Wan transformer, weights sharded with HSDP.")
-    p.add_argument("--preset", default="small", choices=sorted(PRESETS), help="model size (default: %(default)s)")
-    p.add_argument("--num-inference-steps", type=int, default=8, metavar="N",
-                   help="denoising steps (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0,
-                   help="seed of the weights, the noise and the text (default: %(default)s)")
-    p.add_argument("--output", type=Path, default=Path("outputs/text_to_video_wan.npy"), metavar="PATH",
-                   help="final latents (.npy); the report goes next to it as .json (default: %(default)s)")
-    p.add_argument("--checkpoint-dir", type=Path, default=Path("outputs/checkpoints"), metavar="DIR",
-                   help="where the model's save_pretrained folder is written on first use and loaded "
-                   "from (default: %(default)s)")
-    p.add_argument("--batch", type=int, default=1, help="videos per run (default: %(default)s)")
-    p.add_argument("--frames", type=int, default=4, help="latent frames (default: %(default)s)")
-    p.add_argument("--height", type=int, default=32, help="latent height (default: %(default)s)")
-    p.add_argument("--width", type=int, default=32, help="latent width (default: %(default)s)")
-    p.add_argument("--param-dtype", default="bfloat16", choices=("bfloat16", "float32"),
-                   help="dtype the weights are stored (and gathered, and computed) in (default: %(default)s)")
-    p.add_argument("--verify", action="store_true",
-                   help="also run the loop unsharded on rank 0 and report the largest difference")
-    p.add_argument("--resident", action="store_true",
-                   help="gather the sharded weights once and keep them for the whole denoising loop")
+    add_run_args(p, sorted(PRESETS), "outputs/text_to_video_wan.npy", "save_pretrained folder")
     add_parallel_args(p)
     args = p.parse_args(argv)
-    for name in ("num_inference_steps", "batch", "frames", "height", "width"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    check_run_args(p, args)
     for name in ("height", "width"):
         if getattr(args, name) % 2:
             p.error(f"--{name} {getattr(args, name)} must be a multiple of the patch size 2")
-    if args.output.suffix != ".npy":
-        args.output = args.output.with_name(args.output.name + ".npy")
     return args
 
 
@@ -135,18 +115,12 @@ def empty_model(folder: Path) -> Any:
     return model.eval()
 
 
-def _cast(v: Any, dt: torch.dtype) -> Any:
-    if isinstance(v, (tuple, list)):
-        return type(v)(_cast(x, dt) for x in v)
-    if isinstance(v, dict):
-        return {k: _cast(x, dt) for k, x in v.items()}
-    return v.to(dt) if torch.is_tensor(v) and v.is_floating_point() else v
-
-
 def unsharded_model(args: argparse.Namespace, folder: Path) -> Any:
-    """The whole model on this rank, with the dtypes a ``--param-dtype`` shard holds (diffusers'
-    _keep_in_fp32_modules stay float32) and the same input casts hsdp's units make."""
+    """The whole model on this rank, computing what a sharded one does: the dtypes a
+    ``--param-dtype`` shard holds and the same input casts (hsdp's unsharded_reference)."""
     from diffusers import WanTransformer3DModel
+
+    from hsdp.adapters.torch import unsharded_reference
 
     model = WanTransformer3DModel.from_pretrained(folder).eval()
     # from_pretrained leaves the weights where the file put them (mmap'd, 8-byte aligned); the
@@ -154,18 +128,8 @@ def unsharded_model(args: argparse.Namespace, folder: Path) -> Any:
     # memory torch allocates (and hsdp's layout guarantees). Copies make the run comparable.
     for p in model.parameters():
         p.data = p.data.clone()
-    if args.param_dtype == "float32":
-        return model
-    dt = getattr(torch, args.param_dtype)
-    keep = set(model._keep_in_fp32_modules)
-    for n, p in model.named_parameters():
-        if p.ndim > 0 and p.is_floating_point() and keep.isdisjoint(n.split(".")):
-            p.data = p.data.to(dt)
-    pre = lambda m, a, k: (_cast(a, dt), _cast(k, dt))  # noqa: E731
-    model.register_forward_pre_hook(pre, with_kwargs=True)
-    for block in model.blocks:
-        block.register_forward_pre_hook(pre, with_kwargs=True)
-    return model
+    model._hsdp_shard_conditions = [is_block]
+    return unsharded_reference(model, args.param_dtype)
 
 
 def build_model(args: argparse.Namespace, hsdp_cfg: Any | None, folder: Path) -> Any:
@@ -222,12 +186,6 @@ def _held_bytes(model: Any, sharded: bool) -> int:
         return sum(p.numel() * p.element_size() for p in model.parameters())
     stats = hsdp.memory_stats()
     return stats["sharded_bytes"] + stats["whole_bytes"]
-
-
-def _timing(seconds: list[float]) -> dict[str, Any]:
-    later = seconds[1:]
-    return {"steps": len(seconds), "first_step_seconds": seconds[0],
-            "seconds_per_step": sum(later) / len(later) if later else None, "step_seconds": seconds}
 
 
 def _verify(args: argparse.Namespace, x_t: torch.Tensor, context: torch.Tensor, result: torch.Tensor) -> dict[str, Any]:
@@ -288,30 +246,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         np.save(args.output, latents.float().numpy())
         verify = _verify(args, x_t, context, latents) if args.verify else None
         params = _param_bytes(model)
-        sharded = parallel.use_hsdp
-        held_all = [int(v) for v in per_rank[:, 0]]
-        report = {
-            "world_size": int(per_rank.shape[0]),
-            "mesh": {"replicate": parallel.hsdp_replicate_size, "shard": parallel.hsdp_shard_size} if sharded else None,
-            "hsdp_mode": parallel.hsdp_mode,
-            "parallel": parallel.describe(),
-            "parallel_config": parallel.to_dict(),
-            "model": "diffusers.WanTransformer3DModel",
-            "preset": args.preset,
-            "param_dtype": args.param_dtype,
-            "resident": bool(args.resident and sharded),
-            "seed": args.seed,
-            "latent_shape": list(latents.shape),
-            "params": params,
-            "held_bytes_per_rank": held_all,
-            "held_ratio": max(held_all) / params["unsharded_bytes"],
-            "held_ratio_of": args.param_dtype,
-            "expected_ratio": 1 / parallel.hsdp_shard_size if sharded else 1.0,
-            "peak_rss_bytes_per_rank": [int(v) for v in per_rank[:, 1]],
-            "timing": _timing(seconds),
-            "verify": verify,
-            "output": str(args.output),
-        }
+        report = build_report(args, parallel, per_rank, seconds, verify, params=params,
+                              whole_bytes=params["unsharded_bytes"], ratio_of=args.param_dtype,
+                              latent_shape=list(latents.shape), model="diffusers.WanTransformer3DModel")
         print("\n" + format_table("text_to_video_wan report", report_rows(report)), flush=True)
         json_path = args.output.with_suffix(".json")
         write_json(json_path, report)

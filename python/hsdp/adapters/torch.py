@@ -274,3 +274,41 @@ class TorchAdapter:
     def unbind(self, state: UnitState) -> None:
         for p, _base, _shape, _strides, _offset, dt in state.adapter_data.slots:
             p.data = self._placeholder(dt)
+
+
+def unsharded_reference(model: Any, param_dtype: Any = "bfloat16") -> Any:
+    """Make a whole (unsharded) torch model compute what hsdp's sharded copy of it computes,
+    bit for bit: the reference a ``--verify`` compares with. In place; returns the model.
+
+    - Shardable parameters are cast to the dtype hsdp stores them in: ``param_dtype``, but
+      float32 for ``_keep_in_fp32_modules`` when ``param_dtype`` is narrower; float8
+      parameters, models with ``_hsdp_preserve_parameter_dtypes``, 0-d and integer
+      parameters keep their own.
+    - The floating inputs of the root and of every module its ``_hsdp_shard_conditions``
+      select are cast to ``param_dtype``, as the units' pre-forward hooks do.
+    """
+    from ..api import _FP8, _keep_modules
+
+    dtype = as_dtype(param_dtype) if param_dtype is not None else None
+    params = list(model.named_parameters())
+    if dtype is None or any(as_dtype(p.dtype) in _FP8 for _, p in params) or getattr(
+            model, "_hsdp_preserve_parameter_dtypes", False):
+        return model
+    dt, keep = _torch_dtype(dtype), _keep_modules(model)
+    fp32 = dtype.itemsize < 4
+    for name, p in params:
+        if p.ndim > 0 and p.is_floating_point():
+            kept = fp32 and not keep.isdisjoint(name.split("."))
+            p.data = p.data.to(torch.float32 if kept else dt)
+    adapter = TorchAdapter()
+
+    def pre(module: Any, args: Any, kwargs: Any) -> Any:
+        return adapter.cast_inputs(args, kwargs, dtype)
+
+    conditions = list(getattr(model, "_hsdp_shard_conditions", None) or ())
+    model.register_forward_pre_hook(pre, with_kwargs=True)
+    for name, module in model.named_modules():
+        if name and any(c(name, module) for c in conditions):
+            module.register_forward_pre_hook(pre, with_kwargs=True)
+    return model
+
