@@ -592,7 +592,7 @@ def test_whole_api_through_adapter_covers_the_protocol(rec, tmp_path):
         "owns", "named_parameters", "add_hooks", "move", "freeze", "dtype", "shape", "is_shardable",
         "is_sharded", "shard_source", "values", "assign", "restore", "held_nbytes", "mark_sharded",
         "compute_dtype", "check_device", "buffer_device", "cast_inputs", "cast_output", "bind", "unbind",
-        "copy_state_dict", "unloaded",
+        "copy_state_dict", "unloaded", "named_buffers",
     }
     scenario_forwards(rec, "bfloat16", 1)
     scenario_output_dtype(rec)

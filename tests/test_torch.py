@@ -415,3 +415,38 @@ def test_dlpack_refuses_another_device():
         full.__dlpack__(dl_device=(2, 0))
     del full
     u.reshard()
+
+
+class _WithBuffer(_Mixed):
+    """_Mixed plus a persistent buffer (a learned-position table, as SD3 and CogVideoX have)
+    that checkpoints hold, and a non-persistent one that they do not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("pos", torch.linspace(0, 1, 8))
+        self.register_buffer("cache", torch.ones(8), persistent=False)
+
+    def forward(self, x):
+        return super().forward(x + self.pos) * self.cache
+
+
+def test_persistent_buffers_stream_in_whole(tmp_path):
+    """A checkpoint's persistent buffers load whole on every rank (they used to be 'unexpected')."""
+    import accelerate
+    from safetensors.torch import save_file
+
+    src = _WithBuffer()
+    folder = tmp_path / "buf"
+    folder.mkdir()
+    state = src.state_dict()
+    assert "pos" in state and "cache" not in state
+    save_file({k: v.contiguous() for k, v in state.items()}, folder / "model.safetensors")
+    with accelerate.init_empty_weights():  # buffers real, parameters meta
+        empty = _WithBuffer()
+    empty.pos.data = torch.zeros(8)  # what the checkpoint must overwrite
+    hsdp.load_model_sharded(empty, folder, hsdp.HSDPInferenceConfig(enabled=True, param_dtype="float32"),
+                            target_device="cpu", progress=False)
+    assert torch.equal(empty.pos, src.pos)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        assert torch.equal(empty(x), src(x))

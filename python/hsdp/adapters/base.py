@@ -40,6 +40,10 @@ class TensorAdapter(Protocol):
         """(name, parameter) of ``module`` and its descendants: each parameter once, or under
         every name it has (tied weights) with ``remove_duplicate=False``."""
 
+    def named_buffers(self, module: Any) -> list[tuple[str, Any]]:
+        """The persistent buffers of ``module`` (those its state dict, and so a checkpoint,
+        holds): loaded whole on every rank, like the parameters kept whole."""
+
     def add_hooks(self, module: Any, pre: Callable[..., Any], post: Callable[..., Any]) -> list[Any]:
         """Installs a forward pre-hook ``pre(module, args, kwargs) -> (args, kwargs) | None``
         and a post-hook ``post(module, args, kwargs, output) -> output | None`` that also
@@ -76,7 +80,8 @@ class TensorAdapter(Protocol):
         """What ``p`` holds now, in a form :meth:`restore` takes back (None when empty)."""
 
     def assign(self, p: Any, array: Any) -> None:
-        """Fills a parameter kept whole from a NumPy array read from a checkpoint."""
+        """Fills a parameter kept whole, or a buffer, from a NumPy array read from a
+        checkpoint."""
 
     def restore(self, p: Any, saved: Any) -> None:
         """Puts back what :meth:`values` returned (undoing a failed load)."""

@@ -54,6 +54,9 @@ class NumpyAdapter:
     def named_parameters(self, module: Any, remove_duplicate: bool = True) -> Iterator[tuple[str, Any]]:
         return module.named_parameters(remove_duplicate=remove_duplicate)
 
+    def named_buffers(self, module: Any) -> list[tuple[str, Any]]:
+        return []  # hsdp.nn modules hold parameters only
+
     def add_hooks(self, module: Any, pre: Callable[..., Any], post: Callable[..., Any]) -> list[Any]:
         return [
             module.register_forward_pre_hook(pre, with_kwargs=True),

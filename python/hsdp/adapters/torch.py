@@ -62,8 +62,11 @@ def _set_data(p: Any, t: torch.Tensor) -> None:
     if p.device.type == t.device.type and not (p.is_inference() and not t.is_inference()):
         p.data = t
         return
-    new = torch.nn.Parameter(t, requires_grad=p.requires_grad)
-    new.__dict__.update(p.__dict__)
+    if isinstance(p, torch.nn.Parameter):
+        new = torch.nn.Parameter(t, requires_grad=p.requires_grad)
+        new.__dict__.update(p.__dict__)
+    else:  # a buffer: stays a plain tensor
+        new = t.clone() if t._base is not None else t
     torch.utils.swap_tensors(p, new)
 
 
@@ -120,6 +123,17 @@ class TorchAdapter:
 
     def named_parameters(self, module: Any, remove_duplicate: bool = True) -> Iterator[tuple[str, Any]]:
         return module.named_parameters(remove_duplicate=remove_duplicate)
+
+    def named_buffers(self, module: Any) -> list[tuple[str, Any]]:
+        # persistent ones only: a non-persistent buffer (diffusers' RoPE tables) is in no
+        # state dict and so in no checkpoint
+        out = []
+        for name, b in module.named_buffers():
+            owner, _, leaf = name.rpartition(".")
+            sub = module.get_submodule(owner) if owner else module
+            if leaf not in sub._non_persistent_buffers_set:
+                out.append((name, b))
+        return out
 
     def add_hooks(self, module: Any, pre: Callable[..., Any], post: Callable[..., Any]) -> list[Any]:
         return [

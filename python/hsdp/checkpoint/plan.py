@@ -115,6 +115,9 @@ def plan_load(model: Any, ckpt: Checkpoint, key_map: KeyMap | None = None) -> Lo
         params[id(p)] = p
         if ad.is_sharded(p):
             raise RuntimeError(f"parameter '{name}' is already sharded by hsdp; load into a fresh (meta) model")
+    for name, b in ad.named_buffers(model):  # persistent buffers: loaded whole on every rank
+        aliases.setdefault(id(b), []).append(name)
+        params[id(b)] = b
     found = map_names(ckpt, key_map)
     _check_keys(model, ckpt, found, aliases, key_map is not None)
     items: list[PlannedParam] = []

@@ -118,7 +118,8 @@ class _Loader:
         whole on every rank anyway)."""
 
         def run() -> tuple[None, int]:
-            items = [it for it in self.plan.items if it.param in self.ctx.ignored_params]
+            buffers = {id(b) for _, b in self.ctx.adapter.named_buffers(self.ctx.model)}
+            items = [it for it in self.plan.items if it.param in self.ctx.ignored_params or id(it.param) in buffers]
             # Every read first, so a short read changes no parameter at all.
             values = [read_tensor(it.entry) for it in items]
             ad = self.ctx.adapter
