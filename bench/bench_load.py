@@ -37,22 +37,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import vm_kib  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 
 MIB = 1 << 20
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def vm_kib(field: str = "VmHWM") -> int:
-    """A /proc/self/status field in KiB: VmHWM is the peak resident set since the process
-    started, VmRSS the current one."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
 
 
 def emit(out_dir: str, rank: int, record: dict[str, Any]) -> None:

@@ -23,14 +23,13 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import resource
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import interleaved, launch, machine, table  # noqa: E402
+from harness import interleaved, launch, machine, reset_peak_rss, table, vm_kib  # noqa: E402
 
 WAN = dict(
     patch_size=(1, 2, 2), num_attention_heads=8, attention_head_dim=64, in_channels=16, out_channels=16,
@@ -62,25 +61,7 @@ def inputs(tokens_frames: int = 2, size: int = 32):
 
 
 def rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
-
-
-def reset_peak() -> None:
-    """Linux: writing 5 to clear_refs resets the peak RSS (VmHWM) to the current RSS."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
-def peak_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return vm_kib("VmRSS") / 1024
 
 
 def gloo_init():
@@ -182,7 +163,7 @@ def worker_load(strategy: str) -> None:
         block = sum(p.numel() * 2 for p in WanTransformer3DModel(**WAN).blocks[0].parameters())  # bf16
     gc.collect()
     base = rss_mib()
-    reset_peak()
+    reset_peak_rss()
     t0 = time.perf_counter()
     if strategy == "hsdp":
         with accelerate.init_empty_weights():
@@ -195,7 +176,7 @@ def worker_load(strategy: str) -> None:
         fsdp2(model, torch.bfloat16)
         shard = sum(p.to_local().numel() * p.to_local().element_size() for p in model.parameters())
     seconds = time.perf_counter() - t0
-    peak = peak_mib()
+    peak = vm_kib("VmHWM") / 1024
     target = base + (shard + block) / 2**20
     print(f"RESULT {strategy} rank={world.rank} seconds={seconds:.2f} base={base:.1f} peak={peak:.1f} "
           f"shard={shard / 2**20:.1f} block={block / 2**20:.1f} ratio={peak / target:.3f}")

@@ -34,6 +34,22 @@ def launch(n: int, script: str, *args: str, timeout: float = 1800) -> str:
     return proc.stdout
 
 
+def vm_kib(field: str = "VmHWM") -> int:
+    """A /proc/self/status field in KiB: VmHWM is the peak resident set since the process
+    started, VmRSS the current one."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def reset_peak_rss() -> None:
+    """Linux: writing 5 to clear_refs resets the peak resident set (VmHWM) to the current one."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
 def interleaved(fns: Sequence[Callable[[], object]], reps: int, sync: Callable[[], object] | None = None) -> list[float]:
     """Median seconds of each fn, run in turn rep by rep (a barrier before each when given)."""
     times: list[list[float]] = [[] for _ in fns]

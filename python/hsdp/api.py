@@ -101,6 +101,19 @@ def _storage_dtype(ad: TensorAdapter, p: Any, policy: MixedPrecisionPolicy, keep
     return pd
 
 
+def _model_param_dtype(ad: TensorAdapter, model: Any, param_dtype: Any) -> Any:
+    """param_dtype, or None when the model keeps every parameter's own dtype (it holds FP8
+    parameters, or sets _hsdp_preserve_parameter_dtypes)."""
+    has_fp8 = any(ad.dtype(p) in _FP8 for _, p in ad.named_parameters(model))
+    preserve = bool(getattr(model, "_hsdp_preserve_parameter_dtypes", False))
+    return None if (has_fp8 or preserve) else param_dtype
+
+
+def _kept(keep: frozenset[str], name: str) -> bool:
+    """Whether parameter `name` lies under one of the _keep_in_fp32_modules."""
+    return bool(keep) and not keep.isdisjoint(name.split("."))
+
+
 def _keep_modules(model: Any) -> frozenset[str]:
     keep = getattr(model, "_keep_in_fp32_modules", None) or ()
     return frozenset([keep] if isinstance(keep, str) else keep)
@@ -129,10 +142,7 @@ def _build_unit(ctx: HSDPShardContext, module: Any, fqn: str, is_root: bool, cla
     if not params and not is_root:
         return None
     keep = ctx.keep_dtype_modules
-    dtypes = tuple(
-        _storage_dtype(ad, p, ctx.mp_policy, bool(keep) and not keep.isdisjoint(n.split(".")))
-        for p, n in zip(params, names)
-    )
+    dtypes = tuple(_storage_dtype(ad, p, ctx.mp_policy, _kept(keep, n)) for p, n in zip(params, names))
     unit = _C.Unit(
         ctx.mesh.shard_group,
         [d.name for d in dtypes],
@@ -206,9 +216,7 @@ def prepare_hsdp_shard_context(model: Any, hsdp_config: Any, target_device: Any 
     replicate, shard = _resolve_sizes(hsdp_config, world)
 
     named = list(ad.named_parameters(model))
-    has_fp8 = any(ad.dtype(p) in _FP8 for _, p in named)
-    preserve = bool(getattr(model, "_hsdp_preserve_parameter_dtypes", False))
-    param_dtype = None if (has_fp8 or preserve) else hsdp_config.param_dtype
+    param_dtype = _model_param_dtype(ad, model, hsdp_config.param_dtype)
     policy = MixedPrecisionPolicy(
         param_dtype=param_dtype,
         reduce_dtype=hsdp_config.reduce_dtype,

@@ -94,12 +94,11 @@ class _UnitViews:
     """What a unit's views need, computed once: the typed bases to cut from its buffers, and
     per parameter its base, shape, strides and element offset."""
 
-    __slots__ = ("bases", "slots", "params")
+    __slots__ = ("bases", "slots")
 
     def __init__(self, state: UnitState, adapter: TorchAdapter) -> None:
         keys: dict[tuple[int, torch.dtype], int] = {}
         self.slots = []
-        self.params = state.params
         for p, (which, offset), name in zip(state.params, state.unit.view_specs, state.unit.compute_dtypes):
             dt = _torch_dtype(as_dtype(name))
             shape = adapter.shape(p)
@@ -294,30 +293,29 @@ def unsharded_reference(model: Any, param_dtype: Any = "bfloat16") -> Any:
     """Make a whole (unsharded) torch model compute what hsdp's sharded copy of it computes,
     bit for bit: the reference a ``--verify`` compares with. In place; returns the model.
 
-    - Shardable parameters are cast to the dtype hsdp stores them in: ``param_dtype``, but
-      float32 for ``_keep_in_fp32_modules`` when ``param_dtype`` is narrower; float8
-      parameters, models with ``_hsdp_preserve_parameter_dtypes``, 0-d and integer
-      parameters keep their own.
+    - Every parameter hsdp would shard is cast to the dtype hsdp stores it in (the same rule:
+      ``param_dtype``, float32 for ``_keep_in_fp32_modules`` when ``param_dtype`` is
+      narrower, nothing for float8 models or ``_hsdp_preserve_parameter_dtypes``); ignored
+      modules and 0-d or integer parameters keep their own.
     - The floating inputs of the root and of every module its ``_hsdp_shard_conditions``
       select are cast to ``param_dtype``, as the units' pre-forward hooks do.
     """
-    from ..api import _FP8, _keep_modules
+    from ..api import _keep_modules, _kept, _model_param_dtype, _storage_dtype
+    from ..policy import MixedPrecisionPolicy
 
-    dtype = as_dtype(param_dtype) if param_dtype is not None else None
-    params = list(model.named_parameters())
-    if dtype is None or any(as_dtype(p.dtype) in _FP8 for _, p in params) or getattr(
-            model, "_hsdp_preserve_parameter_dtypes", False):
-        return model
-    dt, keep = _torch_dtype(dtype), _keep_modules(model)
-    fp32 = dtype.itemsize < 4
-    for name, p in params:
-        if p.ndim > 0 and p.is_floating_point():
-            kept = fp32 and not keep.isdisjoint(name.split("."))
-            p.data = p.data.to(torch.float32 if kept else dt)
     adapter = TorchAdapter()
+    policy = MixedPrecisionPolicy(param_dtype=_model_param_dtype(adapter, model, param_dtype))
+    if policy.param_dtype is None:
+        return model
+    keep = _keep_modules(model)
+    ignored = {id(p) for n in getattr(model, "_hsdp_ignored_modules", None) or ()
+               for p in model.get_submodule(n).parameters()}
+    for name, p in model.named_parameters():
+        if id(p) not in ignored and adapter.is_shardable(p):
+            p.data = p.data.to(_torch_dtype(_storage_dtype(adapter, p, policy, _kept(keep, name))))
 
     def pre(module: Any, args: Any, kwargs: Any) -> Any:
-        return adapter.cast_inputs(args, kwargs, dtype)
+        return adapter.cast_inputs(args, kwargs, policy.param_dtype)
 
     conditions = list(getattr(model, "_hsdp_shard_conditions", None) or ())
     model.register_forward_pre_hook(pre, with_kwargs=True)
@@ -325,4 +323,3 @@ def unsharded_reference(model: Any, param_dtype: Any = "bfloat16") -> Any:
         if name and any(c(name, module) for c in conditions):
             module.register_forward_pre_hook(pre, with_kwargs=True)
     return model
-
