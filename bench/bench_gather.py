@@ -7,6 +7,13 @@ timed too. The raw path is ``MPI_Allgather`` called directly on the Python threa
 buffer from the same allocator. Ratio = raw time / hsdp time (1.0 = as fast as the raw collective; goal >= 0.95).
 
     .venv/bin/python bench/bench_gather.py            # 2 and 4 ranks, 1 MiB .. 256 MiB
+    .venv/bin/python bench/bench_gather.py --busy     # a gather beside busy ranks: direct vs collective
+
+``--busy`` times one 16 MiB gather on 2 ranks while each rank's Python thread computes for
+50 ms (what a forward does while the next block prefetches), against the same gather with
+both ranks idle, for the two paths a unit's gathers can take after its first: *direct*
+(reading the peers' shards with process_vm_readv, the default on one host) and
+*collective* (``MPI_Allgather``, ``HSDP_DIRECT_GATHER=0``). Library defaults otherwise.
 """
 
 from __future__ import annotations
@@ -61,8 +68,67 @@ def rank_main() -> None:
         print("RESULT " + json.dumps({"ranks": world.size, "rows": rows}))
 
 
+BUSY_MIB, BUSY_S = 16, 0.05
+
+
+def rank_busy() -> None:
+    import os
+    import statistics
+    import time
+
+    import hsdp
+    from hsdp import _C
+
+    world = hsdp.distributed.init_process_group()
+    group = hsdp.init_device_mesh("cpu", (1, world.size)).shard_group
+    units = {}
+    for path in ("collective", "direct"):
+        # read once, by the unit's first gather, which decides its path on every rank
+        if path == "collective":
+            os.environ["HSDP_DIRECT_GATHER"] = "0"
+        else:
+            os.environ.pop("HSDP_DIRECT_GATHER", None)
+        u = _C.Unit(group, ["float32"], [((BUSY_MIB << 20) // 4,)], name=path)
+        u.unshard()
+        u.reshard()
+        if u.gather_path != path:
+            raise SystemExit(f"the {path} path is not available here (got {u.gather_path})")
+        units[path] = u
+
+    def span(u, busy: bool) -> float:
+        world.barrier()
+        u.start_unshard()
+        if busy:  # the Python thread computes, as a block's forward does while the next gathers
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < BUSY_S:
+                sum(range(1000))
+        u.wait()
+        _, start, end = u.gather_times()
+        u.reshard()
+        return (end - start) / 1e9
+
+    times = {(p, b): [] for p in units for b in (False, True)}
+    for _ in range(9):
+        for key in times:
+            times[key].append(span(units[key[0]], key[1]))
+    if world.rank == 0:
+        med = {k: statistics.median(v) for k, v in times.items()}
+        print("RESULT " + json.dumps({f"{p}/{'busy' if b else 'idle'}": t for (p, b), t in med.items()}))
+
+
 def main() -> None:
     from harness import launch, machine, table
+
+    if "--busy" in sys.argv:
+        line = next(l for l in launch(2, "bench/bench_gather.py", "--rank-busy").splitlines() if l.startswith("RESULT "))
+        r = json.loads(line[7:])
+        rows = [[p, f"{r[p + '/idle'] * 1e3:.2f}", f"{r[p + '/busy'] * 1e3:.2f}",
+                 f"{r[p + '/busy'] / r[p + '/idle']:.2f}"] for p in ("collective", "direct")]
+        print(f"One {BUSY_MIB} MiB unit gather, 2 ranks, idle vs beside {BUSY_S * 1e3:.0f} ms of compute on each "
+              f"rank ({machine()}); median ms from the gather's start to its end on the worker")
+        print(table(["path", "idle ms", "beside compute ms", "beside / idle"], rows))
+        print(f"collective / direct beside compute: {r['collective/busy'] / r['direct/busy']:.1f}")
+        return
 
     out = []
     for n in (2, 4):
@@ -84,4 +150,9 @@ def main() -> None:
 
 if __name__ == "__main__":
     sys.path.insert(0, __import__("os").path.dirname(__file__))
-    rank_main() if "--rank" in sys.argv else main()
+    if "--rank-busy" in sys.argv:
+        rank_busy()
+    elif "--rank" in sys.argv:
+        rank_main()
+    else:
+        main()

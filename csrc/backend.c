@@ -4,6 +4,7 @@
  * asynchronous slots. */
 #define _POSIX_C_SOURCE 200809L /* clock_gettime */
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
@@ -99,8 +100,34 @@ void hsdp_group_free(hsdp_group *g) {
 
 int hsdp_group_overlaps(const hsdp_group *g) { return g->backend->overlaps ? g->backend->overlaps(g) : 0; }
 
-static void req_reset(hsdp_req *r, hsdp_group *g, hsdp_status (*then)(void *), void *then_arg) {
+/* The share of a fixed chunk that is always gathered collectively (any backend). */
+static char collective_share;
+void *hsdp_share_collective(void) { return &collective_share; }
+
+hsdp_status hsdp_gather_fixed(hsdp_group *g, void **share, const void *send, void *recv, size_t nbytes) {
+    if (g->backend->gather_fixed) return g->backend->gather_fixed(g, share, send, recv, nbytes);
+    hsdp_status st = hsdp_all_gather(g, send, recv, nbytes);
+    /* Fixed from now on whatever the backend, so that what a unit allows never depends on it. */
+    if (st == HSDP_OK) *share = &collective_share;
+    return st;
+}
+
+void hsdp_share_free(hsdp_group *g, void *share, void *memory) {
+    if (!share || share == &collective_share || !g->backend->share_free)
+        free(memory);
+    else
+        g->backend->share_free(g, share, memory);
+}
+
+const char *hsdp_share_kind(const hsdp_group *g, const void *share) {
+    if (!share) return "unset";
+    if (share == &collective_share || !g->backend->share_kind) return "collective";
+    return g->backend->share_kind(share);
+}
+
+static void req_reset(hsdp_req *r, hsdp_group *g, void **share, hsdp_status (*then)(void *), void *then_arg) {
     r->g = g;
+    r->share = share;
     r->then = then;
     r->then_arg = then_arg;
     r->status = HSDP_OK;
@@ -114,16 +141,17 @@ static void req_reset(hsdp_req *r, hsdp_group *g, hsdp_status (*then)(void *), v
 static void run_here(hsdp_req *r, const void *send, void *recv, size_t nbytes) {
     r->start_ns = hsdp_now_ns();
     /* Zero bytes on every rank of the group (one layout): no collective at all. */
-    hsdp_status st = nbytes ? hsdp_all_gather(r->g, send, recv, nbytes) : HSDP_OK;
+    hsdp_status st = HSDP_OK;
+    if (nbytes) st = r->share ? hsdp_gather_fixed(r->g, r->share, send, recv, nbytes) : hsdp_all_gather(r->g, send, recv, nbytes);
     if (st == HSDP_OK && r->then) st = r->then(r->then_arg);
     r->end_ns = hsdp_now_ns();
     r->status = st;
     if (st != HSDP_OK) snprintf(r->err, sizeof r->err, "%s", hsdp_last_error());
 }
 
-hsdp_status hsdp_gather_start(hsdp_req *r, hsdp_group *g, const void *send, void *recv, size_t nbytes,
-                              hsdp_status (*then)(void *), void *then_arg) {
-    req_reset(r, g, then, then_arg);
+hsdp_status hsdp_gather_start(hsdp_req *r, hsdp_group *g, void **share, const void *send, void *recv,
+                              size_t nbytes, hsdp_status (*then)(void *), void *then_arg) {
+    req_reset(r, g, share, then, then_arg);
     r->pending = 1;
     if (g->backend->gather_start && nbytes) {
         r->backend_owned = 1;
@@ -142,9 +170,9 @@ hsdp_status hsdp_gather_wait(hsdp_req *r) {
     return HSDP_OK;
 }
 
-hsdp_status hsdp_gather_now(hsdp_req *r, hsdp_group *g, const void *send, void *recv, size_t nbytes,
-                            hsdp_status (*then)(void *), void *then_arg) {
-    req_reset(r, g, then, then_arg);
+hsdp_status hsdp_gather_now(hsdp_req *r, hsdp_group *g, void **share, const void *send, void *recv,
+                            size_t nbytes, hsdp_status (*then)(void *), void *then_arg) {
+    req_reset(r, g, share, then, then_arg);
     r->pending = 0;
     run_here(r, send, recv, nbytes);
     if (r->status != HSDP_OK) return hsdp_fail(r->status, "%s", r->err);

@@ -10,6 +10,11 @@
  *                               Without them a started gather runs before start returns.
  *   overlaps                    whether started gathers really progress in the background
  *   buffer_alloc / buffer_free  unsharded buffers on a device other than the host
+ *   gather_fixed / share_free / share_kind
+ *                               an all-gather of a chunk that never changes after its first
+ *                               gather (a unit's shard): from the second gather on the
+ *                               backend may read the peers' chunks itself, with no peer
+ *                               taking part (MPI on one host: process_vm_readv)
  *   finalize                    ends the backend's runtime, when world() started it */
 #ifndef HSDP_BACKEND_H
 #define HSDP_BACKEND_H
@@ -48,6 +53,19 @@ struct hsdp_backend {
     void *(*buffer_alloc)(size_t nbytes, hsdp_device device);
     void (*buffer_free)(void *p, size_t nbytes, hsdp_device device);
     hsdp_status (*finalize)(void);
+
+    /* All-gathers a chunk that stays the same from this call on. *share starts NULL and is
+     * the caller's; the first call is a collective that also decides, the same way on every
+     * rank, whether later calls read the peers' chunks directly (what that needs is kept in
+     * *share, released by share_free). Later calls need no peer to take part, so a busy or
+     * desynchronised peer cannot stall them. Every rank's first call for a chunk must be
+     * the same collective, as with all_gather. */
+    hsdp_status (*gather_fixed)(hsdp_group *g, void **share, const void *send, void *recv, size_t nbytes);
+    /* Releases share and frees memory (the chunk, from aligned_alloc; ownership passes here)
+     * once no peer can still be reading it. */
+    void (*share_free)(hsdp_group *g, void *share, void *memory);
+    /* "direct" or "collective" for a share set by gather_fixed. */
+    const char *(*share_kind)(const void *share);
 };
 
 struct hsdp_group {
@@ -80,14 +98,24 @@ int hsdp_group_overlaps(const hsdp_group *g);
 
 /* An all-gather followed by `then` (may be NULL), started through the backend's asynchronous
  * slots, or run here before returning when it has none. r is owned by the caller and stays
- * alive until hsdp_gather_wait returns. */
-hsdp_status hsdp_gather_start(hsdp_req *r, hsdp_group *g, const void *send, void *recv, size_t nbytes,
-                              hsdp_status (*then)(void *), void *then_arg);
+ * alive until hsdp_gather_wait returns. With share non-NULL the chunk is fixed and the
+ * gather goes through gather_fixed (see the slot); share must outlive the request. */
+hsdp_status hsdp_gather_start(hsdp_req *r, hsdp_group *g, void **share, const void *send, void *recv,
+                              size_t nbytes, hsdp_status (*then)(void *), void *then_arg);
 /* Waits for r and returns its status (its message becomes this thread's last error). */
 hsdp_status hsdp_gather_wait(hsdp_req *r);
 /* The same work, synchronously, through the backend's synchronous all_gather. */
-hsdp_status hsdp_gather_now(hsdp_req *r, hsdp_group *g, const void *send, void *recv, size_t nbytes,
-                            hsdp_status (*then)(void *), void *then_arg);
+hsdp_status hsdp_gather_now(hsdp_req *r, hsdp_group *g, void **share, const void *send, void *recv,
+                            size_t nbytes, hsdp_status (*then)(void *), void *then_arg);
+/* The all-gather of a fixed chunk (gather_fixed, or all_gather when the backend has none). */
+hsdp_status hsdp_gather_fixed(hsdp_group *g, void **share, const void *send, void *recv, size_t nbytes);
+/* The share a backend sets for a chunk it will always gather collectively. */
+void *hsdp_share_collective(void);
+/* Releases a share set by hsdp_gather_fixed (NULL is fine) and frees memory, the fixed chunk
+ * (from aligned_alloc; the call owns it): at once, or once no peer can still be reading it. */
+void hsdp_share_free(hsdp_group *g, void *share, void *memory);
+/* "direct", "collective", or "unset" before the first gather. */
+const char *hsdp_share_kind(const hsdp_group *g, const void *share);
 
 /* An accounted unsharded buffer on `device`: host memory from hsdp_buffer_alloc, any other
  * device from the backend's buffer slot (HSDP_EUNSUPPORTED when it has none). */

@@ -173,6 +173,7 @@ typedef struct hsdp_req {
     hsdp_group *g;
     hsdp_status (*then)(void *arg);
     void *then_arg;
+    void **share;                         /* a fixed chunk's share (hsdp_gather_fixed), or NULL */
     int pending;                          /* started, not yet waited */
     int backend_owned;                    /* started through the backend's gather_start */
     hsdp_status status;                   /* of the collective and `then`, set when done */
@@ -196,6 +197,8 @@ typedef struct {
     size_t *widen_offset;   /* owned: per slot, offset in the converted buffer or SIZE_MAX */
     size_t widened_bytes;   /* size of the converted buffer (0 when every slot computes in its
                              * storage dtype) */
+    void *share;            /* owned (hsdp_share_free): set by the first gather; from then on
+                             * the shard is fixed, since peers may read it directly */
 } hsdp_unit;
 
 /* Sets up the layout and a zeroed shard. compute[i] is the dtype slot i is computed in, as
@@ -211,6 +214,9 @@ void hsdp_unit_free(hsdp_unit *u);
  * first = 0, count = numel. */
 hsdp_status hsdp_unit_write(hsdp_unit *u, size_t i, size_t first, size_t count, const void *src,
                             hsdp_dtype src_dt);
+/* HSDP_ESTATE once the unit has been gathered: from then on its shard is fixed (peers may
+ * read it directly), so write, read and broadcast into it are refused. */
+hsdp_status hsdp_unit_check_writable(const hsdp_unit *u);
 /* All-gathers every rank's chunk into `full` (layout.total_bytes). */
 hsdp_status hsdp_unit_gather(hsdp_unit *u, void *full);
 

@@ -61,7 +61,9 @@ hsdp_status hsdp_unit_init(hsdp_unit *u, const size_t *numels, const hsdp_dtype 
 
 void hsdp_unit_free(hsdp_unit *u) {
     if (u->shard && u->stats) atomic_fetch_sub(&u->stats->sharded_bytes, u->layout.chunk_bytes);
-    free(u->shard);
+    /* A shard peers may read directly is freed by the backend once none can still be reading. */
+    hsdp_share_free(u->group, u->share, u->shard);
+    u->share = NULL;
     free(u->widen_offset);
     free(u->compute);
     hsdp_layout_free(&u->layout);
@@ -70,8 +72,16 @@ void hsdp_unit_free(hsdp_unit *u) {
     u->compute = NULL;
 }
 
+hsdp_status hsdp_unit_check_writable(const hsdp_unit *u) {
+    if (u->share)
+        return hsdp_fail(HSDP_ESTATE, "the unit has been gathered, so its shard is fixed: its peers may read it "
+                                      "at any time, and a write now would reach some of their gathers and not others");
+    return HSDP_OK;
+}
+
 hsdp_status hsdp_unit_write(hsdp_unit *u, size_t i, size_t first, size_t count, const void *src,
                             hsdp_dtype src_dt) {
+    if (u->share) return hsdp_unit_check_writable(u);
     if (i >= u->layout.nslots)
         return hsdp_fail(HSDP_EINVAL, "parameter index %zu is out of range (unit has %zu)", i, u->layout.nslots);
     const hsdp_slot *p = &u->layout.slots[i];
@@ -94,7 +104,7 @@ hsdp_status hsdp_unit_write(hsdp_unit *u, size_t i, size_t first, size_t count, 
 hsdp_status hsdp_unit_gather(hsdp_unit *u, void *full) {
     atomic_fetch_add(&u->stats->gathers, 1);
     if (u->layout.total_bytes == 0) return HSDP_OK;
-    return hsdp_all_gather(u->group, u->shard, full, u->layout.chunk_bytes);
+    return hsdp_gather_fixed(u->group, &u->share, u->shard, full, u->layout.chunk_bytes);
 }
 
 hsdp_status hsdp_unit_widen(const hsdp_unit *u, const void *full, void *widened) {
@@ -123,13 +133,13 @@ static void req_init(hsdp_gather_req *r, hsdp_unit *u, void *full, void *widened
 
 hsdp_status hsdp_unit_gather_start(hsdp_unit *u, void *full, void *widened, hsdp_gather_req *r) {
     req_init(r, u, full, widened);
-    return hsdp_gather_start(&r->req, u->group, u->shard, full, u->layout.chunk_bytes,
+    return hsdp_gather_start(&r->req, u->group, &u->share, u->shard, full, u->layout.chunk_bytes,
                              u->widened_bytes ? convert_job : NULL, r);
 }
 
 hsdp_status hsdp_unit_gather_now(hsdp_unit *u, void *full, void *widened, hsdp_gather_req *r) {
     req_init(r, u, full, widened);
-    return hsdp_gather_now(&r->req, u->group, u->shard, full, u->layout.chunk_bytes,
+    return hsdp_gather_now(&r->req, u->group, &u->share, u->shard, full, u->layout.chunk_bytes,
                            u->widened_bytes ? convert_job : NULL, r);
 }
 

@@ -441,7 +441,8 @@ static PyObject *unit_broadcast_shard(UnitObject *self, PyObject *args, PyObject
     modstate *ms = hsdp_py_state(Py_TYPE(self));
     if (!PyArg_ParseTupleAndKeywords(args, kw, "O!|i", kwlist, ms->group_type, &group, &root)) return NULL;
     if (unit_check_idle(self) < 0) return NULL;
-    hsdp_status st;
+    hsdp_status st = hsdp_unit_check_writable(&self->u);
+    if (st != HSDP_OK) return hsdp_py_raise(st);
     HSDP_PY_BUSY_NOGIL(self->busy,
                        st = hsdp_broadcast(((GroupObject *)group)->g, self->u.shard, self->u.layout.chunk_bytes, root));
     if (st != HSDP_OK) return hsdp_py_raise(st);
@@ -552,6 +553,11 @@ static PyObject *unit_get_unsharded(UnitObject *self, void *c) {
     (void)c;
     return PyBool_FromLong(self->full != NULL && !self->pending);
 }
+static PyObject *unit_get_gather_path(UnitObject *self, void *c) {
+    (void)c;
+    return PyUnicode_FromString(hsdp_share_kind(self->u.group, self->u.share));
+}
+
 static PyObject *unit_get_pending(UnitObject *self, void *c) {
     (void)c;
     return PyBool_FromLong(self->pending);
@@ -593,6 +599,8 @@ static PyGetSetDef unit_getset[] = {
     {"device", (getter)unit_get_device, NULL, "where the unsharded buffers live ('host' or 'cuda')", NULL},
     {"is_unsharded", (getter)unit_get_unsharded, NULL, "whether the full weights are ready and bound", NULL},
     {"is_pending", (getter)unit_get_pending, NULL, "whether a gather is in flight", NULL},
+    {"gather_path", (getter)unit_get_gather_path, NULL,
+     "'unset' before the first gather; then 'direct' (peers' shards read in place) or 'collective'", NULL},
     {"holds_buffers", (getter)unit_get_held, NULL, "unsharded or pending: the unit holds full buffers", NULL},
     {"nparams", (getter)unit_get_nparams, NULL, "number of parameters", NULL},
     {NULL, NULL, NULL, NULL, NULL},

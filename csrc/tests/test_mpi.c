@@ -33,17 +33,23 @@ int main(void) {
     for (size_t i = 0; i < 3; i++) CHECK(hsdp_unit_write(&u, i, 0, numels[i], src, HSDP_F32) == HSDP_OK);
     void *full = hsdp_buffer_alloc(&st, u.layout.total_bytes); /* owned here */
     void *wide = hsdp_buffer_alloc(&st, u.widened_bytes);       /* owned here */
+    /* replica r's shard becomes replica 0's (before the first gather: then it is fixed) */
+    if (m.r != 0) memset(u.shard, 0xAB, u.layout.chunk_bytes);
+    CHECK(hsdp_broadcast(rep, u.shard, u.layout.chunk_bytes, 0) == HSDP_OK);
+    CHECK(strcmp(hsdp_share_kind(shard, u.share), "unset") == 0);
     CHECK(hsdp_unit_gather(&u, full) == HSDP_OK);
+    /* the first gather decided how later ones run: direct reads of the peers' shards here
+     * (one host), or collective with one rank; the shard is fixed either way */
+    CHECK(strcmp(hsdp_share_kind(shard, u.share), shard->size > 1 ? "direct" : "collective") == 0);
+    CHECK(hsdp_unit_write(&u, 0, 0, 1, src, HSDP_F32) == HSDP_ESTATE);
     CHECK(hsdp_unit_widen(&u, full, wide) == HSDP_OK);
     CHECK(memcmp((char *)full + u.layout.slots[0].offset, src, 1000 * sizeof(float)) == 0);
     CHECK(memcmp((char *)wide + u.widen_offset[1], src, 3 * sizeof(float)) == 0);
     uint16_t h;
     memcpy(&h, (char *)full + u.layout.slots[2].offset + 2 * 256, 2);
     CHECK(hsdp_f16_to_f32(h) == 128.0f);
-    /* replica r's shard becomes replica 0's */
-    if (m.r != 0) memset(u.shard, 0xAB, u.layout.chunk_bytes);
-    CHECK(hsdp_broadcast(rep, u.shard, u.layout.chunk_bytes, 0) == HSDP_OK);
-    CHECK(hsdp_unit_gather(&u, full) == HSDP_OK);
+    memset(full, 0, u.layout.total_bytes);
+    CHECK(hsdp_unit_gather(&u, full) == HSDP_OK); /* the second gather: direct */
     CHECK(memcmp((char *)full + u.layout.slots[0].offset, src, 1000 * sizeof(float)) == 0);
     CHECK(hsdp_broadcast(rep, u.shard, 8, R) == HSDP_EINVAL);
     /* two gathers in flight on the worker at once, waited out of order */
