@@ -16,29 +16,33 @@ from hsdp import models
 
 
 def process_vm_readv_works() -> bool:
-    """Whether this machine lets a process read a child's memory (containers may forbid it)."""
+    """Whether one process may read a sibling's memory, as ranks (children of one launcher)
+    read each other's: containers' seccomp profiles and Yama's ptrace_scope >= 1 forbid it."""
     libc = ctypes.CDLL(None, use_errno=True)
-    buf = ctypes.create_string_buffer(b"hsdp-probe")
+
+    class Iov(ctypes.Structure):
+        _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+    buf = ctypes.create_string_buffer(b"hsdp-probe")  # the same address in both children
     r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: keeps its copy of buf until the parent has read it
+    holder = os.fork()
+    if holder == 0:  # keeps its copy of buf until the reader is done
         os.close(w)
         os.read(r, 1)
         os._exit(0)
-    os.close(r)
-    try:
-        class Iov(ctypes.Structure):
-            _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
-
+    reader = os.fork()
+    if reader == 0:
         out = ctypes.create_string_buffer(len(buf.raw))
         local = Iov(ctypes.cast(out, ctypes.c_void_p), len(out.raw))
         remote = Iov(ctypes.cast(buf, ctypes.c_void_p), len(buf.raw))
-        n = libc.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
-        return n == len(buf.raw) and out.raw == buf.raw
-    finally:
-        os.write(w, b"x")
-        os.close(w)
-        os.waitpid(pid, 0)
+        n = libc.process_vm_readv(holder, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+        os._exit(0 if n == len(buf.raw) and out.raw == buf.raw else 1)
+    _, status = os.waitpid(reader, 0)
+    os.close(r)
+    os.write(w, b"x")
+    os.close(w)
+    os.waitpid(holder, 0)
+    return os.waitstatus_to_exitcode(status) == 0
 
 
 DIRECT = "direct" if process_vm_readv_works() else "collective"
