@@ -50,8 +50,10 @@ def reset_peak_rss() -> None:
         f.write("5")
 
 
-def interleaved(fns: Sequence[Callable[[], object]], reps: int, sync: Callable[[], object] | None = None) -> list[float]:
-    """Median seconds of each fn, run in turn rep by rep (a barrier before each when given)."""
+def interleaved(fns: Sequence[Callable[[], object]], reps: int, sync: Callable[[], object] | None = None,
+                stat: Callable[[list[float]], float] = statistics.median) -> list[float]:
+    """Median (or `stat`) seconds of each fn, run in turn rep by rep (a barrier before each
+    when given)."""
     times: list[list[float]] = [[] for _ in fns]
     for _ in range(reps):
         for i, fn in enumerate(fns):
@@ -60,7 +62,7 @@ def interleaved(fns: Sequence[Callable[[], object]], reps: int, sync: Callable[[
             t0 = time.perf_counter()
             fn()
             times[i].append(time.perf_counter() - t0)
-    return [statistics.median(t) for t in times]
+    return [stat(t) for t in times]
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

@@ -450,3 +450,52 @@ def test_persistent_buffers_stream_in_whole(tmp_path):
     x = torch.randn(3, 8)
     with torch.no_grad():
         assert torch.equal(empty(x), src(x))
+
+
+def test_steady_forwards_reuse_the_views_kept_with_each_buffer(monkeypatch):
+    """After warm-up a forward makes no new views: each pooled buffer keeps the views it was
+    bound through, and a unit of the same layout taking it reuses them."""
+    from hsdp.adapters import torch as adapter
+
+    model = sharded("wan", param_dtype="float32")
+    expect = run(reference("wan", "float32"), "wan")
+    for _ in range(3):
+        assert torch.equal(run(model, "wan"), expect)
+    made = []
+    real = adapter._from_dlpack
+    monkeypatch.setattr(adapter, "_from_dlpack", lambda b: made.append(b) or real(b))
+    for _ in range(2):
+        assert torch.equal(run(model, "wan"), expect)
+    assert made == [], f"{len(made)} DLPack imports in a steady-state forward"
+
+
+def test_a_view_a_user_keeps_keeps_its_bytes():
+    """A weight kept from inside a forward stays correct: its buffer leaves the pool with it
+    instead of being regathered for another block under it."""
+    model = sharded("wan", param_dtype="float32")
+    whole = dict(make_wan(0).named_parameters())
+    run(model, "wan")
+    run(model, "wan")  # the pool holds buffers with views kept
+    kept = []
+    h = model.blocks[0].attn1.to_q.register_forward_hook(lambda m, a, o: kept.append(m.weight.detach()))
+    run(model, "wan")
+    h.remove()
+    for _ in range(2):
+        run(model, "wan")
+    assert torch.equal(kept[0], whole["blocks.0.attn1.to_q.weight"])
+    del kept
+    gc.collect()
+
+
+def test_emptying_the_pool_frees_buffers_with_views_kept():
+    """What is kept with a pooled buffer (its views, which reference it) does not keep it
+    alive once the pool lets go: no buffer outlives the model and the pool."""
+    model = sharded("wan", param_dtype="float32")
+    for _ in range(3):
+        run(model, "wan")
+    assert hsdp.memory_stats()["pooled_bytes"] > 0
+    hsdp.empty_pool()
+    stats = hsdp.memory_stats()
+    # a buffer kept alive by its own views would still count as unsharded bytes
+    assert stats["pooled_bytes"] == 0 and stats["unsharded_bytes"] == 0, stats
+    assert torch.equal(run(model, "wan"), run(reference("wan", "float32"), "wan"))

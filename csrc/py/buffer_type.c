@@ -24,6 +24,8 @@ static BufferObject *buffer_new(modstate *ms, size_t n, const hsdp_backend *b, h
     buf->backend = b;
     buf->stats = &ms->stats;
     buf->module = Py_NewRef(PyType_GetModule(ms->buffer_type));
+    buf->kept = NULL;
+    buf->kept_refs = 0;
     return buf;
 }
 
@@ -42,6 +44,19 @@ static void account_pooled(modstate *ms, size_t n, int how) {
         hsdp_stats_note_unsharded(&ms->stats, n);
     else
         atomic_fetch_add(&ms->stats.unsharded_bytes, n);
+}
+
+/* Drops what an adapter kept with b; its references to b go with it (b must stay referenced
+ * by the caller meanwhile). */
+static void buffer_drop_kept(BufferObject *b) {
+    b->kept_refs = 0;
+    Py_CLEAR(b->kept);
+}
+
+/* Frees an idle buffer: what was kept with it first, then the caller's (the pool's) reference. */
+static void buffer_release(BufferObject *b) {
+    buffer_drop_kept(b);
+    Py_DECREF(b);
 }
 
 /* Takes pool slot i out of the pool; `how` says whether it is to be used or freed. */
@@ -66,25 +81,27 @@ BufferObject *hsdp_py_buffer_take(modstate *ms, size_t n, const hsdp_backend *b,
 
 void hsdp_py_buffer_give(modstate *ms, BufferObject *b) {
     if (!b) return;
-    if (Py_REFCNT(b) == 1 && ms->pool_cap > 0 && b->n > 0) {
+    /* idle: nobody but the caller and what an adapter kept with it holds it */
+    if (Py_REFCNT(b) == 1 + b->kept_refs && ms->pool_cap > 0 && b->n > 0) {
         if (ms->pool_n >= ms->pool_cap || ms->pool_n >= HSDP_POOL_SLOTS) {
             /* full: the oldest idle buffer goes, the newest (likeliest to be reused) stays */
-            Py_DECREF(pool_remove(ms, 0, OUT_TO_FREE));
+            buffer_release(pool_remove(ms, 0, OUT_TO_FREE));
         }
         ms->pool[ms->pool_n++] = b;
         account_pooled(ms, b->n, INTO_POOL);
         return;
     }
-    Py_DECREF(b);
+    buffer_release(b); /* not pooled: the adapter's views go too, so that the memory can */
 }
 
 void hsdp_py_pool_trim(modstate *ms, int keep) {
     /* the oldest go first, as when a full pool takes a new buffer */
-    while (ms->pool_n > keep) Py_DECREF(pool_remove(ms, 0, OUT_TO_FREE));
+    while (ms->pool_n > keep) buffer_release(pool_remove(ms, 0, OUT_TO_FREE));
 }
 
 static void buffer_dealloc(BufferObject *self) {
     PyTypeObject *tp = Py_TYPE(self);
+    Py_CLEAR(self->kept); /* NULL by now in practice: what is kept holds the buffer */
     hsdp_device_free(self->stats, self->backend, self->device, self->p, self->n);
     Py_XDECREF(self->module);
     PyObject_Free(self);
@@ -115,7 +132,45 @@ static PyObject *buffer_get_address(BufferObject *self, void *c) {
     return PyLong_FromVoidPtr(self->p);
 }
 
+static PyObject *buffer_get_kept(BufferObject *self, void *c) {
+    (void)c;
+    return Py_NewRef(self->kept ? self->kept : Py_None);
+}
+
+/* An adapter keeps obj with this buffer across reshards; None drops it (and kept_refs). */
+static int buffer_set_kept(BufferObject *self, PyObject *value, void *c) {
+    (void)c;
+    if (!value) value = Py_None;
+    PyObject *old = self->kept;
+    self->kept = value == Py_None ? NULL : Py_NewRef(value);
+    if (!self->kept) self->kept_refs = 0;
+    Py_XDECREF(old);
+    return 0;
+}
+
+static PyObject *buffer_get_kept_refs(BufferObject *self, void *c) {
+    (void)c;
+    return PyLong_FromSsize_t(self->kept_refs);
+}
+
+/* How many references to this buffer what is kept holds (the pool counts them as idle). */
+static int buffer_set_kept_refs(BufferObject *self, PyObject *value, void *c) {
+    (void)c;
+    Py_ssize_t n = value ? PyLong_AsSsize_t(value) : 0;
+    if (n == -1 && PyErr_Occurred()) return -1;
+    if (n < 0 || (n > 0 && !self->kept)) {
+        PyErr_Format(PyExc_ValueError, "kept_refs must be >= 0, and 0 while nothing is kept (got %zd)", n);
+        return -1;
+    }
+    self->kept_refs = n;
+    return 0;
+}
+
 static PyGetSetDef buffer_getset[] = {
+    {"kept", (getter)buffer_get_kept, (setter)buffer_set_kept,
+     "what an adapter keeps with this buffer across reshards (torch: its views), or None", NULL},
+    {"kept_refs", (getter)buffer_get_kept_refs, (setter)buffer_set_kept_refs,
+     "how many references to this buffer `kept` holds: the pool still counts the buffer idle", NULL},
     {"nbytes", (getter)buffer_get_nbytes, NULL, "size in bytes", NULL},
     {"device", (getter)buffer_get_device, NULL, "'host' or 'cuda'", NULL},
     {"address", (getter)buffer_get_address, NULL, "the address of the first byte (64-byte aligned)", NULL},
@@ -196,7 +251,7 @@ static PyObject *mod_pool_reserve(PyObject *m, PyObject *args) {
     for (int k = 0; k < nidle; k++)
         if (idle[k]) {
             account_pooled(ms, idle[k]->n, OUT_TO_FREE);
-            Py_DECREF(idle[k]);
+            buffer_release(idle[k]);
         }
     Py_DECREF(seq);
     if (rc < 0) return NULL;

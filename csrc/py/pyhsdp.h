@@ -76,6 +76,12 @@ typedef struct BufferObject {
     const hsdp_backend *backend; /* allocates device buffers; static tables, never freed */
     hsdp_stats *stats;
     PyObject *module; /* strong: keeps the stats alive */
+    /* strong, or NULL: what an adapter keeps with the buffer across reshards (torch: its
+     * views of it), holding kept_refs references to the buffer itself. The pool counts
+     * those as its own; every way out of the pool but reuse drops it (a cycle the GC cannot
+     * see: buffer -> views -> their storage -> buffer). */
+    PyObject *kept;
+    Py_ssize_t kept_refs;
 } BufferObject;
 
 extern PyType_Spec hsdp_py_buffer_spec;

@@ -86,14 +86,16 @@ class UnitState:
         if self.broken is not None:
             self._check()
         sched = self.schedule
+        in_forward = False
         if sched is not None:
             if self.is_root:
                 sched.begin()
-            if sched.in_forward:
+            in_forward = sched.in_forward
+            if in_forward:
                 sched.enter(self)  # records the order, or notices a departure from it
         if not self.unit.is_unsharded or (self._binds and not self._bound):
             self._unshard_unit()  # waits for a prefetched gather, or gathers now; binds
-        if sched is not None and sched.in_forward:
+        if in_forward:
             sched.prefetch()  # the next units gather while this one computes
         if trace.enabled:
             trace.compute_begin(self)

@@ -109,8 +109,9 @@ class TensorAdapter(Protocol):
         """Where unsharded buffers live for ``target_device``: 'host' or 'cuda'."""
 
     # -- forwards --------------------------------------------------------------------------
-    def cast_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any], dtype: DType) -> tuple[Any, Any]:
-        """Floating tensors in (nested) args and kwargs cast to ``dtype``."""
+    def cast_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any], dtype: DType) -> tuple[Any, Any] | None:
+        """Floating tensors in (nested) args and kwargs cast to ``dtype``: the new (args,
+        kwargs), or None when nothing changes (the hook then leaves the inputs alone)."""
 
     def cast_output(self, output: Any, dtype: DType) -> Any:
         """Floating tensors in a (nested) output cast to ``dtype``."""

@@ -11,6 +11,9 @@ torch module), so ``import hsdp`` never pulls torch in.
   dtype: nothing is widened, and the views are the gathered bytes themselves.
 - **Hooks.** A pre-hook with kwargs and a post-hook with ``always_call=True``, so a forward
   that raises still reshards.
+- **Kept views.** A unit's views are kept with its pooled buffer (``_Buffer.kept``) and reused
+  by the next unit of the same layout to take it, unless a user still holds a view at
+  reshard (see docs/design.md, "Buffers owned by Python objects").
 """
 
 from __future__ import annotations
@@ -82,6 +85,21 @@ def _refuse_sharded_state_dict(module: Any, prefix: str, keep_vars: bool) -> Non
         )
 
 
+_LEAVES = (int, float, bool, str, type(None))
+
+
+def _all_in(values: Iterable[Any], dt: torch.dtype) -> bool:
+    """True when no value needs a cast to dt: tensors of dt or not floating, plain scalars.
+    Containers answer False (the full walk decides)."""
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            if v.dtype != dt and v.is_floating_point():
+                return False
+        elif type(v) not in _LEAVES:
+            return False
+    return True
+
+
 def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     out, step = [], 1
     for n in reversed(shape):
@@ -90,11 +108,17 @@ def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-class _UnitViews:
-    """What a unit's views need, computed once: the typed bases to cut from its buffers, and
-    per parameter its base, shape, strides and element offset."""
+# Interned view layouts: units with the same layout (a transformer's identical blocks) share
+# one object, so a buffer's kept views are reused by whichever of them takes the buffer next.
+_LAYOUTS: dict[tuple[Any, ...], tuple[Any, ...]] = {}
 
-    __slots__ = ("bases", "slots")
+
+class _UnitViews:
+    """What a unit's views need, computed once: the typed bases to cut from its buffers, per
+    parameter its base, shape, strides and element offset, and the interned layout of it all
+    (``layout``), by which views kept with a buffer are recognised."""
+
+    __slots__ = ("bases", "slots", "layout", "params", "placeholders", "bound")
 
     def __init__(self, state: UnitState, adapter: TorchAdapter) -> None:
         keys: dict[tuple[int, torch.dtype], int] = {}
@@ -105,6 +129,11 @@ class _UnitViews:
             base = keys.setdefault((which, dt), len(keys))
             self.slots.append((p, base, shape, _strides(shape), offset // dt.itemsize, dt))
         self.bases = list(keys)  # (buffer index, dtype)
+        layout = (tuple(self.bases), tuple(slot[1:] for slot in self.slots))
+        self.layout = _LAYOUTS.setdefault(layout, layout)
+        self.params = [slot[0] for slot in self.slots]
+        self.placeholders = [adapter._placeholder(slot[5]) for slot in self.slots]
+        self.bound: tuple[Any, Any] | None = None  # (buffer, what is kept with it) while bound
 
 
 class TorchAdapter:
@@ -232,14 +261,23 @@ class TorchAdapter:
 
     # -- forwards --------------------------------------------------------------------------
     def _cast(self, obj: Any, dt: torch.dtype) -> Any:
-        # the hot path of every unit's pre-forward: plain tensors and tuples first, cheaply
+        # The hot path of every unit's pre-forward: plain tensors and tuples first, cheaply,
+        # and the same object back when nothing in it changes (then the hook returns None).
         if isinstance(obj, torch.Tensor):
             return obj.to(dt) if obj.dtype != dt and obj.is_floating_point() else obj
         kind = type(obj)
         if kind is tuple or kind is list:
-            return kind([self._cast(x, dt) for x in obj])
+            out = [self._cast(x, dt) for x in obj]
+            for a, b in zip(out, obj):
+                if a is not b:
+                    return kind(out)
+            return obj
         if kind is dict:
-            return {k: self._cast(v, dt) for k, v in obj.items()}
+            new = {k: self._cast(v, dt) for k, v in obj.items()}
+            for k, v in obj.items():
+                if new[k] is not v:
+                    return new
+            return obj
         if obj is None or kind in (int, float, bool, str):
             return obj
         if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
@@ -254,9 +292,17 @@ class TorchAdapter:
             return type(obj)((k, self._cast(v, dt)) for k, v in obj.items())
         return obj
 
-    def cast_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any], dtype: DType) -> tuple[Any, Any]:
+    def cast_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any], dtype: DType) -> tuple[Any, Any] | None:
         dt = _torch_dtype(dtype)
-        return self._cast(args, dt), (self._cast(kwargs, dt) if kwargs else kwargs)
+        # Most units get tensors already in dtype (the previous block's output): a flat look
+        # settles that without rebuilding anything.
+        if _all_in(args, dt) and (not kwargs or _all_in(kwargs.values(), dt)):
+            return None
+        new_args = self._cast(args, dt)
+        new_kwargs = self._cast(kwargs, dt) if kwargs else kwargs
+        if new_args is args and new_kwargs is kwargs:
+            return None  # torch keeps the inputs as they are
+        return new_args, new_kwargs
 
     def cast_output(self, output: Any, dtype: DType) -> Any:
         return self._cast(output, _torch_dtype(dtype))
@@ -275,18 +321,49 @@ class TorchAdapter:
 
     def _bind(self, views: _UnitViews, state: UnitState) -> None:
         bufs = state.unit.buffers()
+        if bufs[0] is not None and not any(bufs[1:]):
+            # One buffer (torch never widens): its views are made once and kept with it
+            # across reshards, so a steady-state forward only swaps each p.data. They are
+            # reused by any unit of the same layout that takes the buffer next.
+            buf = bufs[0]
+            kept = buf.kept
+            if kept is None or kept[0] is not views.layout:
+                tensors = self._views(views, bufs)
+                storage = tensors[0].untyped_storage() if tensors else None
+                # what unbind must find again, to know no user still holds a view
+                uses = torch._C._storage_Use_Count(storage._cdata) if storage is not None else 0
+                buf.kept = kept = (views.layout, tensors, storage, uses)
+                buf.kept_refs = 1 if tensors else 0  # the one DLPack import behind them all
+            for p, t in zip(views.params, kept[1]):
+                p.data = t
+            if kept[2] is not None:
+                views.bound = (buf, kept)
+            return
+        for p, t in zip(views.params, self._views(views, bufs)):
+            p.data = t
+
+    def _views(self, views: _UnitViews, bufs: tuple[Any, ...]) -> list[torch.Tensor]:
         raw = [_from_dlpack(b) if b is not None else None for b in bufs]
         typed = []
         for which, dt in views.bases:
             r = raw[which]
             extra = r.numel() % dt.itemsize  # only the converted buffer can end mid-element
             typed.append((r[: r.numel() - extra] if extra else r).view(dt))
-        for p, base, shape, strides, offset, _dt in views.slots:
-            p.data = torch.as_strided(typed[base], shape, strides, offset)
+        return [torch.as_strided(typed[base], shape, strides, offset)
+                for _p, base, shape, strides, offset, _dt in views.slots]
 
     def unbind(self, state: UnitState) -> None:
-        for p, _base, _shape, _strides, _offset, dt in state.adapter_data.slots:
-            p.data = self._placeholder(dt)
+        views = state.adapter_data
+        for p, ph in zip(views.params, views.placeholders):
+            p.data = ph
+        bound = views.bound
+        if bound is not None:
+            views.bound = None
+            buf, kept = bound
+            # Anyone else holding the storage (a view a user kept from the forward) must keep
+            # these bytes: the kept views go, and the buffer leaves the pool with the user.
+            if torch._C._storage_Use_Count(kept[2]._cdata) != kept[3] and buf.kept is kept:
+                buf.kept = None
 
 
 def unsharded_reference(model: Any, param_dtype: Any = "bfloat16") -> Any:
