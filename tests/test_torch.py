@@ -499,3 +499,25 @@ def test_emptying_the_pool_frees_buffers_with_views_kept():
     # a buffer kept alive by its own views would still count as unsharded bytes
     assert stats["pooled_bytes"] == 0 and stats["unsharded_bytes"] == 0, stats
     assert torch.equal(run(model, "wan"), run(reference("wan", "float32"), "wan"))
+
+
+def test_a_meta_parameter_with_a_weak_reference_is_refused_before_anything_changes():
+    """torch cannot swap data into a weakly referenced meta tensor: the unit says so, names
+    the parameter, and the units sharded before it refuse every use."""
+    import weakref
+
+    import accelerate
+
+    with accelerate.init_empty_weights():
+        model = make_wan(0)
+    model._hsdp_shard_conditions = [is_wan_block]
+    target = model.blocks[1].attn1.to_k.weight
+    ref = weakref.ref(target)
+    with pytest.raises(RuntimeError, match="weak reference"):
+        hsdp.apply_hsdp_to_model(model, hsdp.HSDPInferenceConfig(enabled=True))
+    assert ref() is target and target.is_meta  # untouched
+    assert model.blocks[1].attn1.to_k.weight is target
+    # units are committed in post order: block 0 was sharded before block 1 failed
+    assert "sharding stopped at unit 'blocks.1'" in model.blocks[0]._hsdp_unit.broken
+    with pytest.raises(RuntimeError, match="unusable"):
+        model.blocks[0](*[torch.zeros(1)] * 4)

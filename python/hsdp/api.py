@@ -167,10 +167,19 @@ def _build_unit(ctx: HSDPShardContext, module: Any, fqn: str, is_root: bool, cla
 def _commit(ctx: HSDPShardContext, states: Iterable[UnitState | None], claimed: set[int]) -> None:
     if ctx.schedule is None:
         ctx.schedule = Schedule(ctx.prefetch_depth, ctx.max_unsharded_bytes)
+    done: list[UnitState] = []
     for st in states:
         if st is not None:
             st.schedule = ctx.schedule
-            st.commit()
+            try:
+                st.commit()
+            except BaseException as exc:
+                # the units already switched would run beside parameters left unsharded:
+                # they refuse every use instead, saying why
+                for prev in done:
+                    prev.mark_broken(f"sharding stopped at unit '{st.label}': {type(exc).__name__}: {exc}")
+                raise
+            done.append(st)
             ctx.units.append(st)
     ctx.owned = claimed
 

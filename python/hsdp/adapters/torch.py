@@ -19,6 +19,7 @@ torch module), so ``import hsdp`` never pulls torch in.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -226,6 +227,16 @@ class TorchAdapter:
         return sum(p.numel() * p.element_size() for p in params)
 
     def mark_sharded(self, params: tuple[Any, ...], dtypes: tuple[DType, ...], state: str) -> None:
+        # A meta (or inference) parameter takes its placeholder by torch.utils.swap_tensors,
+        # which refuses a tensor with weak references: refused here before any parameter
+        # changes, so that a unit is never left half sharded.
+        for i, p in enumerate(params):
+            if (p.is_meta or p.is_inference()) and weakref.getweakrefcount(p):
+                raise RuntimeError(
+                    f"cannot shard parameter {i} (shape {tuple(p.shape)}, {state.replace('sharded by hsdp in ', '')}): "
+                    "it is on the meta device and something holds a weak reference to it, and torch cannot swap "
+                    "data into such a tensor (torch.utils.swap_tensors); drop the weak references before sharding"
+                )
         for p, dt in zip(params, dtypes):
             p._hsdp_shape = tuple(p.shape)
             _set_data(p, self._placeholder(_torch_dtype(dt)))  # a meta parameter becomes a CPU one
