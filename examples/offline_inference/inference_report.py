@@ -175,8 +175,29 @@ def _held_text(report: dict[str, Any]) -> str:
 def _verify_text(verify: dict[str, Any] | None) -> str:
     if verify is None:
         return "not run (pass --verify)"
-    verdict = "exact" if verify["exact"] else "MISMATCH"
-    return f"max |diff| vs an unsharded run = {verify['max_abs_diff']:.3g} ({verdict})"
+    text = f"max |diff| vs an unsharded run = {verify['max_abs_diff']:.3g}"
+    if verify.get("tolerance") is None:
+        return text + f" ({'exact' if verify['exact'] else 'MISMATCH'})"
+    verdict = "within" if verify["ok"] else "MISMATCH: above"
+    return text + f", relative {verify['rel_diff']:.3g} ({verdict} {verify['tolerance']:g})"
+
+
+def _parallel_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
+    """Sequence parallel and CFG rows, for a pipeline that reports them."""
+    rows = []
+    sp = report.get("sequence_parallel")
+    if sp is not None:
+        rows.append(("tokens per rank", f"{sp['tokens_per_rank']} of {sp['tokens']}"
+                     + (f" (ulysses={sp['ulysses_degree']})" if sp["ulysses_degree"] > 1 else "")))
+    cfg = report.get("cfg")
+    if cfg is not None:
+        if cfg["guidance_scale"] == 1.0:
+            rows.append(("classifier-free guidance", "off (scale 1)"))
+        else:
+            where = ("one branch per rank (cfg parallel)" if cfg["cfg_parallel_size"] > 1
+                     else "both branches on every rank")
+            rows.append(("classifier-free guidance", f"scale {cfg['guidance_scale']:g}, {where}"))
+    return rows
 
 
 def _later_steps(steps: int) -> str:
@@ -192,6 +213,7 @@ def report_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
         ("world size", str(report["world_size"])),
         ("mesh (replicate x shard)", f"{mesh['replicate']} x {mesh['shard']}" if mesh else "none (unsharded)"),
         ("parallel config", report["parallel"]),
+        *_parallel_rows(report),
         ("model", f"{report['preset']}: {params['count']:,} parameters, stored as {report['param_dtype']}"),
         (f"unsharded params ({report['param_dtype']})", fmt_bytes(params["unsharded_bytes"])),
     ]

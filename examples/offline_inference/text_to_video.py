@@ -8,6 +8,15 @@ an unsharded run of the same loop) and writes the same data as JSON next to the 
 
     python -m hsdp.launch -n 4 -- examples/offline_inference/text_to_video.py \\
         --use-hsdp --hsdp-shard-size 4 --verify
+    # combined: Ulysses sequence parallel x CFG parallel, HSDP over the same 4 ranks
+    python -m hsdp.launch -n 4 -- examples/offline_inference/text_to_video.py \\
+        --ulysses-degree 2 --cfg-parallel-size 2 --use-hsdp --verify
+
+Classifier-free guidance (``--guidance-scale``, default 5.0 as in Wan; 1 turns it off) runs a
+conditional and an unconditional branch per step; ``--cfg-parallel-size 2`` puts them on the two
+halves of the ranks. ``--ulysses-degree N`` splits the tokens over N ranks (``--usp N``, the
+guide's spelling, is the same flag). --verify compares with one unsharded rank running both branches: exact without sequence
+parallelism, within 1e-5 relative with it (a matrix product over fewer rows rounds differently).
 
 Exit status: 0 on success, 1 when --verify finds a difference, 2 for a configuration error
 or a parallel degree the runtime cannot execute yet.
@@ -27,7 +36,7 @@ from typing import Any
 import numpy as np
 
 import hsdp
-from hsdp import models
+from hsdp import models, parallel as par
 from hsdp.config import DiffusionParallelConfig, add_parallel_args
 from hsdp.distributed import init_process_group
 
@@ -47,6 +56,7 @@ from inference_report import (
 )
 
 TEXT_LEN = 16  # tokens of the stand-in text embedding
+SP_TOLERANCE = 1e-5  # relative, with sequence parallelism (see the module docstring)
 EXIT_MISMATCH = 1
 EXIT_CONFIG = 2
 
@@ -54,8 +64,16 @@ EXIT_CONFIG = 2
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Text-to-video on the reference DiT, weights sharded with HSDP.")
     add_run_args(p, models.preset_names(), "outputs/text_to_video.npy", "safetensors checkpoint")
+    p.add_argument("--guidance-scale", type=float, default=5.0,
+                   help="classifier-free guidance scale (default %(default)s, as in Wan); 1 runs the "
+                        "conditional branch only")
     add_parallel_args(p)
     args = p.parse_args(argv)
+    if args.guidance_scale <= 0:
+        p.error(f"--guidance-scale must be positive, got {args.guidance_scale}")
+    if args.cfg_parallel_size == 2 and args.guidance_scale == 1.0:
+        p.error("--cfg-parallel-size 2 runs the two branches of classifier-free guidance on separate ranks, "
+                "but --guidance-scale 1 has only one; use a scale above 1 or --cfg-parallel-size 1")
     check_run_args(p, args)
     patch = models.DiTConfig.preset(args.preset).patch_size
     for name, size, n in zip(("frames", "height", "width"), (args.frames, args.height, args.width), patch):
@@ -128,22 +146,31 @@ def initial_noise(args: argparse.Namespace, config: models.DiTConfig) -> np.ndar
     return rng.standard_normal(shape).astype(np.float32)
 
 
-def text_context(args: argparse.Namespace, config: models.DiTConfig) -> np.ndarray:
-    """A stand-in for the text encoder's output: a seeded embedding (no tokenizer, no download)."""
-    rng = np.random.default_rng([args.seed, 2])
+def text_context(args: argparse.Namespace, config: models.DiTConfig, negative: bool = False) -> np.ndarray:
+    """A stand-in for the text encoder's output: a seeded embedding (no tokenizer, no
+    download). `negative`: the negative prompt's, for the unconditional branch."""
+    rng = np.random.default_rng([args.seed, 3 if negative else 2])
     return rng.standard_normal((args.batch, TEXT_LEN, config.text_dim)).astype(np.float32)
 
 
+SINGLE = par.ParallelGroups(ulysses_degree=1, cfg_degree=1, ulysses_rank=0, cfg_rank=0, sp=None, cfg=None)
+
+
 def denoise(
-    model: Any, x: np.ndarray, context: np.ndarray, steps: int, progress: Progress
+    model: Any, x: np.ndarray, contexts: tuple[np.ndarray, np.ndarray], steps: int, progress: Progress,
+    guidance_scale: float = 1.0, groups: par.ParallelGroups = SINGLE,
 ) -> tuple[np.ndarray, list[float]]:
-    """Flow-matching Euler: t from 1 (noise) to 0 (data), x <- x + (t_next - t) * v(x, t)."""
+    """Flow-matching Euler: t from 1 (noise) to 0 (data), x <- x + (t_next - t) * v(x, t), with
+    v guided from the (conditional, negative) contexts unless the scale is 1."""
     timesteps = np.linspace(1.0, 0.0, steps + 1, dtype=np.float32)
     seconds = []
     for i in range(steps):
         start = time.perf_counter()
         t = np.full((x.shape[0],), timesteps[i] * 1000.0, dtype=np.float32)
-        v = model(x, t, context)
+        if guidance_scale == 1.0:
+            v = model(x, t, contexts[0])
+        else:
+            v = par.cfg_combine(groups, lambda branch: model(x, t, contexts[branch]), guidance_scale)
         x = (x + (timesteps[i + 1] - timesteps[i]) * v).astype(np.float32)
         seconds.append(time.perf_counter() - start)
         progress.step(i + 1, seconds[-1])
@@ -177,14 +204,20 @@ def _held_bytes(model: Any, sharded: bool) -> int:
     return stats["sharded_bytes"] + stats["whole_bytes"]
 
 
-def _verify(args: argparse.Namespace, x_t: np.ndarray, context: np.ndarray, result: np.ndarray) -> dict[str, Any]:
-    """The same loop on an unsharded model with the same weights; the largest difference."""
+def _verify(args: argparse.Namespace, x_t: np.ndarray, contexts: tuple[np.ndarray, np.ndarray],
+            result: np.ndarray, sequence_parallel: bool) -> dict[str, Any]:
+    """The same loop on one unsharded rank (both CFG branches there, no sequence split); the
+    largest difference. Exact is required unless the tokens were split (see SP_TOLERANCE)."""
     progress = Progress(True, "verify step", args.num_inference_steps)
     progress.note("verify: running the same loop unsharded on rank 0")
-    reference, _ = denoise(unsharded_model(args, checkpoint_path(args)), x_t, context, args.num_inference_steps,
-                           progress)
+    reference, _ = denoise(unsharded_model(args, checkpoint_path(args)), x_t, contexts, args.num_inference_steps,
+                           progress, args.guidance_scale)
     diff = float(np.max(np.abs(result - reference)))
-    return {"max_abs_diff": diff, "exact": diff == 0.0}  # NaN compares unequal: not exact
+    rel = diff / max(float(np.max(np.abs(reference))), 1e-30)
+    tolerance = SP_TOLERANCE if sequence_parallel else None
+    exact = diff == 0.0  # NaN compares unequal: not exact
+    ok = exact if tolerance is None else bool(rel <= tolerance)
+    return {"max_abs_diff": diff, "rel_diff": rel, "exact": exact, "tolerance": tolerance, "ok": ok}
 
 
 # ------------------------------------------------------------------------------------ main
@@ -230,21 +263,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     held = _held_bytes(model, hsdp_cfg is not None)
 
     try:
-        # The mesh above works over sequence/CFG-parallel ranks; running the model with them
-        # would silently compute redundantly, so stop here until they exist.
-        parallel.require_supported()
+        # The sequence-parallel and CFG groups, over the same ranks as the HSDP mesh.
+        groups = par.init_parallel_groups(parallel, world)
+        par.apply_sequence_parallel(model, groups.sp)
+        config = model.config
+        tokens = (args.frames // config.patch_size[0]) * (args.height // config.patch_size[1]) * (
+            args.width // config.patch_size[2])
+        local_tokens = groups.sp.local_tokens(tokens) if groups.sp is not None else tokens
     except NotImplementedError as exc:
         return _config_error(is_rank0, f"NotImplementedError: {exc}")
+    except ValueError as exc:
+        return _config_error(is_rank0, str(exc))
 
-    config = model.config
-    x_t, context = initial_noise(args, config), text_context(args, config)
+    x_t = initial_noise(args, config)
+    contexts = (text_context(args, config), text_context(args, config, negative=True))
     loop = Progress(is_rank0, "step", args.num_inference_steps)
     if args.resident and hsdp_cfg is not None:
         loop.note("weights resident for the loop (hsdp.resident): gathered once, resharded after")
         with hsdp.resident(model):
-            latents, seconds = denoise(model, x_t, context, args.num_inference_steps, loop)
+            latents, seconds = denoise(model, x_t, contexts, args.num_inference_steps, loop, args.guidance_scale,
+                                       groups)
     else:
-        latents, seconds = denoise(model, x_t, context, args.num_inference_steps, loop)
+        latents, seconds = denoise(model, x_t, contexts, args.num_inference_steps, loop, args.guidance_scale, groups)
     loop.done()
 
     # Measured before verification, which builds a whole model on rank 0.
@@ -254,13 +294,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if is_rank0:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         np.save(args.output, latents)
-        verify = _verify(args, x_t, context, latents) if args.verify else None
-        report = _report(args, parallel, model, per_rank, seconds, verify)
+        verify = _verify(args, x_t, contexts, latents, groups.sp is not None) if args.verify else None
+        report = _report(args, parallel, model, per_rank, seconds, verify, groups, tokens, local_tokens)
         print("\n" + format_table("text_to_video report", report_rows(report)), flush=True)
         json_path = args.output.with_suffix(".json")
         write_json(json_path, report)
         print(f"latents: {args.output}  report: {json_path}", file=sys.stderr)
-        if verify is not None and not verify["exact"]:
+        if verify is not None and not verify["ok"]:
             status = EXIT_MISMATCH
     # Every rank leaves with rank 0's verdict, so a plain mpiexec reports it too.
     return broadcast_int(world, status)
@@ -273,6 +313,9 @@ def _report(
     per_rank: np.ndarray,
     seconds: list[float],
     verify: dict[str, Any] | None,
+    groups: par.ParallelGroups,
+    tokens: int,
+    local_tokens: int,
 ) -> dict[str, Any]:
     params = _param_bytes(model, args.param_dtype)
     # Sharded, a rank holds the storage dtype; unsharded, float32 arrays (see unsharded_model).
@@ -282,6 +325,9 @@ def _report(
         whole_bytes=params["unsharded_bytes"] if sharded else params["unsharded_bytes_float32"],
         ratio_of=args.param_dtype if sharded else "float32",
         latent_shape=[args.batch, model.config.in_channels, args.frames, args.height, args.width],
+        sequence_parallel={"ulysses_degree": groups.ulysses_degree, "tokens": tokens,
+                           "tokens_per_rank": local_tokens},
+        cfg={"guidance_scale": args.guidance_scale, "cfg_parallel_size": groups.cfg_degree},
     )
 
 

@@ -85,7 +85,11 @@ def is_block(name: str, module: Module) -> bool:
 
 
 class Attention(Module):
-    """Multi-head attention with RMS-normed q and k; ``context`` given -> cross-attention."""
+    """Multi-head attention with RMS-normed q and k; ``context`` given -> cross-attention.
+    Self-attention runs over the whole sequence through ``_hsdp_ulysses`` when it is set
+    (``hsdp.parallel.apply_sequence_parallel``)."""
+
+    _hsdp_ulysses: ClassVar[Any] = None
 
     def __init__(self, dim: int, num_heads: int, eps: float = 1e-6, dtype: Any = float32) -> None:
         super().__init__()
@@ -107,7 +111,11 @@ class Attention(Module):
         q = self._heads(self.norm_q(self.q(x)))
         k = self._heads(self.norm_k(self.k(src)))
         v = self._heads(self.v(src))
-        out = F.scaled_dot_product_attention(q, k, v)
+        sp = self._hsdp_ulysses
+        if context is None and sp is not None:
+            out = sp.attention(q, k, v, F.scaled_dot_product_attention)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v)
         b, _, n, _ = out.shape
         return self.o(out.transpose(0, 2, 1, 3).reshape(b, n, self.dim))
 
@@ -154,6 +162,8 @@ class VideoDiT(Module):
 
     _hsdp_shard_conditions: ClassVar[list[Any]] = [is_block]
     _hsdp_preserve_parameter_dtypes: ClassVar[bool] = False
+    # Set by hsdp.parallel.apply_sequence_parallel: the tokens are split over its ranks.
+    _hsdp_ulysses: ClassVar[Any] = None
     # Variants override these instead of re-writing the constructor.
     _ffn_linear: ClassVar[type[Module]] = Linear
     _time_embedder_dtype: ClassVar[DType | None] = None
@@ -208,6 +218,9 @@ class VideoDiT(Module):
         # Patchify: each (pt, ph, pw) patch, channels first, becomes one token (as Conv3d would).
         patches = x.reshape(b, ch, gt, pt, gh, ph, gw, pw).transpose(0, 2, 4, 6, 1, 3, 5, 7)
         tokens = self.patch_embedding(patches.reshape(b, gt * gh * gw, ch * pt * ph * pw))
+        sp = self._hsdp_ulysses
+        if sp is not None:  # this rank's share of the tokens from here to the head
+            tokens = sp.split_tokens(tokens)
 
         temb = self.time_embedder(timestep_embedding(timestep, c.freq_dim))  # (B, dim)
         t_mod = self.time_projection(temb).reshape(b, 6, c.dim)
@@ -218,6 +231,8 @@ class VideoDiT(Module):
 
         e = self.scale_shift_table.data + temb[:, None, :]  # (B, 2, dim): shift, scale
         out = self.head(self.norm_out(tokens) * (1 + e[:, 1:2]) + e[:, 0:1])
+        if sp is not None:
+            out = sp.gather_tokens(out)
 
         # Unpatchify: the inverse of the patchify above.
         out = out.reshape(b, gt, gh, gw, c.out_channels, pt, ph, pw).transpose(0, 4, 1, 5, 2, 6, 3, 7)

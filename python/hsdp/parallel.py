@@ -1,0 +1,198 @@
+"""Sequence (Ulysses) and CFG parallelism, over the ranks ``DiffusionParallelConfig`` lays out.
+
+Rank layout (HSDP adds no ranks; it shards over these same ones, see docs/launching.md):
+
+    world = cfg x ulysses, ulysses innermost:  rank = c * ulysses + u
+    sequence-parallel group of a rank: the ranks with its c   (consecutive ranks)
+    CFG group of a rank:               the ranks with its u   (one per branch)
+
+- **Ulysses.** Each rank of a sequence-parallel group holds 1/ulysses of the tokens. Before
+  self-attention an all-to-all turns (my tokens, all heads) into (all tokens, my heads);
+  attention runs over the whole sequence for those heads; a second all-to-all turns the
+  result back. Everything else in a block is token-wise and runs on the local tokens.
+  Cross-attention needs no exchange: its keys are the text, whole on every rank.
+- **CFG.** The two halves of a CFG group compute the conditional and the unconditional
+  branch; the noise predictions are all-gathered, so every rank applies the same guidance.
+- ``ring_degree > 1`` (ring attention) is not built: :func:`init_parallel_groups` raises
+  ``NotImplementedError``. Ulysses covers the same sequence lengths up to the head count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+
+class Ulysses:
+    """Ulysses sequence parallelism over one group: token splitting and the attention exchange.
+
+    Arrays are NumPy, C-contiguous after each exchange. The group's all-to-all is the
+    backend's (MPI: ``MPI_Alltoall``, GIL released)."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.degree = int(group.size)
+        self.rank = int(group.rank)
+
+    def __repr__(self) -> str:
+        return f"Ulysses(degree={self.degree}, rank={self.rank})"
+
+    def check_heads(self, num_heads: int) -> None:
+        if num_heads % self.degree:
+            raise ValueError(
+                f"Ulysses sequence parallel splits the attention heads across its ranks: num_heads={num_heads} "
+                f"is not divisible by ulysses_degree={self.degree}; choose a degree that divides {num_heads}"
+            )
+
+    def local_tokens(self, total: int) -> int:
+        """Tokens per rank for a sequence of `total` tokens (ValueError when it does not divide)."""
+        if total % self.degree:
+            raise ValueError(
+                f"Ulysses sequence parallel gives each rank an equal share of the tokens: {total} tokens are not "
+                f"divisible by ulysses_degree={self.degree}; change the frames, height or width so that the "
+                f"number of patches is a multiple of {self.degree}"
+            )
+        return total // self.degree
+
+    def split_tokens(self, x: np.ndarray) -> np.ndarray:
+        """(B, N, C) -> this rank's (B, N / degree, C): tokens [rank * n, (rank + 1) * n)."""
+        n = self.local_tokens(x.shape[1])
+        return np.ascontiguousarray(x[:, self.rank * n : (self.rank + 1) * n])
+
+    def gather_tokens(self, x: np.ndarray) -> np.ndarray:
+        """Every rank's (B, n, C) -> the whole (B, degree * n, C), in rank order."""
+        send = np.ascontiguousarray(x)
+        recv = np.empty((self.degree, *send.shape), dtype=send.dtype)
+        self.group.all_gather(send, recv)
+        b, n, c = send.shape
+        return np.ascontiguousarray(recv.transpose(1, 0, 2, 3).reshape(b, self.degree * n, c))
+
+    def _to_heads(self, t: np.ndarray) -> np.ndarray:
+        # (B, H, n, D), my tokens -> (B, H / degree, N, D), my heads. Block j of the send is
+        # head group j, which rank j computes; block i of the recv is rank i's tokens.
+        b, h, n, d = t.shape
+        p = self.degree
+        send = np.ascontiguousarray(t.reshape(b, p, h // p, n, d).transpose(1, 0, 2, 3, 4))
+        recv = np.empty_like(send)
+        self.group.all_to_all(send, recv)
+        return np.ascontiguousarray(recv.transpose(1, 2, 0, 3, 4).reshape(b, h // p, p * n, d))
+
+    def _to_tokens(self, t: np.ndarray) -> np.ndarray:
+        # (B, H / degree, N, D) -> (B, H, n, D): block j of the send is rank j's tokens; block
+        # i of the recv is head group i for my tokens.
+        b, hp, total, d = t.shape
+        p = self.degree
+        n = total // p
+        send = np.ascontiguousarray(t.reshape(b, hp, p, n, d).transpose(2, 0, 1, 3, 4))
+        recv = np.empty_like(send)
+        self.group.all_to_all(send, recv)
+        return np.ascontiguousarray(recv.transpose(1, 0, 2, 3, 4).reshape(b, p * hp, n, d))
+
+    def attention(
+        self, q: np.ndarray, k: np.ndarray, v: np.ndarray, sdpa: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+    ) -> np.ndarray:
+        """Self-attention over the whole sequence from each rank's (B, H, n, D) q, k, v: the
+        result is this rank's tokens, all heads, as unsharded attention computes them."""
+        self.check_heads(q.shape[1])
+        out = sdpa(self._to_heads(q), self._to_heads(k), self._to_heads(v))
+        return self._to_tokens(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelGroups:
+    """The sequence-parallel and CFG groups of this rank (None where the degree is 1)."""
+
+    ulysses_degree: int
+    cfg_degree: int
+    ulysses_rank: int
+    cfg_rank: int
+    sp: Ulysses | None
+    cfg: Any | None
+
+    @property
+    def combined(self) -> bool:
+        return self.ulysses_degree > 1 or self.cfg_degree > 1
+
+    def describe(self) -> str:
+        parts = []
+        if self.ulysses_degree > 1:
+            parts.append(f"ulysses {self.ulysses_rank}/{self.ulysses_degree}")
+        if self.cfg_degree > 1:
+            parts.append(f"cfg branch {self.cfg_rank}/{self.cfg_degree}")
+        return ", ".join(parts) or "no sequence or CFG parallelism"
+
+
+def init_parallel_groups(config: Any, world: Any) -> ParallelGroups:
+    """Split `world` into the sequence-parallel and CFG groups `config` (a
+    ``DiffusionParallelConfig``) declares. Collective: every rank calls it."""
+    if config.ring_degree > 1:
+        raise NotImplementedError(
+            f"ring attention (ring_degree={config.ring_degree}) is not built; use Ulysses sequence parallelism "
+            f"(ulysses_degree={config.ring_degree * config.ulysses_degree}, ring_degree=1) where the head count allows"
+        )
+    sp, cfg = config.ulysses_degree, config.cfg_parallel_size
+    if config.world_size != world.size:
+        raise ValueError(
+            f"the parallel config needs {config.world_size} ranks ({config.describe()}), the world has {world.size}"
+        )
+    if sp * cfg == 1:  # standalone HSDP, or nothing parallel: no group to split off
+        return ParallelGroups(ulysses_degree=1, cfg_degree=1, ulysses_rank=0, cfg_rank=0, sp=None, cfg=None)
+    if config.world_size != sp * cfg:
+        raise NotImplementedError(
+            f"only sequence and CFG parallelism run beside HSDP; the config's other degrees "
+            f"({config.describe()}) are not built"
+        )
+    u, c = world.rank % sp, world.rank // sp
+    # Both splits on every rank, in this order: a split is a collective over the world.
+    sp_group = world.split(color=c, key=u)
+    cfg_group = world.split(color=u, key=c)
+    return ParallelGroups(
+        ulysses_degree=sp,
+        cfg_degree=cfg,
+        ulysses_rank=u,
+        cfg_rank=c,
+        sp=Ulysses(sp_group) if sp > 1 else None,
+        cfg=cfg_group if cfg > 1 else None,
+    )
+
+
+def apply_sequence_parallel(model: Any, sp: Ulysses | None) -> Any:
+    """Make a reference :class:`~hsdp.models.VideoDiT` run its tokens split over `sp`: the
+    model splits them after the patch embedding, every self-attention exchanges them, and
+    the output is gathered whole on every rank. ``None`` turns it off. Returns the model."""
+    from .models.dit import Attention, VideoDiT
+
+    if not isinstance(model, VideoDiT):
+        raise TypeError(
+            f"apply_sequence_parallel takes a reference hsdp.models.VideoDiT, got {type(model).__name__}; "
+            "for diffusers models use hsdp.parallel_torch (not built yet)"
+        )
+    if sp is not None:
+        sp.check_heads(model.config.num_heads)
+    object.__setattr__(model, "_hsdp_ulysses", sp)
+    for block in model.blocks:
+        attn = block.self_attn
+        assert isinstance(attn, Attention)
+        object.__setattr__(attn, "_hsdp_ulysses", sp)
+    return model
+
+
+def cfg_combine(
+    groups: ParallelGroups, branch: Callable[[int], np.ndarray], guidance_scale: float
+) -> np.ndarray:
+    """Classifier-free guidance, uncond + scale * (cond - uncond), the same on every rank.
+
+    `branch(0)` computes the conditional prediction and `branch(1)` the unconditional one.
+    With a CFG group each rank computes its own branch and the two are all-gathered; without
+    one this rank computes both."""
+    if groups.cfg is None:
+        cond, uncond = branch(0), branch(1)
+    else:
+        mine = np.ascontiguousarray(branch(groups.cfg_rank), dtype=np.float32)
+        both = np.empty((groups.cfg_degree, *mine.shape), dtype=np.float32)
+        groups.cfg.all_gather(mine, both)
+        cond, uncond = both[0], both[1]
+    return (uncond + np.float32(guidance_scale) * (cond - uncond)).astype(np.float32)

@@ -1,0 +1,37 @@
+"""Ulysses sequence parallel and CFG parallel (hsdp.parallel): the exchanges on real ranks,
+and the refusals. The example's combined modes end to end are in test_launch.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from mpirun import run_ranks
+
+from hsdp import models, parallel
+from hsdp.config import DiffusionParallelConfig
+from hsdp.distributed import init_process_group
+
+
+@pytest.mark.parametrize("sp,cfg", [(2, 1), (1, 2), (2, 2), (4, 1)])
+def test_ulysses_and_cfg_exchanges_match_the_whole_computation(sp, cfg):
+    n = sp * cfg
+    out = run_ranks(n, "tests/parallel_worker.py", str(sp), str(cfg)).stdout
+    assert out.count("parallel ok") == n, out
+
+
+def test_a_world_of_one_has_no_groups_and_refuses_other_models():
+    world = init_process_group("single")
+    groups = parallel.init_parallel_groups(DiffusionParallelConfig(), world)
+    assert groups.sp is None and groups.cfg is None and not groups.combined
+    with pytest.raises(TypeError, match="reference hsdp.models.VideoDiT"):
+        parallel.apply_sequence_parallel(object(), None)
+    model = models.make_model("tiny")
+    assert parallel.apply_sequence_parallel(model, None) is model
+
+
+def test_ring_attention_and_a_mismatched_world_are_refused():
+    world = init_process_group("single")
+    with pytest.raises(NotImplementedError, match="ring attention"):
+        parallel.init_parallel_groups(DiffusionParallelConfig(ring_degree=2, use_hsdp=True), world)
+    with pytest.raises(ValueError, match="needs 2 ranks"):
+        parallel.init_parallel_groups(DiffusionParallelConfig(ulysses_degree=2, use_hsdp=True), world)
