@@ -12,12 +12,14 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 BENCHES = [
     ("Figure 1: unit gather vs raw MPI_Allgather", ["bench_gather.py"]),
+    ("Direct gathers: a gather beside busy ranks", ["bench_gather.py", "--busy"]),
     ("Figures 2 and 3: sharded vs unsharded forward, prefetch, residency", ["bench_forward.py"]),
     ("Figure 4: hook overhead", ["bench_hooks.py"]),
     ("Loading: streaming vs whole-model peak memory", ["bench_load.py"]),
     ("Torch: hsdp vs FSDP2 forward on a diffusers Wan model", ["bench_torch.py"]),
     ("Torch: loading peak, streaming vs FSDP2's full-then-shard", ["bench_torch.py", "--load"]),
     ("Torch: hook overhead", ["bench_torch.py", "--hooks"]),
+    ("Ulysses: exchange vs raw all-to-all, memory and time by degree", ["bench_parallel.py"]),
 ]
 
 

@@ -281,29 +281,26 @@ def test_example_runs_every_combined_mode_and_verifies(tmp_path, flags, ranks, p
         assert verify["exact"] is True
 
 
-@pytest.mark.parametrize("flags,preset,expect", [
-    (["--ring-degree", "2"], "tiny", "ring attention (ring_degree=2) is not built"),
-    (["--ulysses-degree", "2", "--frames", "1", "--height", "6", "--width", "6"], "tiny",
+REFUSED = [
+    # (script, ranks, flags, what the error must say)
+    ("ref", 2, ["--ring-degree", "2"], "ring attention (ring_degree=2) is not built"),
+    ("ref", 2, ["--ulysses-degree", "2", "--frames", "1", "--height", "6", "--width", "6"],
      "9 tokens are not divisible by ulysses_degree=2"),
-    (["--cfg-parallel-size", "2", "--guidance-scale", "1"], "tiny", "--guidance-scale 1 has only one"),
-])
-def test_example_refuses_bad_combinations_naming_them(tmp_path, flags, preset, expect) -> None:
-    proc = run_launch(
-        "-n", "2", "--", EXAMPLE, "--use-hsdp", *flags, "--preset", preset, "--num-inference-steps", "1",
-        "--output", str(tmp_path / "never.npy"), "--checkpoint-dir", str(tmp_path / "ckpt"),
-    )
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert expect in proc.stderr
+    ("ref", 2, ["--cfg-parallel-size", "2", "--guidance-scale", "1"], "--guidance-scale 1 has only one"),
+    ("ref", 4, ["--ulysses-degree", "4"], "num_heads=2 is not divisible by ulysses_degree=4"),
+    ("wan", 2, ["--cfg-parallel-size", "2"], "CFG parallel (cfg_parallel_size=2) is not built in the torch example"),
+]
 
 
-def test_example_refuses_heads_the_degree_does_not_divide(tmp_path) -> None:
+@pytest.mark.parametrize("script,ranks,flags,expect", REFUSED, ids=[f"{r[0]} {' '.join(r[2])}" for r in REFUSED])
+def test_examples_refuse_bad_combinations_naming_them(tmp_path, script, ranks, flags, expect) -> None:
     proc = run_launch(
-        "-n", "4", "--", EXAMPLE, "--use-hsdp", "--ulysses-degree", "4", "--preset", "tiny",
-        "--num-inference-steps", "1", "--output", str(tmp_path / "never.npy"),
+        "-n", str(ranks), "--", EXAMPLE if script == "ref" else WAN_EXAMPLE, "--use-hsdp", *flags,
+        "--preset", "tiny", "--num-inference-steps", "1", "--output", str(tmp_path / "never.npy"),
         "--checkpoint-dir", str(tmp_path / "ckpt"),
     )
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "num_heads=2 is not divisible by ulysses_degree=4" in proc.stderr
+    assert expect in proc.stderr
 
 
 def test_plain_mpiexec_env_matches_the_launcher(clean_env) -> None:
@@ -337,3 +334,19 @@ def test_wan_example_streams_and_verifies_on_two_ranks(tmp_path, dtype) -> None:
     assert report["verify"]["exact"] is True and report["verify"]["max_abs_diff"] == 0.0
     assert 0.5 <= report["held_ratio"] < 0.53
     assert (tmp_path / "ckpt" / "wan-tiny-seed0" / "config.json").exists()
+
+
+def test_wan_example_runs_ulysses_with_hsdp_on_two_ranks(tmp_path) -> None:
+    """The torch main job with its tokens split over 2 ranks (hsdp.parallel_torch) and the
+    weights sharded over the same ranks, against one unsharded rank."""
+    out = tmp_path / "wan_sp.npy"
+    proc = run_launch(
+        "-n", "2", "--", WAN_EXAMPLE, "--ulysses-degree", "2", "--use-hsdp", "--param-dtype", "float32", "--verify",
+        "--preset", "tiny", "--frames", "2", "--height", "16", "--width", "16", "--num-inference-steps", "2",
+        "--output", str(out), "--checkpoint-dir", str(tmp_path / "ckpt"), timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert report["hsdp_mode"] == "combined"
+    assert report["sequence_parallel"] == {"ulysses_degree": 2, "tokens": 128, "tokens_per_rank": 64}
+    assert report["verify"]["ok"] is True and report["verify"]["tolerance"] == 1e-5

@@ -71,25 +71,30 @@ class Ulysses:
         return np.ascontiguousarray(recv.transpose(1, 0, 2, 3).reshape(b, self.degree * n, c))
 
     def _to_heads(self, t: np.ndarray) -> np.ndarray:
-        # (B, H, n, D), my tokens -> (B, H / degree, N, D), my heads. Block j of the send is
-        # head group j, which rank j computes; block i of the recv is rank i's tokens.
+        # (B, H, n, D), my tokens -> (B, H / degree, N, D), my heads. The send is packed
+        # token-major, (degree, B, n, H / degree, D): block j is head group j (rank j's);
+        # the model's q, k and v are (B, n, H, D) projections seen as (B, H, n, D), so that is
+        # one copy. Block i of the recv is rank i's tokens, and for B = 1 the result is a
+        # strided view of it, which the matrix products read as is.
         b, h, n, d = t.shape
         p = self.degree
-        send = np.ascontiguousarray(t.reshape(b, p, h // p, n, d).transpose(1, 0, 2, 3, 4))
+        send = np.ascontiguousarray(t.transpose(0, 2, 1, 3).reshape(b, n, p, h // p, d).transpose(2, 0, 1, 3, 4))
         recv = np.empty_like(send)
         self.group.all_to_all(send, recv)
-        return np.ascontiguousarray(recv.transpose(1, 2, 0, 3, 4).reshape(b, h // p, p * n, d))
+        return recv.transpose(1, 3, 0, 2, 4).reshape(b, h // p, p * n, d)
 
     def _to_tokens(self, t: np.ndarray) -> np.ndarray:
-        # (B, H / degree, N, D) -> (B, H, n, D): block j of the send is rank j's tokens; block
-        # i of the recv is head group i for my tokens.
+        # (B, H / degree, N, D) -> (B, H, n, D), as a view of a token-major (B, n, H, D) array
+        # (what the output projection reads). Block j of the send is rank j's tokens for my
+        # heads; block i of the recv is head group i for my tokens.
         b, hp, total, d = t.shape
         p = self.degree
         n = total // p
-        send = np.ascontiguousarray(t.reshape(b, hp, p, n, d).transpose(2, 0, 1, 3, 4))
+        send = np.ascontiguousarray(t.reshape(b, hp, p, n, d).transpose(2, 0, 3, 1, 4))  # (p, B, n, hp, D)
         recv = np.empty_like(send)
         self.group.all_to_all(send, recv)
-        return np.ascontiguousarray(recv.transpose(1, 0, 2, 3, 4).reshape(b, p * hp, n, d))
+        tokens = np.ascontiguousarray(recv.transpose(1, 2, 0, 3, 4)).reshape(b, n, p * hp, d)
+        return tokens.transpose(0, 2, 1, 3)
 
     def attention(
         self, q: np.ndarray, k: np.ndarray, v: np.ndarray, sdpa: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
@@ -168,7 +173,7 @@ def apply_sequence_parallel(model: Any, sp: Ulysses | None) -> Any:
     if not isinstance(model, VideoDiT):
         raise TypeError(
             f"apply_sequence_parallel takes a reference hsdp.models.VideoDiT, got {type(model).__name__}; "
-            "for diffusers models use hsdp.parallel_torch (not built yet)"
+            "for a diffusers Wan transformer use hsdp.parallel_torch.apply_sequence_parallel_torch"
         )
     if sp is not None:
         sp.check_heads(model.config.num_heads)

@@ -1,0 +1,45 @@
+"""One rank of the torch Ulysses check (started by tests/test_parallel_torch.py under mpiexec).
+
+`python tests/parallel_torch_worker.py DTYPE`: a tiny diffusers Wan transformer, sharded by
+hsdp over the world and run with Ulysses over the same ranks, against the unsharded model
+with the stock processors in this process: within 1e-5 relative in float32 (bfloat16: 2e-2).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+import hsdp
+from hsdp import parallel
+from hsdp.parallel_torch import apply_sequence_parallel_torch
+from torch_models import is_wan_block, make_wan, wan_inputs
+
+
+def main() -> None:
+    dtype = sys.argv[1]
+    world = hsdp.distributed.init_process_group()
+    sp = parallel.Ulysses(world)
+    args, kwargs = wan_inputs()
+    ref = make_wan(0)
+    model = make_wan(0)
+    if dtype == "bfloat16":
+        from hsdp.adapters.torch import unsharded_reference
+
+        ref._hsdp_shard_conditions = [is_wan_block]
+        unsharded_reference(ref, "bfloat16")
+    model._hsdp_shard_conditions = [is_wan_block]
+    hsdp.apply_hsdp_to_model(model, hsdp.HSDPInferenceConfig(enabled=True, param_dtype=dtype))
+    apply_sequence_parallel_torch(model, sp)
+    with torch.inference_mode():
+        expect = ref(*args, **kwargs)[0].float()
+        for _ in range(2):
+            got = model(*args, **kwargs)[0].float()
+            rel = ((got - expect).abs().max() / expect.abs().max()).item()
+            assert rel <= (1e-5 if dtype == "float32" else 2e-2), rel
+    print(f"rank {world.rank}: torch ulysses ok, relative {rel:.3g}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
