@@ -579,3 +579,18 @@ def test_a_folder_named_like_a_checkpoint_is_not_one(tmp_path):
     (tmp_path / "x.safetensors").mkdir()
     save_checkpoint({"w": np.ones(2, np.float32)}, tmp_path / "real.safetensors")
     assert list(load_checkpoint(tmp_path)) == ["w"]
+
+
+@pytest.mark.parametrize("what", ["file", "index"])
+def test_a_fifo_is_refused_before_it_is_opened(tmp_path, what):
+    """Opening a FIFO blocks until a writer comes: refused from its mode, naming it."""
+    import os
+
+    import hsdp.checkpoint as ckpt
+
+    fifo = tmp_path / ("model.safetensors" if what == "file" else "model.safetensors.index.json")
+    os.mkfifo(fifo)
+    with pytest.raises(ckpt.CheckpointError, match="is a FIFO, not a regular file: refused before opening"):
+        ckpt.open_checkpoint(fifo)
+    with pytest.raises(ckpt.CheckpointError, match="is a FIFO"):
+        ckpt.open_checkpoint(tmp_path)  # found in a folder, the same

@@ -521,3 +521,17 @@ def test_a_meta_parameter_with_a_weak_reference_is_refused_before_anything_chang
     assert "sharding stopped at unit 'blocks.1'" in model.blocks[0]._hsdp_unit.broken
     with pytest.raises(RuntimeError, match="unusable"):
         model.blocks[0](*[torch.zeros(1)] * 4)
+
+
+def test_a_parameter_tied_across_two_units_is_refused_naming_both():
+    """Tied weights across blocks: an error at sharding naming the parameter and both units,
+    before anything changes, instead of the second block silently losing its unit."""
+    model = make_wan(0)
+    model._hsdp_shard_conditions = [is_wan_block]
+    shared = model.blocks[0].attn1.to_q.weight
+    model.blocks[2].attn1.to_q.weight = shared
+    with pytest.raises(ValueError, match=r"'blocks.2.attn1.to_q.weight' is the same Parameter as "
+                                         r"'blocks.0.attn1.to_q.weight', which unit 'blocks.0' already holds"):
+        hsdp.apply_hsdp_to_model(model, hsdp.HSDPInferenceConfig(enabled=True))
+    assert shared.numel() > 0 and not hasattr(shared, "_hsdp_state")  # nothing sharded
+    assert all(getattr(m, "_hsdp_unit", None) is None for m in model.modules())

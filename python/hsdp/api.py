@@ -49,6 +49,8 @@ class HSDPShardContext:
     # ids of parameters already placed in a unit (Parameters hash by identity; ids keep the
     # set cheap and never call a user's __eq__).
     owned: set[int] = field(default_factory=set)
+    # id -> (unit label, parameter name) of each owned parameter: says who holds a tied one
+    owner: dict[int, tuple[str, str]] = field(default_factory=dict)
     whole_bytes: list[Any] = field(default_factory=list)
     # diffusers' _keep_in_fp32_modules: parameters under a module of one of these names keep
     # their own dtype when param_dtype is set (FSDP2 casts them anyway)
@@ -126,9 +128,20 @@ def _build_unit(ctx: HSDPShardContext, module: Any, fqn: str, is_root: bool, cla
     names: list[str] = []
     params: list[Any] = []
     for name, p in ad.named_parameters(module):
-        if id(p) in claimed or p in ctx.ignored_params:
-            continue
         full = f"{fqn}.{name}" if fqn else name
+        if id(p) in claimed:
+            unit_label, first = ctx.owner.get(id(p), ("", ""))
+            # an inner unit's parameter is the usual case; another unit's is a tied one
+            if first and fqn and not (unit_label == fqn or unit_label.startswith(fqn + ".")):
+                raise ValueError(
+                    f"parameter '{full}' is the same Parameter as '{first}', which unit '{unit_label or '<root>'}' "
+                    f"already holds: hsdp keeps each parameter in one unit, so unit '{fqn}' would run without it. "
+                    "Untie them (give each its own copy), or make their common ancestor one unit with "
+                    "_hsdp_shard_conditions"
+                )
+            continue
+        if p in ctx.ignored_params:
+            continue
         if ad.is_sharded(p):
             raise RuntimeError(f"parameter {_describe(ad, full, p)} is already sharded")
         if not ad.is_shardable(p):
@@ -157,8 +170,9 @@ def _build_unit(ctx: HSDPShardContext, module: Any, fqn: str, is_root: bool, cla
         src = ad.shard_source(p)
         if src is not None:  # meta parameters are filled later by a loader
             unit.write(i, src[0], src_dtype=src[1])
-    for p in params:
+    for p, full in zip(params, names):
         claimed.add(id(p))
+        ctx.owner[id(p)] = (fqn, full)
     return UnitState(
         module, fqn, unit, tuple(params), tuple(names), dtypes, ctx.reshard_after_forward, ctx.mp_policy, is_root, ad
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -195,15 +196,36 @@ def _parse_metadata(path: str, meta: Any) -> dict[str, str] | None:
     return meta
 
 
+_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"))
+
+
+def require_regular_file(path: str | os.PathLike[str], mode: int | None = None) -> None:
+    """CheckpointError unless `path` (or an already taken st_mode) is a regular file. Checked
+    before opening: opening a FIFO blocks until a writer comes, maybe forever."""
+    p = os.fspath(path)
+    if mode is None:
+        mode = os.stat(p).st_mode  # FileNotFoundError for a missing file, as open would
+    if not stat.S_ISREG(mode):
+        kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
+        raise CheckpointError(f"checkpoint file '{p}' is {kind}, not a regular file: refused before opening it "
+                              "(reading it could block forever or never end)")
+
+
 def open_safetensors(path: str | os.PathLike[str]) -> SafetensorsFile:
     """Open and validate one file: its header only, no tensor data is read.
 
     Raises :class:`CheckpointError` naming the file and the offending tensor for any
-    malformed entry, OSError when the file cannot be opened.
+    malformed entry, or when it is no regular file (a FIFO, a device); OSError when the file
+    cannot be opened.
     """
     p = os.fspath(path)
-    fd = os.open(p, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    require_regular_file(p)
+    # O_NONBLOCK: should the path become a FIFO between the check and the open, the open
+    # returns at once (and fstat refuses it); on a regular file it changes nothing.
+    fd = os.open(p, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0))
     try:
+        require_regular_file(p, os.fstat(fd).st_mode)
         return _validate(p, fd)
     except BaseException:
         os.close(fd)

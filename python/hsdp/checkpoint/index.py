@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CheckpointError
-from .format import SafetensorsFile, TensorEntry, open_safetensors, parse_json
+from .format import SafetensorsFile, TensorEntry, open_safetensors, parse_json, require_regular_file
 
 CheckpointPath = str | os.PathLike[str]
 
@@ -80,7 +80,8 @@ def _resolve(p: Path) -> Path:
             raise FileNotFoundError(f"checkpoint '{p}' does not exist")
         return p
     for pattern in ("*.index.json", "*.safetensors"):
-        found = sorted(f for f in p.glob(pattern) if f.is_file())  # a folder named *.safetensors is no file
+        # a folder named *.safetensors is no file; a FIFO is kept, to be refused by name when opened
+        found = sorted(f for f in p.glob(pattern) if not f.is_dir())
         if len(found) == 1:
             return found[0]
         if len(found) > 1:
@@ -90,6 +91,7 @@ def _resolve(p: Path) -> Path:
 
 
 def _read_index(path: Path) -> tuple[dict[str, str], dict[str, Any] | None]:
+    require_regular_file(path)
     obj = parse_json(path.read_bytes(), lambda k: _index_error(path, "the name appears more than once", k),
                      lambda what: _index_error(path, what))
     wm = obj.get("weight_map") if isinstance(obj, dict) else None
@@ -111,7 +113,7 @@ def _open_index(path: Path) -> Checkpoint:
         by_name: dict[str, SafetensorsFile] = {}
         for fname in dict.fromkeys(weight_map.values()):  # each file once, in map order
             fp = path.parent / fname
-            if not fp.is_file():
+            if not fp.exists():  # present but no regular file: open_safetensors says what it is
                 first = next(n for n, v in weight_map.items() if v == fname)
                 what = f"the weight_map puts it in '{fname}', which does not exist in {path.parent}"
                 raise _index_error(path, what, first)
