@@ -3,6 +3,7 @@
  * this file only dispatches, and runs a started gather inline for a backend that has no
  * asynchronous slots. */
 #define _POSIX_C_SOURCE 200809L /* clock_gettime */
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -100,12 +101,48 @@ void hsdp_group_free(hsdp_group *g) {
 
 int hsdp_group_overlaps(const hsdp_group *g) { return g->backend->overlaps ? g->backend->overlaps(g) : 0; }
 
+/* ---------------------------------------------------------------- the collective timeout */
+/* 0: no limit. Set from HSDP_TIMEOUT (seconds) on first use, or by hsdp_set_timeout. */
+static _Atomic uint64_t timeout_ns;
+static atomic_int timeout_read;
+
+static uint64_t env_timeout_ns(void) {
+    const char *v = getenv("HSDP_TIMEOUT");
+    if (!v || !*v) return (uint64_t)HSDP_DEFAULT_TIMEOUT_S * 1000000000ull;
+    char *end = NULL;
+    double s = strtod(v, &end);
+    if (end == v || *end || !(s >= 0) || s > 1e9) {
+        fprintf(stderr, "hsdp: HSDP_TIMEOUT must be a number of seconds >= 0 (0: no limit), got '%s'; "
+                        "using the default %d s\n", v, HSDP_DEFAULT_TIMEOUT_S);
+        return (uint64_t)HSDP_DEFAULT_TIMEOUT_S * 1000000000ull;
+    }
+    return (uint64_t)(s * 1e9);
+}
+
+uint64_t hsdp_timeout_ns(void) {
+    if (!atomic_load(&timeout_read)) {
+        atomic_store(&timeout_ns, env_timeout_ns());
+        atomic_store(&timeout_read, 1);
+    }
+    return atomic_load(&timeout_ns);
+}
+
+hsdp_status hsdp_set_timeout(double seconds) {
+    if (!(seconds >= 0) || seconds > 1e9)
+        return hsdp_fail(HSDP_EINVAL, "the collective timeout must be a number of seconds >= 0 (0: no limit), got %g",
+                         seconds);
+    atomic_store(&timeout_ns, (uint64_t)(seconds * 1e9));
+    atomic_store(&timeout_read, 1);
+    return HSDP_OK;
+}
+
 /* The share of a fixed chunk that is always gathered collectively (any backend). */
 static char collective_share;
 void *hsdp_share_collective(void) { return &collective_share; }
 
-hsdp_status hsdp_gather_fixed(hsdp_group *g, void **share, const void *send, void *recv, size_t nbytes) {
-    if (g->backend->gather_fixed) return g->backend->gather_fixed(g, share, send, recv, nbytes);
+hsdp_status hsdp_gather_fixed(hsdp_group *g, void **share, const void *send, void *recv, size_t nbytes,
+                              const char *label) {
+    if (g->backend->gather_fixed) return g->backend->gather_fixed(g, share, send, recv, nbytes, label);
     hsdp_status st = hsdp_all_gather(g, send, recv, nbytes);
     /* Fixed from now on whatever the backend, so that what a unit allows never depends on it. */
     if (st == HSDP_OK) *share = &collective_share;
@@ -142,7 +179,9 @@ static void run_here(hsdp_req *r, const void *send, void *recv, size_t nbytes) {
     r->start_ns = hsdp_now_ns();
     /* Zero bytes on every rank of the group (one layout): no collective at all. */
     hsdp_status st = HSDP_OK;
-    if (nbytes) st = r->share ? hsdp_gather_fixed(r->g, r->share, send, recv, nbytes) : hsdp_all_gather(r->g, send, recv, nbytes);
+    if (nbytes)
+        st = r->share ? hsdp_gather_fixed(r->g, r->share, send, recv, nbytes, r->label)
+                      : hsdp_all_gather(r->g, send, recv, nbytes);
     if (st == HSDP_OK && r->then) st = r->then(r->then_arg);
     r->end_ns = hsdp_now_ns();
     r->status = st;

@@ -60,7 +60,8 @@ struct hsdp_backend {
      * *share, released by share_free). Later calls need no peer to take part, so a busy or
      * desynchronised peer cannot stall them. Every rank's first call for a chunk must be
      * the same collective, as with all_gather. */
-    hsdp_status (*gather_fixed)(hsdp_group *g, void **share, const void *send, void *recv, size_t nbytes);
+    hsdp_status (*gather_fixed)(hsdp_group *g, void **share, const void *send, void *recv, size_t nbytes,
+                                const char *label);
     /* Releases share and frees memory (the chunk, from aligned_alloc; ownership passes here)
      * once no peer can still be reading it. */
     void (*share_free)(hsdp_group *g, void *share, void *memory);
@@ -108,7 +109,8 @@ hsdp_status hsdp_gather_wait(hsdp_req *r);
 hsdp_status hsdp_gather_now(hsdp_req *r, hsdp_group *g, void **share, const void *send, void *recv,
                             size_t nbytes, hsdp_status (*then)(void *), void *then_arg);
 /* The all-gather of a fixed chunk (gather_fixed, or all_gather when the backend has none). */
-hsdp_status hsdp_gather_fixed(hsdp_group *g, void **share, const void *send, void *recv, size_t nbytes);
+hsdp_status hsdp_gather_fixed(hsdp_group *g, void **share, const void *send, void *recv, size_t nbytes,
+                              const char *label);
 /* The share a backend sets for a chunk it will always gather collectively. */
 void *hsdp_share_collective(void);
 /* Releases a share set by hsdp_gather_fixed (NULL is fine) and frees memory, the fixed chunk
@@ -121,6 +123,12 @@ const char *hsdp_share_kind(const hsdp_group *g, const void *share);
  * device from the backend's buffer slot (HSDP_EUNSUPPORTED when it has none). */
 void *hsdp_device_alloc(hsdp_stats *st, const hsdp_backend *b, hsdp_device device, size_t nbytes);
 void hsdp_device_free(hsdp_stats *st, const hsdp_backend *b, hsdp_device device, void *p, size_t nbytes);
+
+/* How long a collective may wait for its peers before the job is ended (backends with a
+ * watchdog: MPI). From HSDP_TIMEOUT (seconds; 0: no limit) on first use, else the default. */
+enum { HSDP_DEFAULT_TIMEOUT_S = 600 };
+uint64_t hsdp_timeout_ns(void);
+hsdp_status hsdp_set_timeout(double seconds);
 
 /* The backends, each defined in its own file. */
 extern const hsdp_backend hsdp_backend_single; /* backend_single.c */

@@ -19,6 +19,7 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "backend.h"
@@ -77,6 +78,75 @@ static hsdp_status byte_count(size_t nbytes, int *count, MPI_Datatype *type, int
     return HSDP_OK;
 }
 
+/* ---------------------------------------------------------------- the watchdog (HSDP_TIMEOUT) */
+/* A collective waits for every rank of its group; a peer that stalls, hangs or is a step
+ * behind would make it wait forever. Every collective below is bracketed by watch_begin /
+ * watch_end (MPI calls are serialised, so one slot suffices), and a thread started with the
+ * world ends the whole job (MPI_Abort) when one outlives the timeout, saying what waited.
+ * Direct gathers need no peer and are not watched. */
+static pthread_mutex_t watch_mu = PTHREAD_MUTEX_INITIALIZER;
+static char watch_what[320];        /* under watch_mu: the collective in progress */
+static char watch_next[80];         /* under watch_mu: the unit the next collective is for */
+static _Atomic uint64_t watch_start; /* ns; 0 while no collective runs */
+static int watch_rank = -1;          /* this process's world rank, for the message */
+static pthread_t watch_thread;
+static atomic_int watch_running, watch_stop;
+
+static void watch_label(const char *label) {
+    pthread_mutex_lock(&watch_mu);
+    snprintf(watch_next, sizeof watch_next, "%s", label ? label : "");
+    pthread_mutex_unlock(&watch_mu);
+}
+
+static void watch_begin(const char *op, const hsdp_group *g, size_t nbytes) {
+    pthread_mutex_lock(&watch_mu);
+    int n = snprintf(watch_what, sizeof watch_what, "%s of %zu bytes over a group of %d ranks", op, nbytes, g->size);
+    if (watch_next[0] && n > 0 && (size_t)n < sizeof watch_what)
+        snprintf(watch_what + n, sizeof watch_what - (size_t)n, " (the first gather of unit '%s')", watch_next);
+    watch_next[0] = '\0';
+    pthread_mutex_unlock(&watch_mu);
+    atomic_store(&watch_start, hsdp_now_ns());
+}
+
+static void watch_end(void) { atomic_store(&watch_start, 0); }
+
+static void *watchdog(void *arg) {
+    (void)arg;
+    while (!atomic_load(&watch_stop)) {
+        struct timespec tick = {0, 100 * 1000 * 1000};
+        nanosleep(&tick, NULL);
+        uint64_t t0 = atomic_load(&watch_start), limit = hsdp_timeout_ns();
+        if (!t0 || !limit || hsdp_now_ns() - t0 <= limit) continue;
+        char what[sizeof watch_what];
+        pthread_mutex_lock(&watch_mu);
+        memcpy(what, watch_what, sizeof what);
+        pthread_mutex_unlock(&watch_mu);
+        if (atomic_load(&watch_start) != t0) continue; /* it completed meanwhile */
+        fprintf(stderr,
+                "hsdp: rank %d: %s has waited more than %.3g s (HSDP_TIMEOUT): some rank of the group has not "
+                "reached it (stalled, hung, or at a different step); ending the job\n",
+                watch_rank, what, (double)limit / 1e9);
+        fflush(stderr);
+        MPI_Abort(MPI_COMM_WORLD, 124); /* the launcher ends every rank */
+        _exit(124);
+    }
+    return NULL;
+}
+
+static void watch_start_thread(void) {
+    if (atomic_load(&watch_running)) return;
+    MPI_Comm_rank(MPI_COMM_WORLD, &watch_rank);
+    atomic_store(&watch_stop, 0);
+    if (pthread_create(&watch_thread, NULL, watchdog, NULL) == 0) atomic_store(&watch_running, 1);
+}
+
+static void watch_stop_thread(void) {
+    if (!atomic_load(&watch_running)) return;
+    atomic_store(&watch_stop, 1);
+    pthread_join(watch_thread, NULL);
+    atomic_store(&watch_running, 0);
+}
+
 static hsdp_status raw_all_gather(hsdp_group *g, const void *send, void *recv, size_t nbytes) {
     REQUIRE_LIVE();
     int count, owned;
@@ -84,7 +154,9 @@ static hsdp_status raw_all_gather(hsdp_group *g, const void *send, void *recv, s
     hsdp_status st = byte_count(nbytes, &count, &type, &owned);
     if (st != HSDP_OK) return st;
     const void *s = send == (char *)recv + (size_t)g->rank * nbytes ? MPI_IN_PLACE : send;
+    watch_begin("MPI_Allgather", g, nbytes * (size_t)g->size);
     int rc = MPI_Allgather(s, count, type, recv, count, type, comm_of(g));
+    watch_end();
     if (owned) MPI_Type_free(&type);
     if (rc != MPI_SUCCESS) return mpi_fail(rc, "MPI_Allgather");
     collective_done(g);
@@ -99,7 +171,9 @@ static hsdp_status raw_broadcast(hsdp_group *g, void *buf, size_t nbytes, int ro
     MPI_Datatype type;
     hsdp_status st = byte_count(nbytes, &count, &type, &owned);
     if (st != HSDP_OK) return st;
+    watch_begin("MPI_Bcast", g, nbytes);
     int rc = MPI_Bcast(buf, count, type, root, comm_of(g));
+    watch_end();
     if (owned) MPI_Type_free(&type);
     if (rc != MPI_SUCCESS) return mpi_fail(rc, "MPI_Bcast");
     /* no collective_done: a broadcast's root may finish before the others arrive */
@@ -108,7 +182,9 @@ static hsdp_status raw_broadcast(hsdp_group *g, void *buf, size_t nbytes, int ro
 
 static hsdp_status raw_barrier(hsdp_group *g) {
     REQUIRE_LIVE();
+    watch_begin("MPI_Barrier", g, 0);
     int rc = MPI_Barrier(comm_of(g));
+    watch_end();
     if (rc != MPI_SUCCESS) return mpi_fail(rc, "MPI_Barrier");
     collective_done(g);
     return HSDP_OK;
@@ -120,7 +196,9 @@ static hsdp_status raw_all_to_all(hsdp_group *g, const void *send, void *recv, s
     MPI_Datatype type;
     hsdp_status st = byte_count(nbytes, &count, &type, &owned);
     if (st != HSDP_OK) return st;
+    watch_begin("MPI_Alltoall", g, nbytes * (size_t)g->size);
     int rc = MPI_Alltoall(send, count, type, recv, count, type, comm_of(g));
+    watch_end();
     if (owned) MPI_Type_free(&type);
     if (rc != MPI_SUCCESS) return mpi_fail(rc, "MPI_Alltoall");
     collective_done(g);
@@ -132,7 +210,9 @@ static hsdp_status wrap(MPI_Comm c, hsdp_group **out);
 static hsdp_status raw_split(hsdp_group *g, int color, int key, hsdp_group **out) {
     REQUIRE_LIVE();
     MPI_Comm c;
+    watch_begin("MPI_Comm_split", g, 0);
     int rc = MPI_Comm_split(comm_of(g), color, key, &c);
+    watch_end();
     if (rc != MPI_SUCCESS) return mpi_fail(rc, "MPI_Comm_split");
     return wrap(c, out);
 }
@@ -268,7 +348,9 @@ static hsdp_status direct_setup(hsdp_group *g, void **share, const void *send, s
         [REC_WANTED] = d && direct_wanted(),
     };
     uint64_t all[DIRECT_MAX_RANKS][REC_WORDS];
+    watch_begin("MPI_Allgather (exchanging shard addresses)", g, sizeof mine * (size_t)n);
     int rc = MPI_Allgather(mine, REC_WORDS, MPI_UINT64_T, all, REC_WORDS, MPI_UINT64_T, comm_of(g));
+    watch_end();
     if (rc != MPI_SUCCESS) {
         free(d);
         return mpi_fail(rc, "MPI_Allgather (exchanging shard addresses)");
@@ -285,7 +367,9 @@ static hsdp_status direct_setup(hsdp_group *g, void **share, const void *send, s
                  seen == all[j][REC_TAG];
     }
     int agreed = 0;
+    watch_begin("MPI_Allreduce (agreeing on direct gathers)", g, sizeof ok);
     rc = MPI_Allreduce(&ok, &agreed, 1, MPI_INT, MPI_MIN, comm_of(g));
+    watch_end();
     if (rc != MPI_SUCCESS) {
         free(d);
         return mpi_fail(rc, "MPI_Allreduce (agreeing on direct gathers)");
@@ -331,8 +415,10 @@ static hsdp_status direct_gather(hsdp_group *g, const direct_share *d, const voi
 }
 
 /* On the worker. The first gather of a fixed chunk is collective and sets *share. */
-static hsdp_status fixed_gather(hsdp_group *g, void **share, const void *send, void *recv, size_t nbytes) {
+static hsdp_status fixed_gather(hsdp_group *g, void **share, const void *send, void *recv, size_t nbytes,
+                                const char *label) {
     if (*share && *share != hsdp_share_collective()) return direct_gather(g, *share, send, recv, nbytes);
+    watch_label(label);
     hsdp_status st = raw_all_gather(g, send, recv, nbytes);
     if (st == HSDP_OK && !*share) st = direct_setup(g, share, send, nbytes);
     return st;
@@ -423,6 +509,7 @@ typedef struct {
     int root, color, key;
     hsdp_group **out;
     void **share;
+    const char *label;
 } call_args;
 
 static hsdp_status do_all_gather(void *p) {
@@ -431,7 +518,7 @@ static hsdp_status do_all_gather(void *p) {
 }
 static hsdp_status do_gather_fixed(void *p) {
     call_args *a = p;
-    return fixed_gather(a->g, a->share, a->send, a->recv, a->nbytes);
+    return fixed_gather(a->g, a->share, a->send, a->recv, a->nbytes, a->label);
 }
 static hsdp_status do_broadcast(void *p) {
     call_args *a = p;
@@ -458,8 +545,9 @@ static hsdp_status mpi_all_gather(hsdp_group *g, const void *send, void *recv, s
     call_args a = {.g = g, .send = send, .recv = recv, .nbytes = nbytes};
     return hsdp_exec_run(mpi_worker, do_all_gather, &a);
 }
-static hsdp_status mpi_gather_fixed(hsdp_group *g, void **share, const void *send, void *recv, size_t nbytes) {
-    call_args a = {.g = g, .send = send, .recv = recv, .nbytes = nbytes, .share = share};
+static hsdp_status mpi_gather_fixed(hsdp_group *g, void **share, const void *send, void *recv, size_t nbytes,
+                                    const char *label) {
+    call_args a = {.g = g, .send = send, .recv = recv, .nbytes = nbytes, .share = share, .label = label};
     return hsdp_exec_run(mpi_worker, do_gather_fixed, &a);
 }
 static hsdp_status mpi_broadcast(hsdp_group *g, void *buf, size_t nbytes, int root) {
@@ -494,7 +582,7 @@ _Static_assert(sizeof(gather_task) <= HSDP_REQ_STATE_BYTES, "HSDP_REQ_STATE_BYTE
 static hsdp_status gather_job(void *p) {
     gather_task *t = p;
     hsdp_group *g = t->r->g;
-    hsdp_status st = t->r->share ? fixed_gather(g, t->r->share, t->send, t->recv, t->nbytes)
+    hsdp_status st = t->r->share ? fixed_gather(g, t->r->share, t->send, t->recv, t->nbytes, t->r->label)
                                  : raw_all_gather(g, t->send, t->recv, t->nbytes);
     if (st == HSDP_OK && t->r->then) st = t->r->then(t->r->then_arg);
     return st;
@@ -560,6 +648,7 @@ static hsdp_status mpi_world(hsdp_group **out, int *we_init) {
             if (st != HSDP_OK) return st;
         }
     }
+    watch_start_thread();
     return hsdp_exec_run(mpi_worker, dup_world, out);
 }
 
@@ -570,6 +659,7 @@ static hsdp_status mpi_finalize(void) {
     /* MPI_Finalize belongs on the thread that initialised MPI (this one); the worker must be
      * idle for good first. */
     hsdp_exec_stop(mpi_worker);
+    watch_stop_thread();
     int rc = MPI_Finalize();
     flush_graves(0, 1); /* MPI_Finalize is collective: no peer reads any more */
     return rc == MPI_SUCCESS ? HSDP_OK : mpi_fail(rc, "MPI_Finalize");

@@ -174,6 +174,7 @@ typedef struct hsdp_req {
     hsdp_status (*then)(void *arg);
     void *then_arg;
     void **share;                         /* a fixed chunk's share (hsdp_gather_fixed), or NULL */
+    const char *label;                    /* borrowed: what is gathered, for timeout messages */
     int pending;                          /* started, not yet waited */
     int backend_owned;                    /* started through the backend's gather_start */
     hsdp_status status;                   /* of the collective and `then`, set when done */
@@ -199,6 +200,7 @@ typedef struct {
                              * storage dtype) */
     void *share;            /* owned (hsdp_share_free): set by the first gather; from then on
                              * the shard is fixed, since peers may read it directly */
+    char label[64];         /* the unit's name, for messages (set by the caller; may be empty) */
 } hsdp_unit;
 
 /* Sets up the layout and a zeroed shard. compute[i] is the dtype slot i is computed in, as

@@ -104,7 +104,7 @@ hsdp_status hsdp_unit_write(hsdp_unit *u, size_t i, size_t first, size_t count, 
 hsdp_status hsdp_unit_gather(hsdp_unit *u, void *full) {
     atomic_fetch_add(&u->stats->gathers, 1);
     if (u->layout.total_bytes == 0) return HSDP_OK;
-    return hsdp_gather_fixed(u->group, &u->share, u->shard, full, u->layout.chunk_bytes);
+    return hsdp_gather_fixed(u->group, &u->share, u->shard, full, u->layout.chunk_bytes, u->label);
 }
 
 hsdp_status hsdp_unit_widen(const hsdp_unit *u, const void *full, void *widened) {
@@ -125,6 +125,7 @@ static hsdp_status convert_job(void *arg) {
 }
 
 static void req_init(hsdp_gather_req *r, hsdp_unit *u, void *full, void *widened) {
+    r->req.label = u->label;
     r->u = u;
     r->full = full;
     r->widened = widened;

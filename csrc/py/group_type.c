@@ -243,7 +243,26 @@ static PyObject *mod_finalize_backends(PyObject *m, PyObject *unused) {
     return done;
 }
 
+/* set_timeout(seconds): how long a collective may wait for its peers (0: no limit). */
+static PyObject *mod_set_timeout(PyObject *m, PyObject *arg) {
+    (void)m;
+    double s = PyFloat_AsDouble(arg);
+    if (s == -1.0 && PyErr_Occurred()) return NULL;
+    hsdp_status st = hsdp_set_timeout(s);
+    if (st != HSDP_OK) return hsdp_py_raise(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *mod_get_timeout(PyObject *m, PyObject *unused) {
+    (void)m;
+    (void)unused;
+    return PyFloat_FromDouble((double)hsdp_timeout_ns() / 1e9);
+}
+
 PyMethodDef hsdp_py_backend_functions[] = {
+    {"set_timeout", mod_set_timeout, METH_O,
+     "set_timeout(seconds): how long a collective may wait for its peers before the job is ended (0: no limit)."},
+    {"get_timeout", mod_get_timeout, METH_NOARGS, "The collective timeout in seconds (0: no limit)."},
     {"backends", mod_backends, METH_NOARGS,
      "The registered backends: (name, usable, reason it is not usable or None) each."},
     {"finalize_backends", mod_finalize_backends, METH_NOARGS,

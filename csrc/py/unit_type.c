@@ -179,6 +179,9 @@ static PyObject *unit_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
             ok = 0;
         } else {
             self->initialised = 1;
+            const char *label = PyUnicode_AsUTF8(self->name); /* for timeout messages */
+            if (label) snprintf(self->u.label, sizeof self->u.label, "%s", label);
+            else PyErr_Clear();
         }
     }
     if (ok && dev != HSDP_DEVICE_HOST && self->u.widened_bytes) {

@@ -98,6 +98,20 @@ def init_process_group(backend: str = "auto") -> ProcessGroup:
     return _world
 
 
+def set_timeout(seconds: float) -> None:
+    """How long a collective (a unit's first gather, a barrier, a load step, an all-to-all)
+    may wait for its peers before the whole job is ended with a message saying what waited.
+    0 means no limit. The default is ``HSDP_TIMEOUT`` (seconds) when set, else 600. Set it
+    to the same value on every rank. Direct gathers (docs/design.md) need no peer and are
+    never timed out."""
+    _C.set_timeout(float(seconds))
+
+
+def get_timeout() -> float:
+    """The collective timeout in seconds (0: no limit)."""
+    return float(_C.get_timeout())
+
+
 def is_initialized() -> bool:
     return _world is not None
 
