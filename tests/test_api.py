@@ -467,3 +467,19 @@ def test_meta_model_shards_zeros():
     hsdp.unshard(model, recurse=True)
     assert all(not p.data.any() for p in model.parameters())
     hsdp.reshard(model, recurse=True)
+
+
+def test_a_sharded_parameter_replaced_after_sharding_fails_the_next_forward_naming_it():
+    """The unit holds the old Parameter's shard: the new one would run silently otherwise."""
+    import numpy as np
+
+    from hsdp import models
+
+    model = models.make_model("tiny", seed=0)
+    hsdp.apply_hsdp_to_model(model, hsdp.HSDPInferenceConfig(enabled=True, param_dtype="float32"))
+    x = models.make_inputs(models.DiTConfig.preset("tiny"), seed=3)
+    model(*x)
+    q = model.blocks[0].self_attn.q
+    q.weight = hsdp.nn.Parameter(np.zeros((32, 32), dtype=np.float32))
+    with pytest.raises(RuntimeError, match=r"unusable: parameter 'blocks.0.self_attn.q.weight' was replaced"):
+        model(*x)

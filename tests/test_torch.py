@@ -535,3 +535,12 @@ def test_a_parameter_tied_across_two_units_is_refused_naming_both():
         hsdp.apply_hsdp_to_model(model, hsdp.HSDPInferenceConfig(enabled=True))
     assert shared.numel() > 0 and not hasattr(shared, "_hsdp_state")  # nothing sharded
     assert all(getattr(m, "_hsdp_unit", None) is None for m in model.modules())
+
+
+def test_a_sharded_parameter_replaced_after_sharding_fails_the_next_forward_naming_it():
+    model = sharded("wan", param_dtype="float32")
+    run(model, "wan")
+    old = model.blocks[1].attn1.to_q.weight
+    model.blocks[1].attn1.to_q.weight = torch.nn.Parameter(torch.zeros(old._hsdp_shape))
+    with pytest.raises(RuntimeError, match=r"unusable: parameter 'blocks.1.attn1.to_q.weight' was replaced"):
+        run(model, "wan")

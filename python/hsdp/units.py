@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import _C, trace
 from .dtypes import DType
+from .nn.module import PARAM_WATCH
 from .policy import MixedPrecisionPolicy
 from .schedule import Schedule
 
@@ -72,6 +73,26 @@ class UnitState:
         self.adapter.mark_sharded(self.params, self.storage_dtypes, state)
         self._handles.extend(self.adapter.add_hooks(self.module, self._pre_forward, self._post_forward))
         object.__setattr__(self.module, "_hsdp_unit", self)
+        self._watch_replacements()
+
+    def _watch_replacements(self) -> None:
+        """Each owning module learns, in its __dict__, to tell this unit when one of its
+        sharded parameters is replaced by another Parameter: the unit holds the old one's
+        shard, so it refuses to run instead of computing with weights it does not hold."""
+        prefix = f"{self.fqn}." if self.fqn else ""
+        for p, full in zip(self.params, self.names):
+            owner_name, _, leaf = full[len(prefix):].rpartition(".")
+            owner = self.module.get_submodule(owner_name)
+
+            def replaced(new: Any, old: Any = p, name: str = full) -> None:
+                if new is not old:
+                    self.mark_broken(
+                        f"parameter '{name}' was replaced by another Parameter after sharding; the unit holds "
+                        "the shard of the one it replaced, so it would run with weights it does not have. Put "
+                        "the original back, or shard the model again"
+                    )
+
+            owner.__dict__.setdefault(PARAM_WATCH, {})[leaf] = replaced
 
     def mark_broken(self, reason: str) -> None:
         """Makes every later use of this unit raise `reason` (a failed load, say)."""

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from ..dtypes import DType, as_dtype
+from ..nn.module import PARAM_WATCH
 
 if TYPE_CHECKING:
     from ..units import UnitState
@@ -72,6 +73,17 @@ def _set_data(p: Any, t: torch.Tensor) -> None:
     else:  # a buffer: stays a plain tensor
         new = t.clone() if t._base is not None else t
     torch.utils.swap_tensors(p, new)
+
+
+def _on_parameter_registered(module: Any, name: str, param: Any) -> None:
+    # torch's global parameter-registration hook: the unit of a replaced sharded parameter
+    # is told (hsdp.units.UnitState._watch_replacements); any other module pays one lookup
+    watch = module.__dict__.get(PARAM_WATCH)
+    if watch is not None and name in watch:
+        watch[name](param)
+
+
+torch.nn.modules.module.register_module_parameter_registration_hook(_on_parameter_registered)
 
 
 def _refuse_sharded_state_dict(module: Any, prefix: str, keep_vars: bool) -> None:

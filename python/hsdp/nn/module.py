@@ -61,6 +61,10 @@ class StateDictError(KeyError, ValueError):
 _HookRecord = tuple[Callable[..., Any], bool, bool]
 
 
+# What a sharded module keeps in its __dict__: leaf name -> callback taking the Parameter
+# that replaces it (hsdp.units.UnitState.commit installs it).
+PARAM_WATCH = "_hsdp_param_watch"
+
 class Module:
     """Base class of every layer and model; subclasses call ``super().__init__()`` first."""
 
@@ -165,6 +169,9 @@ class Module:
                 "(hsdp.nn.Parameter or None required)"
             )
         self._parameters[name] = param
+        watch = self.__dict__.get(PARAM_WATCH)
+        if watch is not None and name in watch:
+            watch[name](param)  # a sharded parameter replaced: its unit is told (hsdp.units)
 
     def add_module(self, name: str, module: "Module | None") -> None:
         if "_modules" not in self.__dict__:
