@@ -171,7 +171,8 @@ def worker_load(strategy: str) -> None:
             model = WanTransformer3DModel.from_config(WanTransformer3DModel.load_config(CHECKPOINT))
         model._hsdp_shard_conditions = [is_block]
         hsdp.load_model_sharded(model, CHECKPOINT, hsdp.HSDPInferenceConfig(enabled=True), progress=False)
-        shard = hsdp.memory_stats()["sharded_bytes"] + hsdp.memory_stats()["whole_bytes"]
+        stats = hsdp.memory_stats()
+        shard = stats["sharded_bytes"] + stats["whole_bytes"]
     else:  # FSDP2's usual route: the full model on every rank, loaded, then sharded
         model = WanTransformer3DModel.from_pretrained(CHECKPOINT)
         fsdp2(model, torch.bfloat16)
@@ -279,7 +280,7 @@ def hooks(reps: int) -> None:
     both = interleaved(fns, reps, stat=lambda ts: (statistics.median(ts), min(ts)))  # type: ignore[arg-type,return-value]
     med, low = [b[0] for b in both], [b[1] for b in both]
     rows = []
-    for label, k in (("unsharded", 0), ("hsdp (defaults, float32)", 1), ("FSDP2 (gloo)", 2)):
+    for label, k in (("unsharded", 0), ("hsdp (defaults but param_dtype float32)", 1), ("FSDP2 (gloo)", 2)):
         over = [(t[k] - t[0]) / 10 / 129 * 1e6 for t in (med, low)]
         rows.append([label, f"{med[k] / 10 * 1e6:.0f}", f"{low[k] / 10 * 1e6:.0f}",
                      "-" if k == 0 else f"{over[0]:.1f}", "-" if k == 0 else f"{over[1]:.1f}",
@@ -296,25 +297,25 @@ def main() -> None:
     ap.add_argument("--load", action="store_true", help="measure the loading peak instead")
     ap.add_argument("--hooks", action="store_true", help="measure the hook overhead per unit instead")
     ap.add_argument("--build", action="store_true", help="measure the RSS left after build-then-shard instead")
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=None, help="repetitions (default 5; 30 with --hooks)")
     ap.add_argument("--worker", choices=["forward", "hsdp", "fsdp2", "build-torch", "build-numpy", "build-fsdp2"],
                     help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker == "forward":
-        worker_forward(a.reps)
+        worker_forward(a.reps or 5)
     elif a.worker and a.worker.startswith("build-"):
         worker_build(a.worker.split("-")[1])
     elif a.worker:
         worker_load(a.worker)
     elif a.hooks:
-        hooks(max(a.reps, 30))
+        hooks(a.reps if a.reps is not None else 30)  # microseconds: more repetitions by default
     elif a.build:
         rows = []
         for fw in ("numpy", "torch", "fsdp2"):
             for line in launch(2, __file__, "--worker", f"build-{fw}").splitlines():
                 if line.startswith("RESULT"):
                     kv = dict(f.split("=") for f in line.split()[2:])
-                    rows.append([fw, kv["rank"] if "rank" in kv else line.split()[2].split("=")[1], kv["params"],
+                    rows.append([fw, kv["rank"], kv["params"],
                                  kv["built"], kv["after"], kv["held"], kv["ratio"]])
         print(f"Build in full, then shard in place (hsdp: apply_hsdp_to_model, defaults, bf16 shards; FSDP2: "
               f"fully_shard, fp32 shards), 2 ranks ({machine()}); MiB above the baseline RSS; "
@@ -327,14 +328,14 @@ def main() -> None:
                 if line.startswith("RESULT"):
                     kv = dict(f.split("=") for f in line.split()[2:])
                     above = float(kv["peak"]) - float(kv["base"])
-                    rows.append([strategy, line.split()[2].split("=")[1], kv["seconds"], kv["base"], kv["peak"],
+                    rows.append([strategy, kv["rank"], kv["seconds"], kv["base"], kv["peak"],
                                  f"{above:.1f}", kv["shard"], kv["block"], kv["ratio"]])
         print(f"Loading peak per rank, diffusers Wan (base size), 2 ranks ({machine()}); "
               "ratio = peak / (baseline + shard + one bf16 block), goal <= 1.1")
         print(table(["strategy", "rank", "s", "baseline MiB", "peak MiB", "peak - baseline", "shard MiB", "block MiB",
                      "ratio"], rows))
     else:
-        print(launch(2, __file__, "--worker", "forward", "--reps", str(a.reps)), end="")
+        print(launch(2, __file__, "--worker", "forward", "--reps", str(a.reps or 5)), end="")
 
 
 if __name__ == "__main__":

@@ -156,10 +156,10 @@ void hsdp_share_free(hsdp_group *g, void *share, void *memory) {
         g->backend->share_free(g, share, memory);
 }
 
-const char *hsdp_share_kind(const hsdp_group *g, const void *share) {
+const char *hsdp_share_kind(const void *share) {
     if (!share) return "unset";
-    if (share == &collective_share || !g->backend->share_kind) return "collective";
-    return g->backend->share_kind(share);
+    /* anything else a backend keeps there is what it reads the peers' chunks with */
+    return share == &collective_share ? "collective" : "direct";
 }
 
 static void req_reset(hsdp_req *r, hsdp_group *g, void **share, hsdp_status (*then)(void *), void *then_arg) {

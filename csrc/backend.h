@@ -10,7 +10,7 @@
  *                               Without them a started gather runs before start returns.
  *   overlaps                    whether started gathers really progress in the background
  *   buffer_alloc / buffer_free  unsharded buffers on a device other than the host
- *   gather_fixed / share_free / share_kind
+ *   gather_fixed / share_free
  *                               an all-gather of a chunk that never changes after its first
  *                               gather (a unit's shard): from the second gather on the
  *                               backend may read the peers' chunks itself, with no peer
@@ -65,8 +65,6 @@ struct hsdp_backend {
     /* Releases share and frees memory (the chunk, from aligned_alloc; ownership passes here)
      * once no peer can still be reading it. */
     void (*share_free)(hsdp_group *g, void *share, void *memory);
-    /* "direct" or "collective" for a share set by gather_fixed. */
-    const char *(*share_kind)(const void *share);
 };
 
 struct hsdp_group {
@@ -117,7 +115,7 @@ void *hsdp_share_collective(void);
  * (from aligned_alloc; the call owns it): at once, or once no peer can still be reading it. */
 void hsdp_share_free(hsdp_group *g, void *share, void *memory);
 /* "direct", "collective", or "unset" before the first gather. */
-const char *hsdp_share_kind(const hsdp_group *g, const void *share);
+const char *hsdp_share_kind(const void *share);
 
 /* An accounted unsharded buffer on `device`: host memory from hsdp_buffer_alloc, any other
  * device from the backend's buffer slot (HSDP_EUNSUPPORTED when it has none). */

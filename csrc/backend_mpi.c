@@ -86,15 +86,16 @@ static hsdp_status byte_count(size_t nbytes, int *count, MPI_Datatype *type, int
  * Direct gathers need no peer and are not watched. */
 static pthread_mutex_t watch_mu = PTHREAD_MUTEX_INITIALIZER;
 static char watch_what[320];        /* under watch_mu: the collective in progress */
-static char watch_next[80];         /* under watch_mu: the unit the next collective is for */
+static char watch_next[96];         /* under watch_mu: what the next collective is for */
 static _Atomic uint64_t watch_start; /* ns; 0 while no collective runs */
 static int watch_rank = -1;          /* this process's world rank, for the message */
 static pthread_t watch_thread;
 static atomic_int watch_running, watch_stop;
 
-static void watch_label(const char *label) {
+static void watch_label(const char *label, int first) {
     pthread_mutex_lock(&watch_mu);
-    snprintf(watch_next, sizeof watch_next, "%s", label ? label : "");
+    snprintf(watch_next, sizeof watch_next, "%s unit '%s'", first ? "the first gather of" : "gathering",
+             label ? label : "");
     pthread_mutex_unlock(&watch_mu);
 }
 
@@ -102,7 +103,7 @@ static void watch_begin(const char *op, const hsdp_group *g, size_t nbytes) {
     pthread_mutex_lock(&watch_mu);
     int n = snprintf(watch_what, sizeof watch_what, "%s of %zu bytes over a group of %d ranks", op, nbytes, g->size);
     if (watch_next[0] && n > 0 && (size_t)n < sizeof watch_what)
-        snprintf(watch_what + n, sizeof watch_what - (size_t)n, " (the first gather of unit '%s')", watch_next);
+        snprintf(watch_what + n, sizeof watch_what - (size_t)n, " (%s)", watch_next);
     watch_next[0] = '\0';
     pthread_mutex_unlock(&watch_mu);
     atomic_store(&watch_start, hsdp_now_ns());
@@ -418,7 +419,7 @@ static hsdp_status direct_gather(hsdp_group *g, const direct_share *d, const voi
 static hsdp_status fixed_gather(hsdp_group *g, void **share, const void *send, void *recv, size_t nbytes,
                                 const char *label) {
     if (*share && *share != hsdp_share_collective()) return direct_gather(g, *share, send, recv, nbytes);
-    watch_label(label);
+    watch_label(label, !*share);
     hsdp_status st = raw_all_gather(g, send, recv, nbytes);
     if (st == HSDP_OK && !*share) st = direct_setup(g, share, send, nbytes);
     return st;
@@ -490,11 +491,6 @@ static void mpi_share_free(hsdp_group *g, void *share, void *memory) {
     graves = e;
     atomic_fetch_add(&ngraves, 1);
     pthread_mutex_unlock(&grave_mu);
-}
-
-static const char *mpi_share_kind(const void *share) {
-    (void)share;
-    return "direct"; /* the only share this backend allocates */
 }
 
 /* ---------------------------------------------------------------- on the worker */
@@ -681,7 +677,6 @@ const hsdp_backend hsdp_backend_mpi = {
     .finalize = mpi_finalize,
     .gather_fixed = mpi_gather_fixed,
     .share_free = mpi_share_free,
-    .share_kind = mpi_share_kind,
 };
 
 #else /* no MPI at build time */

@@ -33,7 +33,8 @@ hsdp_status hsdp_pread_exact(int fd, void *dst, size_t n, uint64_t off) {
 hsdp_status hsdp_unit_read(hsdp_unit *u, size_t i, int fd, uint64_t tensor_off, hsdp_dtype src_dt,
                            size_t *nread) {
     *nread = 0;
-    if (u->share) return hsdp_unit_check_writable(u);
+    hsdp_status wst = hsdp_unit_check_writable(u);
+    if (wst != HSDP_OK) return wst;
     if (i >= u->layout.nslots)
         return hsdp_fail(HSDP_EINVAL, "parameter index %zu is out of range (unit has %zu)", i, u->layout.nslots);
     const hsdp_slot *p = &u->layout.slots[i];

@@ -81,7 +81,8 @@ hsdp_status hsdp_unit_check_writable(const hsdp_unit *u) {
 
 hsdp_status hsdp_unit_write(hsdp_unit *u, size_t i, size_t first, size_t count, const void *src,
                             hsdp_dtype src_dt) {
-    if (u->share) return hsdp_unit_check_writable(u);
+    hsdp_status st = hsdp_unit_check_writable(u);
+    if (st != HSDP_OK) return st;
     if (i >= u->layout.nslots)
         return hsdp_fail(HSDP_EINVAL, "parameter index %zu is out of range (unit has %zu)", i, u->layout.nslots);
     const hsdp_slot *p = &u->layout.slots[i];

@@ -558,7 +558,7 @@ static PyObject *unit_get_unsharded(UnitObject *self, void *c) {
 }
 static PyObject *unit_get_gather_path(UnitObject *self, void *c) {
     (void)c;
-    return PyUnicode_FromString(hsdp_share_kind(self->u.group, self->u.share));
+    return PyUnicode_FromString(hsdp_share_kind(self->u.share));
 }
 
 static PyObject *unit_get_pending(UnitObject *self, void *c) {

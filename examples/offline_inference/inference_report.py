@@ -53,6 +53,30 @@ def check_run_args(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         args.output = args.output.with_name(args.output.name + ".npy")
 
 
+EXIT_MISMATCH = 1  # --verify found a difference
+EXIT_CONFIG = 2  # a configuration error, or a degree the runtime cannot run
+SP_TOLERANCE = 1e-5  # relative, once the tokens are split (a product over fewer rows rounds differently)
+
+
+def compare(result: np.ndarray, reference: np.ndarray, sequence_parallel: bool) -> dict[str, Any]:
+    """--verify's verdict: exact is required unless the tokens were split (SP_TOLERANCE)."""
+    diff = float(np.max(np.abs(result - reference)))
+    rel = diff / max(float(np.max(np.abs(reference))), 1e-30)
+    tolerance = SP_TOLERANCE if sequence_parallel else None
+    exact = diff == 0.0  # NaN compares unequal: not exact
+    ok = exact if tolerance is None else bool(rel <= tolerance)
+    return {"max_abs_diff": diff, "rel_diff": rel, "exact": exact, "tolerance": tolerance, "ok": ok}
+
+
+def config_error(prog: str, is_rank0: bool, message: str) -> int:
+    """Every rank reaches the same verdict from the same arguments: rank 0 alone says it, in
+    one write so that other ranks' output cannot split the line."""
+    if is_rank0:
+        sys.stderr.write(f"{prog}: error: {message}\n")
+        sys.stderr.flush()
+    return EXIT_CONFIG
+
+
 def timing(seconds: list[float]) -> dict[str, Any]:
     later = seconds[1:]
     return {

@@ -42,11 +42,14 @@ from hsdp.distributed import init_process_group
 
 # A module next to this script: `python SCRIPT` and hsdp.launch both put its folder on sys.path.
 from inference_report import (
+    EXIT_MISMATCH,
     Progress,
     add_run_args,
     broadcast_int,
     build_report,
     check_run_args,
+    compare,
+    config_error,
     format_table,
     gather_ints,
     peak_rss_bytes,
@@ -56,9 +59,6 @@ from inference_report import (
 )
 
 TEXT_LEN = 16  # tokens of the stand-in text embedding
-SP_TOLERANCE = 1e-5  # relative, with sequence parallelism (see the module docstring)
-EXIT_MISMATCH = 1
-EXIT_CONFIG = 2
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -153,12 +153,9 @@ def text_context(args: argparse.Namespace, config: models.DiTConfig, negative: b
     return rng.standard_normal((args.batch, TEXT_LEN, config.text_dim)).astype(np.float32)
 
 
-SINGLE = par.ParallelGroups(ulysses_degree=1, cfg_degree=1, ulysses_rank=0, cfg_rank=0, sp=None, cfg=None)
-
-
 def denoise(
     model: Any, x: np.ndarray, contexts: tuple[np.ndarray, np.ndarray], steps: int, progress: Progress,
-    guidance_scale: float = 1.0, groups: par.ParallelGroups = SINGLE,
+    guidance_scale: float = 1.0, groups: par.ParallelGroups = par.SINGLE,
 ) -> tuple[np.ndarray, list[float]]:
     """Flow-matching Euler: t from 1 (noise) to 0 (data), x <- x + (t_next - t) * v(x, t), with
     v guided from the (conditional, negative) contexts unless the scale is 1."""
@@ -207,17 +204,12 @@ def _held_bytes(model: Any, sharded: bool) -> int:
 def _verify(args: argparse.Namespace, x_t: np.ndarray, contexts: tuple[np.ndarray, np.ndarray],
             result: np.ndarray, sequence_parallel: bool) -> dict[str, Any]:
     """The same loop on one unsharded rank (both CFG branches there, no sequence split); the
-    largest difference. Exact is required unless the tokens were split (see SP_TOLERANCE)."""
+    largest difference. Exact is required unless the tokens were split (inference_report.compare)."""
     progress = Progress(True, "verify step", args.num_inference_steps)
     progress.note("verify: running the same loop unsharded on rank 0")
     reference, _ = denoise(unsharded_model(args, checkpoint_path(args)), x_t, contexts, args.num_inference_steps,
                            progress, args.guidance_scale)
-    diff = float(np.max(np.abs(result - reference)))
-    rel = diff / max(float(np.max(np.abs(reference))), 1e-30)
-    tolerance = SP_TOLERANCE if sequence_parallel else None
-    exact = diff == 0.0  # NaN compares unequal: not exact
-    ok = exact if tolerance is None else bool(rel <= tolerance)
-    return {"max_abs_diff": diff, "rel_diff": rel, "exact": exact, "tolerance": tolerance, "ok": ok}
+    return compare(result, reference, sequence_parallel)
 
 
 # ------------------------------------------------------------------------------------ main
@@ -232,12 +224,7 @@ def _configure(args: argparse.Namespace, world: Any) -> tuple[DiffusionParallelC
 
 
 def _config_error(is_rank0: bool, message: str) -> int:
-    # Every rank reaches the same verdict from the same arguments: rank 0 alone says it, in
-    # one write so that other ranks' output cannot split the line.
-    if is_rank0:
-        sys.stderr.write(f"text_to_video: error: {message}\n")
-        sys.stderr.flush()
-    return EXIT_CONFIG
+    return config_error("text_to_video", is_rank0, message)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -36,11 +36,14 @@ from hsdp.distributed import init_process_group
 
 # Modules next to this script: `python SCRIPT` and hsdp.launch both put its folder on sys.path.
 from inference_report import (
+    EXIT_MISMATCH,
     Progress,
     add_run_args,
     broadcast_int,
     build_report,
     check_run_args,
+    compare,
+    config_error,
     format_table,
     gather_ints,
     peak_rss_bytes,
@@ -50,8 +53,6 @@ from inference_report import (
 )
 
 TEXT_LEN = 16
-EXIT_MISMATCH = 1
-EXIT_CONFIG = 2
 
 # Wan configs by size; "base" matches the reference DiT's base preset (dim 512, 8 blocks).
 PRESETS: dict[str, dict[str, Any]] = {
@@ -195,23 +196,15 @@ def _verify(args: argparse.Namespace, x_t: torch.Tensor, context: torch.Tensor, 
     progress.note("verify: running the same loop unsharded on rank 0")
     reference, _ = denoise(unsharded_model(args, checkpoint_dir(args)), x_t, context, args.num_inference_steps,
                            progress)
-    diff = float((result.float() - reference.float()).abs().max())
-    exact = bool(torch.equal(result, reference))
-    # a sequence split may round differently (it measured exact here); the contract is 1e-5
-    rel = diff / max(float(reference.float().abs().max()), 1e-30)
-    tolerance = 1e-5 if sequence_parallel else None
-    return {"max_abs_diff": diff, "rel_diff": rel, "exact": exact, "tolerance": tolerance,
-            "ok": exact if tolerance is None else rel <= tolerance}
+    # a sequence split may round differently (it measured exact here)
+    return compare(result.float().numpy(), reference.float().numpy(), sequence_parallel)
 
 
 # ------------------------------------------------------------------------------------ main
 
 
 def _config_error(is_rank0: bool, message: str) -> int:
-    if is_rank0:
-        sys.stderr.write(f"text_to_video_wan: error: {message}\n")
-        sys.stderr.flush()
-    return EXIT_CONFIG
+    return config_error("text_to_video_wan", is_rank0, message)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -228,7 +221,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "CFG parallel (cfg_parallel_size=2) is not built in the torch example, which runs no guidance; "
                 "the reference pipeline (text_to_video.py) runs it")
         groups = par.init_parallel_groups(parallel, world)  # ring_degree > 1: NotImplementedError
-        tokens = (args.frames // 1) * (args.height // 2) * (args.width // 2)  # patch (1, 2, 2)
+        pt, ph, pw = COMMON["patch_size"]
+        tokens = (args.frames // pt) * (args.height // ph) * (args.width // pw)
         local_tokens = groups.sp.local_tokens(tokens) if groups.sp is not None else tokens
         if groups.sp is not None:
             groups.sp.check_heads(PRESETS[args.preset]["num_attention_heads"])

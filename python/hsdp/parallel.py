@@ -130,6 +130,10 @@ class ParallelGroups:
         return ", ".join(parts) or "no sequence or CFG parallelism"
 
 
+SINGLE = ParallelGroups(ulysses_degree=1, cfg_degree=1, ulysses_rank=0, cfg_rank=0, sp=None, cfg=None)
+"""One rank computing everything: no sequence split, both CFG branches here."""
+
+
 def init_parallel_groups(config: Any, world: Any) -> ParallelGroups:
     """Split `world` into the sequence-parallel and CFG groups `config` (a
     ``DiffusionParallelConfig``) declares. Collective: every rank calls it."""
@@ -139,12 +143,9 @@ def init_parallel_groups(config: Any, world: Any) -> ParallelGroups:
             f"(ulysses_degree={config.ring_degree * config.ulysses_degree}, ring_degree=1) where the head count allows"
         )
     sp, cfg = config.ulysses_degree, config.cfg_parallel_size
-    if config.world_size != world.size:
-        raise ValueError(
-            f"the parallel config needs {config.world_size} ranks ({config.describe()}), the world has {world.size}"
-        )
+    config.check_world(world.size)  # ValueError naming both sizes and the launch command
     if sp * cfg == 1:  # standalone HSDP, or nothing parallel: no group to split off
-        return ParallelGroups(ulysses_degree=1, cfg_degree=1, ulysses_rank=0, cfg_rank=0, sp=None, cfg=None)
+        return SINGLE
     if config.world_size != sp * cfg:
         raise NotImplementedError(
             f"only sequence and CFG parallelism run beside HSDP; the config's other degrees "

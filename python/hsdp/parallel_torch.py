@@ -24,14 +24,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .adapters.torch import _RAW_AS
 from .parallel import Ulysses
-
-_RAW = {torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
-    """A contiguous tensor's bytes as a NumPy array, zero-copy (bfloat16 as int16)."""
-    raw = _RAW.get(t.dtype)
+    """A contiguous tensor's bytes as a NumPy array, zero-copy (bfloat16 and float8 as
+    integers of their size, as the torch adapter hands them to the C unit)."""
+    raw = _RAW_AS.get(t.dtype)
     return (t.view(raw) if raw is not None else t).numpy()
 
 

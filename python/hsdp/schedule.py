@@ -164,14 +164,6 @@ class Schedule:
         the byte cap counts the unit computing and its own gather never waits behind them."""
         if self.recording or self.depth <= 0:
             return
-        if self.depth == 1 and self.max_bytes is None:  # the default, on every unit's hot path
-            if self.pos < len(self.order):
-                nxt = self.order[self.pos]
-                if not nxt.unit.holds_buffers and nxt.broken is None and nxt.unit.start_unshard():
-                    self.prefetches += 1
-                    nxt.prefetched_by_schedule()
-                    self.prefetched.append(nxt)
-            return
         held = self._held_bytes() if self.max_bytes is not None else 0
         for nxt in self.order[self.pos : self.pos + self.depth]:
             if nxt.unit.holds_buffers or nxt.broken is not None:

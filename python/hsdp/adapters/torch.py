@@ -335,12 +335,7 @@ class TorchAdapter:
         views = state.adapter_data
         if views is None:
             views = state.adapter_data = _UnitViews(state, self)
-        if torch.is_inference_mode_enabled():
-            # views made in inference mode would leave the parameters inference tensors for
-            # as long as the unit stays unsharded (resident, say): make them normal ones
-            with torch.inference_mode(False):
-                return self._bind(views, state)
-        return self._bind(views, state)
+        self._bind(views, state)
 
     def _bind(self, views: _UnitViews, state: UnitState) -> None:
         bufs = state.unit.buffers()
@@ -366,6 +361,12 @@ class TorchAdapter:
             p.data = t
 
     def _views(self, views: _UnitViews, bufs: tuple[Any, ...]) -> list[torch.Tensor]:
+        if torch.is_inference_mode_enabled():
+            # views made in inference mode would leave the parameters inference tensors for
+            # as long as the unit stays unsharded (resident, say): make them normal ones.
+            # Only here: a steady bind reuses kept views and changes no mode.
+            with torch.inference_mode(False):
+                return self._views(views, bufs)
         raw = [_from_dlpack(b) if b is not None else None for b in bufs]
         typed = []
         for which, dt in views.bases:
@@ -377,6 +378,8 @@ class TorchAdapter:
 
     def unbind(self, state: UnitState) -> None:
         views = state.adapter_data
+        if views is None:  # a bind that failed before its layout existed bound nothing
+            return
         for p, ph in zip(views.params, views.placeholders):
             p.data = ph
         bound = views.bound
