@@ -72,15 +72,34 @@ $(TESTBIN)/test_mpi_preinit: csrc/tests/test_mpi_preinit.c $(CORE_SRC) csrc/*.h 
 	@mkdir -p $(TESTBIN)
 	$(CC) $(CFLAGS_CHECK) -DHSDP_HAVE_MPI $$(mpicc --showme:compile) -Icsrc $(CORE_SRC) $< -o $@ $$(mpicc --showme:link) -ldl -lm -lpthread
 
+# The NCCL backend's loading and refusals: compiled against the headers of torch's nvidia
+# wheels (csrc/cuda_headers.py), run against the libraries they ship; no GPU needed.
+NCCL_LIB = $$(find $(VENV) -name 'libnccl.so.2' -path '*nvidia*' | head -1)
+CUDART_LIB = $$(find $(VENV) -name 'libcudart.so.1[0-9]' -path '*nvidia*' | head -1)
+$(TESTBIN)/test_nccl: csrc/tests/test_nccl.c $(CORE_SRC) csrc/*.h csrc/sources.mk csrc/tests/check.h | venv
+	@mkdir -p $(TESTBIN)
+	@flags="$$($(PY) csrc/cuda_headers.py)"; \
+	if [ -z "$$flags" ]; then echo "no NCCL/CUDA headers found (torch's nvidia wheels): cannot build the NCCL test"; exit 1; fi; \
+	echo "$(CC) ... $$flags csrc/tests/test_nccl.c"; \
+	$(CC) $(CFLAGS_CHECK) $$flags -Icsrc $(CORE_SRC) $< -o $@ -ldl -lm -lpthread
+
+$(TESTBIN)/fake_cuda_nccl.so: csrc/tests/fake_cuda_nccl.c | venv
+	@mkdir -p $(TESTBIN)
+	$(CC) -std=c11 -O1 -g -Wall -Wextra -Werror -fPIC -shared $$($(PY) csrc/cuda_headers.py) $< -o $@
+
 # The C core's own tests, under AddressSanitizer and UndefinedBehaviorSanitizer. Open MPI
 # keeps allocations alive past MPI_Finalize by design, so leak checking is off for its test.
-ctest: $(TESTBIN)/test_dtype $(TESTBIN)/test_core $(TESTBIN)/test_layout $(TESTBIN)/test_mpi $(TESTBIN)/test_mpi_preinit
+ctest: $(TESTBIN)/test_dtype $(TESTBIN)/test_core $(TESTBIN)/test_layout $(TESTBIN)/test_mpi $(TESTBIN)/test_mpi_preinit \
+	$(TESTBIN)/test_nccl $(TESTBIN)/fake_cuda_nccl.so
 	$(TESTBIN)/test_dtype
 	$(TESTBIN)/test_core
 	$(TESTBIN)/test_layout
 	set -o pipefail; ASAN_OPTIONS=detect_leaks=0 mpiexec -n 4 $(TESTBIN)/test_mpi | sort | uniq -c
 	set -o pipefail; for level in funneled serialized; do \
 	  ASAN_OPTIONS=detect_leaks=0 mpiexec -n 2 $(TESTBIN)/test_mpi_preinit $$level | sort | uniq -c || exit 1; done
+	ASAN_OPTIONS=detect_leaks=0 $(TESTBIN)/test_nccl "$(NCCL_LIB)" "$(CUDART_LIB)" $(TESTBIN)/fake_cuda_nccl.so
+	FAKE_NCCL_VERSION=22700 ASAN_OPTIONS=detect_leaks=0 $(TESTBIN)/test_nccl "$(NCCL_LIB)" "$(CUDART_LIB)" \
+	  $(TESTBIN)/fake_cuda_nccl.so   # before 2.28.3: all_to_all as grouped sends and receives
 
 pytest: build
 	$(PY) -m pytest -q

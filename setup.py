@@ -3,7 +3,9 @@
 The MPI backend is compiled in when an MPI compiler wrapper is found (``mpicc``, or the one
 named by ``HSDP_MPICC``); without one the package still builds and ``import hsdp`` works,
 and asking for MPI says what to install. ``HSDP_WERROR=1`` turns warnings into errors (CI).
-``HSDP_NO_MPI=1`` forces a build without MPI.
+``HSDP_NO_MPI=1`` forces a build without MPI. The NCCL backend is compiled in when the NCCL
+and CUDA runtime headers are found (csrc/cuda_headers.py: torch's nvidia wheels, or
+``HSDP_CUDA_HOME``); it links nothing, and opens both libraries at run time.
 """
 
 from __future__ import annotations
@@ -36,9 +38,10 @@ def sources(path: Path = HERE / "csrc" / "sources.mk") -> dict[str, list[str]]:
 
 
 def variant(compile_args: list[str]) -> str:
-    """A name for the build's flags, so builds with and without MPI keep their object files
-    apart (setuptools would otherwise reuse objects compiled with the other flags)."""
-    return "mpi" if "-DHSDP_HAVE_MPI" in compile_args else "nompi"
+    """A name for the build's flags, so builds with and without MPI or NCCL keep their object
+    files apart (setuptools would otherwise reuse objects compiled with the other flags)."""
+    name = "mpi" if "-DHSDP_HAVE_MPI" in compile_args else "nompi"
+    return name + ("-nccl" if "-DHSDP_HAVE_NCCL" in compile_args else "")
 
 
 class VariantBuildExt(build_ext):
@@ -83,10 +86,25 @@ def mpi_flags() -> tuple[list[str], list[str]]:
     return ["-DHSDP_HAVE_MPI", *shlex.split(cflags)], shlex.split(lflags)
 
 
+def nccl_flags() -> list[str]:
+    """-DHSDP_HAVE_NCCL and the header directories, or [] (a build without the NCCL backend)."""
+    sys.path.insert(0, str(HERE / "csrc"))
+    try:
+        from cuda_headers import include_dirs
+    finally:
+        sys.path.pop(0)
+    dirs = include_dirs()
+    if dirs is None:
+        print("hsdp: no NCCL/CUDA headers found; building without the NCCL backend", file=sys.stderr)
+        return []
+    # -isystem: the toolkit's headers are not ours to keep warning-free
+    return ["-DHSDP_HAVE_NCCL", *(f for d in dirs for f in ("-isystem", d))]
+
+
 SRC = sources()
 mpi_c, mpi_l = mpi_flags()
 # CPython's method tables cast function pointers by convention (CPython builds with this too).
-cflags = ["-std=c11", "-O2", "-Wall", "-Wextra", "-Wshadow", "-Wno-cast-function-type", *mpi_c]
+cflags = ["-std=c11", "-O2", "-Wall", "-Wextra", "-Wshadow", "-Wno-cast-function-type", *mpi_c, *nccl_flags()]
 if os.environ.get("HSDP_WERROR") == "1":
     cflags.append("-Werror")
 

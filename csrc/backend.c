@@ -17,25 +17,8 @@ uint64_t hsdp_now_ns(void) {
     return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
-/* ---------------------------------------------------------------- NCCL, until it is built */
-static const char nccl_missing[] =
-    "the NCCL (GPU) backend is not built yet; use backend 'mpi' (CPU ranks) for now";
-
-static int nccl_usable(const char **why) {
-    *why = nccl_missing;
-    return 0;
-}
-
-static hsdp_status nccl_world(hsdp_group **out, int *we_init) {
-    *out = NULL;
-    *we_init = 0;
-    return hsdp_fail(HSDP_EUNSUPPORTED, "%s", nccl_missing);
-}
-
-static const hsdp_backend nccl_planned = {.name = "nccl", .usable = nccl_usable, .world = nccl_world};
-
 /* ---------------------------------------------------------------- the registry */
-static const hsdp_backend *const registry[] = {&hsdp_backend_single, &hsdp_backend_mpi, &nccl_planned};
+static const hsdp_backend *const registry[] = {&hsdp_backend_single, &hsdp_backend_mpi, &hsdp_backend_nccl};
 #define NBACKENDS (sizeof registry / sizeof registry[0])
 
 size_t hsdp_backend_count(void) { return NBACKENDS; }
@@ -156,10 +139,15 @@ void hsdp_share_free(hsdp_group *g, void *share, void *memory) {
         g->backend->share_free(g, share, memory);
 }
 
-const char *hsdp_share_kind(const void *share) {
+const char *hsdp_share_kind(const hsdp_group *g, const void *share) {
     if (!share) return "unset";
-    /* anything else a backend keeps there is what it reads the peers' chunks with */
-    return share == &collective_share ? "collective" : "direct";
+    if (share == &collective_share) return "collective";
+    /* anything else a backend keeps there is how it reaches the chunks without the peers */
+    return g->backend->share_kind ? g->backend->share_kind(share) : "direct";
+}
+
+void hsdp_buffers_released(const hsdp_backend *b, hsdp_device device) {
+    if (b && device != HSDP_DEVICE_HOST && b->buffers_released) b->buffers_released(device);
 }
 
 static void req_reset(hsdp_req *r, hsdp_group *g, void **share, hsdp_status (*then)(void *), void *then_arg) {

@@ -10,11 +10,16 @@
  *                               Without them a started gather runs before start returns.
  *   overlaps                    whether started gathers really progress in the background
  *   buffer_alloc / buffer_free  unsharded buffers on a device other than the host
+ *   buffers_released            buffers of that device went back to the pool: work the
+ *                               caller's compute stream was given so far may still read
+ *                               them, so later gathers into them must wait for it (NCCL)
  *   gather_fixed / share_free
  *                               an all-gather of a chunk that never changes after its first
  *                               gather (a unit's shard): from the second gather on the
  *                               backend may read the peers' chunks itself, with no peer
- *                               taking part (MPI on one host: process_vm_readv)
+ *                               taking part (MPI on one host: process_vm_readv; NCCL: the
+ *                               chunk is copied to the device once, and gathered from there)
+ *   share_kind                  what a share set by gather_fixed is, for Unit.gather_path
  *   finalize                    ends the backend's runtime, when world() started it */
 #ifndef HSDP_BACKEND_H
 #define HSDP_BACKEND_H
@@ -52,6 +57,7 @@ struct hsdp_backend {
     int (*overlaps)(const hsdp_group *g);
     void *(*buffer_alloc)(size_t nbytes, hsdp_device device);
     void (*buffer_free)(void *p, size_t nbytes, hsdp_device device);
+    void (*buffers_released)(hsdp_device device);
     hsdp_status (*finalize)(void);
 
     /* All-gathers a chunk that stays the same from this call on. *share starts NULL and is
@@ -65,6 +71,8 @@ struct hsdp_backend {
     /* Releases share and frees memory (the chunk, from aligned_alloc; ownership passes here)
      * once no peer can still be reading it. */
     void (*share_free)(hsdp_group *g, void *share, void *memory);
+    /* "direct" when NULL */
+    const char *(*share_kind)(const void *share);
 };
 
 struct hsdp_group {
@@ -114,8 +122,11 @@ void *hsdp_share_collective(void);
 /* Releases a share set by hsdp_gather_fixed (NULL is fine) and frees memory, the fixed chunk
  * (from aligned_alloc; the call owns it): at once, or once no peer can still be reading it. */
 void hsdp_share_free(hsdp_group *g, void *share, void *memory);
-/* "direct", "collective", or "unset" before the first gather. */
-const char *hsdp_share_kind(const void *share);
+/* "unset" before the first gather; then "collective", or what the backend's share is
+ * ("direct" for MPI peers read in place, "device" for NCCL's device copy). */
+const char *hsdp_share_kind(const hsdp_group *g, const void *share);
+/* Tells the backend that buffers of `device` went back to the pool (see the slot). */
+void hsdp_buffers_released(const hsdp_backend *b, hsdp_device device);
 
 /* An accounted unsharded buffer on `device`: host memory from hsdp_buffer_alloc, any other
  * device from the backend's buffer slot (HSDP_EUNSUPPORTED when it has none). */
@@ -131,5 +142,6 @@ hsdp_status hsdp_set_timeout(double seconds);
 /* The backends, each defined in its own file. */
 extern const hsdp_backend hsdp_backend_single; /* backend_single.c */
 extern const hsdp_backend hsdp_backend_mpi;    /* backend_mpi.c */
+extern const hsdp_backend hsdp_backend_nccl;   /* backend_nccl.c */
 
 #endif

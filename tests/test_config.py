@@ -588,12 +588,8 @@ def test_check_world_uses_world_group(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_unsupported_degrees() -> None:
     assert C(use_hsdp=True, hsdp_shard_size=4).unsupported_degrees() == []
-    assert C(use_hsdp=True, ulysses_degree=4).unsupported_degrees() == ["ulysses_degree=4"]
-    assert C(ulysses_degree=2, ring_degree=3, cfg_parallel_size=2).unsupported_degrees() == [
-        "ulysses_degree=2",
-        "ring_degree=3",
-        "cfg_parallel_size=2",
-    ]
+    assert C(use_hsdp=True, ulysses_degree=4).unsupported_degrees() == []  # Ulysses runs (hsdp.parallel)
+    assert C(ulysses_degree=2, ring_degree=3, cfg_parallel_size=2).unsupported_degrees() == ["ring_degree=3"]
 
 
 def test_unsupported_degrees_without_hsdp_include_other_parallelism() -> None:
@@ -606,20 +602,21 @@ def test_require_supported_ok() -> None:
 
 
 def test_require_supported_names_degree() -> None:
+    C(use_hsdp=True, ulysses_degree=4, cfg_parallel_size=2).require_supported()  # both run
     with pytest.raises(NotImplementedError) as e:
-        C(use_hsdp=True, ulysses_degree=4).require_supported()
+        C(use_hsdp=True, ring_degree=4).require_supported()
     assert str(e.value) == (
-        "sequence parallelism (ulysses_degree=4) is not built yet; "
+        "ring attention (ring_degree=4) is not built yet; "
         "the HSDP mesh over these ranks works, but running the model with it does not"
     )
 
 
 def test_require_supported_names_all() -> None:
     with pytest.raises(NotImplementedError) as e:
-        C(use_hsdp=True, ring_degree=2, cfg_parallel_size=2).require_supported()
+        C(ring_degree=2, cfg_parallel_size=2, tensor_parallel_size=2).require_supported()
     msg = str(e.value)
-    assert "sequence parallelism (ring_degree=2)" in msg
-    assert "CFG parallelism (cfg_parallel_size=2)" in msg
+    assert "ring attention (ring_degree=2)" in msg
+    assert "tensor parallelism (tensor_parallel_size=2)" in msg and "cfg_parallel_size" not in msg
     assert "are not built yet" in msg
 
 

@@ -288,7 +288,8 @@ REFUSED = [
      "9 tokens are not divisible by ulysses_degree=2"),
     ("ref", 2, ["--cfg-parallel-size", "2", "--guidance-scale", "1"], "--guidance-scale 1 has only one"),
     ("ref", 4, ["--ulysses-degree", "4"], "num_heads=2 is not divisible by ulysses_degree=4"),
-    ("wan", 2, ["--cfg-parallel-size", "2"], "CFG parallel (cfg_parallel_size=2) is not built in the torch example"),
+    ("wan", 2, ["--cfg-parallel-size", "2", "--guidance-scale", "1"], "--guidance-scale 1 has only one"),
+    ("wan", 1, ["--device", "cuda"], "--device cuda: no usable GPU for the NCCL backend"),
 ]
 
 
@@ -334,6 +335,25 @@ def test_wan_example_streams_and_verifies_on_two_ranks(tmp_path, dtype) -> None:
     assert report["verify"]["exact"] is True and report["verify"]["max_abs_diff"] == 0.0
     assert 0.5 <= report["held_ratio"] < 0.53
     assert (tmp_path / "ckpt" / "wan-tiny-seed0" / "config.json").exists()
+
+
+@pytest.mark.parametrize("ranks,flags", [(2, ["--cfg-parallel-size", "2"]),
+                                         (4, ["--ulysses-degree", "2", "--cfg-parallel-size", "2"])])
+def test_wan_example_runs_cfg_parallel_with_hsdp(tmp_path, ranks, flags) -> None:
+    """The torch main job with the two guidance branches on the two halves of the CFG group
+    (alone: bit-exact; with Ulysses 2 beside it on 4 ranks: within the tolerance)."""
+    out = tmp_path / "wan_cfg.npy"
+    proc = run_launch(
+        "-n", str(ranks), "--", WAN_EXAMPLE, *flags, "--use-hsdp", "--param-dtype", "float32", "--verify",
+        "--preset", "tiny", "--frames", "2", "--height", "16", "--width", "16", "--num-inference-steps", "2",
+        "--output", str(out), "--checkpoint-dir", str(tmp_path / "ckpt"), timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert report["hsdp_mode"] == "combined" and report["cfg"] == {"guidance_scale": 5.0, "cfg_parallel_size": 2}
+    assert report["verify"]["ok"] is True
+    if ranks == 2:
+        assert report["verify"]["exact"] is True
 
 
 def test_wan_example_runs_ulysses_with_hsdp_on_two_ranks(tmp_path) -> None:

@@ -155,11 +155,13 @@ def test_conditions_on_the_class_and_a_model_without_conditions():
         hsdp.apply_hsdp_to_model(make_wan(0), hsdp.HSDPInferenceConfig(enabled=True))
 
 
-def test_gpu_target_device_is_not_built_yet():
-    """target_device='cuda' says the NCCL backend is not built yet; the model is untouched."""
+def test_gpu_target_device_on_a_cpu_world_is_refused():
+    """target_device='cuda' on a world already running on a CPU backend names both; the model is
+    untouched. (A fresh process gets the NCCL backend's own error: tests/test_nccl.py.)"""
     model = make_wan(0)
     model._hsdp_shard_conditions = [is_wan_block]
-    with pytest.raises(NotImplementedError, match="NCCL"):
+    world = hsdp.distributed.init_process_group()
+    with pytest.raises(ValueError, match=f"needs the NCCL process group, but this one runs on '{world.backend}'"):
         hsdp.apply_hsdp_to_model(model, hsdp.HSDPInferenceConfig(enabled=True), target_device="cuda")
     assert model.blocks[0].attn1.to_q.weight.shape == (32, 32) and not hasattr(model.blocks[0], "_hsdp_unit")
 

@@ -81,6 +81,8 @@ BufferObject *hsdp_py_buffer_take(modstate *ms, size_t n, const hsdp_backend *b,
 
 void hsdp_py_buffer_give(modstate *ms, BufferObject *b) {
     if (!b) return;
+    /* the compute stream may still read a device buffer: later gathers into it wait (NCCL) */
+    hsdp_buffers_released(b->backend, b->device);
     /* idle: nobody but the caller and what an adapter kept with it holds it */
     if (Py_REFCNT(b) == 1 + b->kept_refs && ms->pool_cap > 0 && b->n > 0) {
         if (ms->pool_n >= ms->pool_cap || ms->pool_n >= HSDP_POOL_SLOTS) {
@@ -202,8 +204,24 @@ static PyObject *mod_set_pool_capacity(PyObject *m, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* pool_reserve(sizes, capacity): make the pool hold (at least) one idle host buffer per entry
- * of sizes, allocating what is missing, and keep up to capacity. The schedule calls it with
+/* One entry of pool_reserve's sizes: an int (host bytes) or (bytes, device name). */
+static int reserve_entry(PyObject *item, size_t *n, hsdp_device *dev) {
+    *dev = HSDP_DEVICE_HOST;
+    PyObject *size = item;
+    if (PyTuple_Check(item)) {
+        const char *name = NULL;
+        if (!PyArg_ParseTuple(item, "Os;pool_reserve entries are sizes or (size, device)", &size, &name)) return -1;
+        if (hsdp_device_from_name(name, dev) < 0) {
+            PyErr_Format(PyExc_ValueError, "device must be 'host' or 'cuda', got '%s'", name);
+            return -1;
+        }
+    }
+    *n = PyLong_AsSize_t(size);
+    return *n == (size_t)-1 && PyErr_Occurred() ? -1 : 0;
+}
+
+/* pool_reserve(sizes, capacity): make the pool hold (at least) one idle buffer per entry of
+ * sizes (host bytes, or (bytes, device)), allocating what is missing, and keep up to capacity. The schedule calls it with
  * the buffers a steady-state forward of the recorded order needs, so no later forward
  * allocates. */
 static PyObject *mod_pool_reserve(PyObject *m, PyObject *args) {
@@ -226,20 +244,22 @@ static PyObject *mod_pool_reserve(PyObject *m, PyObject *args) {
     ms->pool_n = 0;
     int rc = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        size_t want = PyLong_AsSize_t(PySequence_Fast_GET_ITEM(seq, i));
-        if (want == (size_t)-1 && PyErr_Occurred()) {
+        size_t want;
+        hsdp_device dev;
+        if (reserve_entry(PySequence_Fast_GET_ITEM(seq, i), &want, &dev) < 0) {
             rc = -1;
             break;
         }
         BufferObject *b = NULL;
         for (int k = 0; k < nidle; k++)
-            if (idle[k] && idle[k]->n == want && idle[k]->device == HSDP_DEVICE_HOST) {
+            if (idle[k] && idle[k]->n == want && idle[k]->device == dev) {
                 b = idle[k];
                 idle[k] = NULL;
                 break;
             }
         if (!b) {
-            b = buffer_new(ms, want, NULL, HSDP_DEVICE_HOST);
+            /* device buffers come from the backend of that device (one per process) */
+            b = buffer_new(ms, want, dev == HSDP_DEVICE_HOST ? NULL : hsdp_backend_find("nccl"), dev);
             if (!b) {
                 rc = -1;
                 break;

@@ -88,7 +88,8 @@ static void capsule_legacy(PyObject *cap) {
 }
 
 static DLDevice device_of(const BufferObject *b) {
-    DLDevice d = {b->device == HSDP_DEVICE_CUDA ? 2 : 1, 0};
+    /* one GPU per process: the one the NCCL backend runs on */
+    DLDevice d = {b->device == HSDP_DEVICE_CUDA ? 2 : 1, b->device == HSDP_DEVICE_CUDA ? hsdp_nccl_device() : 0};
     return d;
 }
 

@@ -150,6 +150,35 @@ static PyObject *group_all_to_all(GroupObject *self, PyObject *args, PyObject *k
     return blocks_call(self, args, kw, self->g->size, hsdp_all_to_all);
 }
 
+/* The same collectives on device memory given as addresses (torch's data_ptr()), for a
+ * backend whose buffers live on a device: the caller keeps the memory alive, and the result
+ * is ordered before later work on the compute stream. */
+static PyObject *device_call(GroupObject *self, PyObject *args, int send_blocks, block_collective fn) {
+    unsigned long long s, r;
+    Py_ssize_t block;
+    if (!PyArg_ParseTuple(args, "KKn", &s, &r, &block)) return NULL;
+    if (!self->g->backend->buffer_alloc)
+        return PyErr_Format(PyExc_ValueError, "device addresses need a GPU backend (nccl); this group runs on '%s'",
+                            self->g->backend->name);
+    if (block < 0) return PyErr_Format(PyExc_ValueError, "block_bytes must be >= 0, got %zd", block);
+    if (!s || !r) return PyErr_Format(PyExc_ValueError, "send and recv must be device addresses, not 0");
+    (void)send_blocks;
+    hsdp_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = fn(self->g, (const void *)(uintptr_t)s, (void *)(uintptr_t)r, (size_t)block);
+    Py_END_ALLOW_THREADS
+    if (st != HSDP_OK) return hsdp_py_raise(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *group_all_gather_device(GroupObject *self, PyObject *args) {
+    return device_call(self, args, 1, hsdp_all_gather);
+}
+
+static PyObject *group_all_to_all_device(GroupObject *self, PyObject *args) {
+    return device_call(self, args, self->g->size, hsdp_all_to_all);
+}
+
 static PyObject *group_repr(GroupObject *self) {
     return PyUnicode_FromFormat("ProcessGroup(backend='%s', rank=%d, size=%d)", self->g->backend->name,
                                 self->g->rank, self->g->size);
@@ -176,6 +205,10 @@ static PyMethodDef group_methods[] = {
     {"all_to_all", (PyCFunction)(void (*)(void))group_all_to_all, METH_VARARGS | METH_KEYWORDS,
      "all_to_all(send, recv): block j of send goes to rank j; block i of recv comes from rank i (send and recv "
      "hold size equal blocks and must not overlap)."},
+    {"all_gather_device", (PyCFunction)group_all_gather_device, METH_VARARGS,
+     "all_gather_device(send_addr, recv_addr, block_bytes): all_gather on device memory (nccl)."},
+    {"all_to_all_device", (PyCFunction)group_all_to_all_device, METH_VARARGS,
+     "all_to_all_device(send_addr, recv_addr, block_bytes): all_to_all on device memory (nccl)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -148,6 +148,7 @@ PyMODINIT_FUNC PyInit__C(void) {
         add_type(m, &hsdp_py_token_spec, &ms->token_type, "WholeBytes") < 0 ||
         PyModule_AddFunctions(m, hsdp_py_npy_functions) < 0 || PyModule_AddFunctions(m, hsdp_py_pool_functions) < 0 ||
         PyModule_AddFunctions(m, hsdp_py_backend_functions) < 0 ||
+        PyModule_AddFunctions(m, hsdp_py_nccl_functions) < 0 ||
         PyModule_AddIntConstant(m, "ALIGN", HSDP_ALIGN) < 0 ||
         PyModule_AddIntConstant(m, "POOL_SLOTS", HSDP_POOL_SLOTS) < 0) {
         Py_DECREF(m);

@@ -8,6 +8,7 @@
  *   buffer_type.c  _Buffer (an unsharded buffer) and the pool of idle ones
  *   dlpack.c       _Buffer.__dlpack__: the buffer exported zero-copy to torch and others
  *   group_type.c   ProcessGroup over the backend registry
+ *   nccl_functions.c  loading and bootstrapping the NCCL backend
  *   unit_type.c    Unit: one flat shard unit, its gathers and its parameter views
  *   config_type.c  HSDPInferenceConfig */
 #ifndef HSDP_PYHSDP_H
@@ -23,6 +24,7 @@
 #include <numpy/arrayobject.h>
 
 #include "../backend.h"
+#include "../backend_nccl.h"
 #include "../hsdp.h"
 
 /* The pool keeps at most this many idle unsharded buffers (exported as _C.POOL_SLOTS, which
@@ -104,6 +106,7 @@ typedef struct {
 
 extern PyType_Spec hsdp_py_group_spec;
 extern PyMethodDef hsdp_py_backend_functions[];
+extern PyMethodDef hsdp_py_nccl_functions[]; /* nccl_functions.c */
 
 /* ------------------------------------------------------------------ the rest */
 extern PyType_Spec hsdp_py_unit_spec;

@@ -558,7 +558,7 @@ static PyObject *unit_get_unsharded(UnitObject *self, void *c) {
 }
 static PyObject *unit_get_gather_path(UnitObject *self, void *c) {
     (void)c;
-    return PyUnicode_FromString(hsdp_share_kind(self->u.share));
+    return PyUnicode_FromString(hsdp_share_kind(self->u.group, self->u.share));
 }
 
 static PyObject *unit_get_pending(UnitObject *self, void *c) {
@@ -603,7 +603,8 @@ static PyGetSetDef unit_getset[] = {
     {"is_unsharded", (getter)unit_get_unsharded, NULL, "whether the full weights are ready and bound", NULL},
     {"is_pending", (getter)unit_get_pending, NULL, "whether a gather is in flight", NULL},
     {"gather_path", (getter)unit_get_gather_path, NULL,
-     "'unset' before the first gather; then 'direct' (peers' shards read in place) or 'collective'", NULL},
+     "'unset' before the first gather; then 'direct' (peers' shards read in place), 'device' (NCCL: gathered from "
+     "the shard's device copy) or 'collective'", NULL},
     {"holds_buffers", (getter)unit_get_held, NULL, "unsharded or pending: the unit holds full buffers", NULL},
     {"nparams", (getter)unit_get_nparams, NULL, "number of parameters", NULL},
     {NULL, NULL, NULL, NULL, NULL},

@@ -36,11 +36,11 @@ int main(void) {
     /* replica r's shard becomes replica 0's (before the first gather: then it is fixed) */
     if (m.r != 0) memset(u.shard, 0xAB, u.layout.chunk_bytes);
     CHECK(hsdp_broadcast(rep, u.shard, u.layout.chunk_bytes, 0) == HSDP_OK);
-    CHECK(strcmp(hsdp_share_kind(u.share), "unset") == 0);
+    CHECK(strcmp(hsdp_share_kind(u.group, u.share), "unset") == 0);
     CHECK(hsdp_unit_gather(&u, full) == HSDP_OK);
     /* the first gather decided how later ones run: direct reads of the peers' shards here
      * (one host), or collective with one rank; the shard is fixed either way */
-    CHECK(strcmp(hsdp_share_kind(u.share), shard->size > 1 ? "direct" : "collective") == 0);
+    CHECK(strcmp(hsdp_share_kind(u.group, u.share), shard->size > 1 ? "direct" : "collective") == 0);
     CHECK(hsdp_unit_write(&u, 0, 0, 1, src, HSDP_F32) == HSDP_ESTATE);
     CHECK(hsdp_unit_widen(&u, full, wide) == HSDP_OK);
     CHECK(memcmp((char *)full + u.layout.slots[0].offset, src, 1000 * sizeof(float)) == 0);

@@ -44,6 +44,20 @@ def add_run_args(p: argparse.ArgumentParser, presets: Sequence[str], default_out
                    "(hsdp.resident): no gathers per step, the whole model per rank while it runs")
 
 
+def add_guidance_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--guidance-scale", type=float, default=5.0,
+                   help="classifier-free guidance scale (default %(default)s, as in Wan); 1 runs the "
+                        "conditional branch only")
+
+
+def check_guidance_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.guidance_scale <= 0:
+        p.error(f"--guidance-scale must be positive, got {args.guidance_scale}")
+    if args.cfg_parallel_size == 2 and args.guidance_scale == 1.0:
+        p.error("--cfg-parallel-size 2 runs the two branches of classifier-free guidance on separate ranks, "
+                "but --guidance-scale 1 has only one; use a scale above 1 or --cfg-parallel-size 1")
+
+
 def check_run_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Checked before any rank builds a model, so a typo costs nothing."""
     for name in ("num_inference_steps", "batch", "frames", "height", "width"):

@@ -44,9 +44,11 @@ from hsdp.distributed import init_process_group
 from inference_report import (
     EXIT_MISMATCH,
     Progress,
+    add_guidance_args,
     add_run_args,
     broadcast_int,
     build_report,
+    check_guidance_args,
     check_run_args,
     compare,
     config_error,
@@ -64,16 +66,10 @@ TEXT_LEN = 16  # tokens of the stand-in text embedding
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Text-to-video on the reference DiT, weights sharded with HSDP.")
     add_run_args(p, models.preset_names(), "outputs/text_to_video.npy", "safetensors checkpoint")
-    p.add_argument("--guidance-scale", type=float, default=5.0,
-                   help="classifier-free guidance scale (default %(default)s, as in Wan); 1 runs the "
-                        "conditional branch only")
+    add_guidance_args(p)
     add_parallel_args(p)
     args = p.parse_args(argv)
-    if args.guidance_scale <= 0:
-        p.error(f"--guidance-scale must be positive, got {args.guidance_scale}")
-    if args.cfg_parallel_size == 2 and args.guidance_scale == 1.0:
-        p.error("--cfg-parallel-size 2 runs the two branches of classifier-free guidance on separate ranks, "
-                "but --guidance-scale 1 has only one; use a scale above 1 or --cfg-parallel-size 1")
+    check_guidance_args(p, args)
     check_run_args(p, args)
     patch = models.DiTConfig.preset(args.preset).patch_size
     for name, size, n in zip(("frames", "height", "width"), (args.frames, args.height, args.width), patch):

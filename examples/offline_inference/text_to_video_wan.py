@@ -4,11 +4,18 @@ The torch twin of ``text_to_video.py``: a diffusers ``WanTransformer3DModel`` (a
 config, random weights from ``--seed``, saved with ``save_pretrained`` on first use: no
 downloads) is streamed into a model built under ``accelerate.init_empty_weights()``, each
 rank reading only its own shard, then diffusers' ``FlowMatchEulerDiscreteScheduler`` runs
-``--num-inference-steps`` steps from seeded noise and a seeded stand-in for the text
-embedding. Same flags, report and JSON as the NumPy example.
+``--num-inference-steps`` steps from seeded noise and seeded stand-ins for the text and
+negative-prompt embeddings, with classifier-free guidance (``--guidance-scale``, default
+5.0). Same flags, report and JSON as the NumPy example, and every combined mode
+(``--ulysses-degree``, ``--cfg-parallel-size``, HSDP over the same ranks).
 
     python -m hsdp.launch -n 4 -- examples/offline_inference/text_to_video_wan.py \\
         --use-hsdp --hsdp-shard-size 4 --verify
+
+On GPUs (``--device cuda``: the NCCL backend, one GPU per rank, LOCAL_RANK):
+
+    torchrun --nproc-per-node 8 examples/offline_inference/text_to_video_wan.py \\
+        --device cuda --use-hsdp --hsdp-shard-size 8
 
 Exit status: 0 on success, 1 when --verify finds a difference, 2 for a configuration error
 or a parallel degree the runtime cannot execute yet.
@@ -38,9 +45,11 @@ from hsdp.distributed import init_process_group
 from inference_report import (
     EXIT_MISMATCH,
     Progress,
+    add_guidance_args,
     add_run_args,
     broadcast_int,
     build_report,
+    check_guidance_args,
     check_run_args,
     compare,
     config_error,
@@ -73,8 +82,12 @@ def is_block(name: str, module: Any) -> bool:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Text-to-video on a diffusers Wan transformer, weights sharded with HSDP.")
     add_run_args(p, sorted(PRESETS), "outputs/text_to_video_wan.npy", "save_pretrained folder")
+    add_guidance_args(p)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the model runs (default %(default)s); cuda uses the NCCL backend, one GPU per rank")
     add_parallel_args(p)
     args = p.parse_args(argv)
+    check_guidance_args(p, args)
     check_run_args(p, args)
     for name in ("height", "width"):
         if getattr(args, name) % 2:
@@ -136,8 +149,8 @@ def unsharded_model(args: argparse.Namespace, folder: Path) -> Any:
 
 def build_model(args: argparse.Namespace, hsdp_cfg: Any | None, folder: Path) -> Any:
     if hsdp_cfg is None:
-        return unsharded_model(args, folder)
-    return hsdp.load_model_sharded(empty_model(folder), folder, hsdp_cfg)
+        return unsharded_model(args, folder).to(args.device)
+    return hsdp.load_model_sharded(empty_model(folder), folder, hsdp_cfg, target_device=args.device)
 
 
 # ------------------------------------------------------------------------------------ sampling
@@ -148,15 +161,20 @@ def initial_noise(args: argparse.Namespace, channels: int) -> torch.Tensor:
     return torch.randn(args.batch, channels, args.frames, args.height, args.width, generator=g)
 
 
-def text_context(args: argparse.Namespace, text_dim: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(args.seed * 1000 + 2)
+def text_context(args: argparse.Namespace, text_dim: int, negative: bool = False) -> torch.Tensor:
+    """A seeded stand-in for the text encoder's output; `negative`: the negative prompt's."""
+    g = torch.Generator().manual_seed(args.seed * 1000 + (3 if negative else 2))
     return torch.randn(args.batch, TEXT_LEN, text_dim, generator=g)
 
 
-def denoise(model: Any, x: torch.Tensor, context: torch.Tensor, steps: int,
-            progress: Progress) -> tuple[torch.Tensor, list[float]]:
-    """diffusers' flow-matching Euler scheduler, the one Wan pipelines use."""
+def denoise(model: Any, x: torch.Tensor, contexts: tuple[torch.Tensor, torch.Tensor], steps: int,
+            progress: Progress, guidance_scale: float = 1.0,
+            groups: par.ParallelGroups = par.SINGLE) -> tuple[torch.Tensor, list[float]]:
+    """diffusers' flow-matching Euler scheduler, the one Wan pipelines use, with the velocity
+    guided from the (conditional, negative) contexts unless the scale is 1."""
     from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from hsdp.parallel_torch import cfg_combine
 
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
     scheduler.set_timesteps(steps)
@@ -164,7 +182,11 @@ def denoise(model: Any, x: torch.Tensor, context: torch.Tensor, steps: int,
     with torch.inference_mode():
         for i, t in enumerate(scheduler.timesteps):
             start = time.perf_counter()
-            v = model(x, t.expand(x.shape[0]), context, return_dict=False)[0]
+            tt = t.expand(x.shape[0]).to(x.device)
+            if guidance_scale == 1.0:
+                v = model(x, tt, contexts[0], return_dict=False)[0]
+            else:
+                v = cfg_combine(groups, lambda b: model(x, tt, contexts[b], return_dict=False)[0], guidance_scale)
             x = scheduler.step(v, t, x, return_dict=False)[0]
             seconds.append(time.perf_counter() - start)
             progress.step(i + 1, seconds[-1])
@@ -190,14 +212,14 @@ def _held_bytes(model: Any, sharded: bool) -> int:
     return stats["sharded_bytes"] + stats["whole_bytes"]
 
 
-def _verify(args: argparse.Namespace, x_t: torch.Tensor, context: torch.Tensor, result: torch.Tensor,
-            sequence_parallel: bool) -> dict[str, Any]:
+def _verify(args: argparse.Namespace, x_t: torch.Tensor, contexts: tuple[torch.Tensor, torch.Tensor],
+            result: torch.Tensor, sequence_parallel: bool) -> dict[str, Any]:
     progress = Progress(True, "verify step", args.num_inference_steps)
-    progress.note("verify: running the same loop unsharded on rank 0")
-    reference, _ = denoise(unsharded_model(args, checkpoint_dir(args)), x_t, context, args.num_inference_steps,
-                           progress)
+    progress.note(f"verify: running the same loop unsharded on rank 0 ({args.device})")
+    model = unsharded_model(args, checkpoint_dir(args)).to(args.device)
+    reference, _ = denoise(model, x_t, contexts, args.num_inference_steps, progress, args.guidance_scale)
     # a sequence split may round differently (it measured exact here)
-    return compare(result.float().numpy(), reference.float().numpy(), sequence_parallel)
+    return compare(result.float().cpu().numpy(), reference.float().cpu().numpy(), sequence_parallel)
 
 
 # ------------------------------------------------------------------------------------ main
@@ -209,17 +231,16 @@ def _config_error(is_rank0: bool, message: str) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    world = init_process_group()
+    try:
+        world = init_process_group("nccl" if args.device == "cuda" else "auto")
+    except (NotImplementedError, RuntimeError, ValueError) as exc:  # no GPU, no NCCL, a bad launch
+        return config_error("text_to_video_wan", True, f"--device {args.device}: {exc}")
     is_rank0 = world.rank == 0
     logging.basicConfig(level=logging.INFO if is_rank0 else logging.WARNING, format="%(name)s: %(message)s")
     try:
         parallel = DiffusionParallelConfig.from_cli_args(args)
         parallel.check_world(world.size)
         hsdp_cfg = parallel.to_hsdp_config(param_dtype=args.param_dtype) if parallel.use_hsdp else None
-        if parallel.cfg_parallel_size > 1:
-            raise NotImplementedError(
-                "CFG parallel (cfg_parallel_size=2) is not built in the torch example, which runs no guidance; "
-                "the reference pipeline (text_to_video.py) runs it")
         groups = par.init_parallel_groups(parallel, world)  # ring_degree > 1: NotImplementedError
         pt, ph, pw = COMMON["patch_size"]
         tokens = (args.frames // pt) * (args.height // ph) * (args.width // pw)
@@ -242,28 +263,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     held = _held_bytes(model, hsdp_cfg is not None)
 
     cfg = PRESETS[args.preset]
-    x_t, context = initial_noise(args, cfg["in_channels"]), text_context(args, cfg["text_dim"])
+    x_t = initial_noise(args, cfg["in_channels"]).to(args.device)
+    contexts = (text_context(args, cfg["text_dim"]).to(args.device),
+                text_context(args, cfg["text_dim"], negative=True).to(args.device))
     loop = Progress(is_rank0, "step", args.num_inference_steps)
     if args.resident and hsdp_cfg is not None:
         loop.note("weights resident for the loop (hsdp.resident): gathered once, resharded after")
         with hsdp.resident(model):
-            latents, seconds = denoise(model, x_t, context, args.num_inference_steps, loop)
+            latents, seconds = denoise(model, x_t, contexts, args.num_inference_steps, loop, args.guidance_scale,
+                                       groups)
     else:
-        latents, seconds = denoise(model, x_t, context, args.num_inference_steps, loop)
+        latents, seconds = denoise(model, x_t, contexts, args.num_inference_steps, loop, args.guidance_scale, groups)
     loop.done()
     per_rank = gather_ints(world, [held, peak_rss_bytes()])
 
     status = 0
     if is_rank0:
         args.output.parent.mkdir(parents=True, exist_ok=True)
-        np.save(args.output, latents.float().numpy())
-        verify = _verify(args, x_t, context, latents, groups.sp is not None) if args.verify else None
+        np.save(args.output, latents.float().cpu().numpy())
+        verify = _verify(args, x_t, contexts, latents, groups.sp is not None) if args.verify else None
         params = _param_bytes(model)
         report = build_report(args, parallel, per_rank, seconds, verify, params=params,
                               whole_bytes=params["unsharded_bytes"], ratio_of=args.param_dtype,
                               latent_shape=list(latents.shape), model="diffusers.WanTransformer3DModel",
                               sequence_parallel={"ulysses_degree": groups.ulysses_degree, "tokens": tokens,
-                                                 "tokens_per_rank": local_tokens})
+                                                 "tokens_per_rank": local_tokens},
+                              cfg={"guidance_scale": args.guidance_scale, "cfg_parallel_size": groups.cfg_degree},
+                              device=args.device)
         print("\n" + format_table("text_to_video_wan report", report_rows(report)), flush=True)
         json_path = args.output.with_suffix(".json")
         write_json(json_path, report)

@@ -22,7 +22,7 @@ from typing import Any
 from . import _C, distributed
 from .adapters import TensorAdapter, adapter_for
 from .dtypes import DType, float8_e4m3fn, float8_e5m2, float32
-from .mesh import DeviceMesh, init_device_mesh
+from .mesh import DeviceMesh, device_type_of, init_device_mesh
 from .policy import MixedPrecisionPolicy
 from .schedule import Schedule
 from .units import ShardCondition, UnitShardHandle, UnitState
@@ -222,6 +222,20 @@ def _module_names(model: Any) -> dict[int, str]:
 # ---------------------------------------------------------------------------- the API
 
 
+def _world_for(ad: TensorAdapter, target_device: Any) -> Any:
+    """The process group, started on NCCL when the buffers go to a GPU; a GPU target on a
+    world already running on another backend is an error naming both."""
+    on_gpu = target_device is not None and ad.buffer_device(target_device) == "cuda"
+    if not on_gpu:
+        return distributed.init_process_group()
+    if distributed.is_initialized() and distributed.get_world_group().backend != "nccl":
+        raise ValueError(
+            f"target_device {target_device!r} needs the NCCL process group, but this one runs on "
+            f"{distributed.get_world_group().backend!r}; call hsdp.distributed.init_process_group('nccl') first"
+        )
+    return distributed.init_process_group("nccl")
+
+
 def prepare_hsdp_shard_context(model: Any, hsdp_config: Any, target_device: Any = None) -> HSDPShardContext:
     """Validate, build the mesh and precision policy, and collect the parameters kept whole.
 
@@ -234,8 +248,8 @@ def prepare_hsdp_shard_context(model: Any, hsdp_config: Any, target_device: Any 
         raise TypeError(f"hsdp_config must be an HSDPInferenceConfig, got {type(hsdp_config).__name__}")
     if not hsdp_config.enabled:
         raise ValueError("HSDP is not enabled in hsdp_config (enabled=False); set enabled=True")
+    world = _world_for(ad, target_device)
     ad.check_device(target_device)
-    world = distributed.init_process_group()
     replicate, shard = _resolve_sizes(hsdp_config, world)
 
     named = list(ad.named_parameters(model))
@@ -246,7 +260,7 @@ def prepare_hsdp_shard_context(model: Any, hsdp_config: Any, target_device: Any 
         output_dtype=hsdp_config.output_dtype,
     )
 
-    mesh = init_device_mesh("cpu", (replicate, shard))
+    mesh = init_device_mesh(device_type_of(world), (replicate, shard))
     log.info(
         "HSDP setup: replicate_size=%d shard_size=%d world_size=%d rank=%d",
         replicate, shard, world.size, world.rank,
@@ -286,6 +300,8 @@ def prepare_hsdp_shard_context(model: Any, hsdp_config: Any, target_device: Any 
 
     for sub in ignored_modules:
         ad.move(sub, target_device)
+    if target_device is not None:
+        ad.place_whole(model, [p for _, p in unshardable], target_device)
     ctx = HSDPShardContext(
         model=model,
         adapter=ad,
@@ -314,7 +330,7 @@ def _default_context(
 ) -> HSDPShardContext:
     if mesh is None:
         world = distributed.init_process_group()
-        mesh = init_device_mesh("cpu", (1, world.size))
+        mesh = init_device_mesh(device_type_of(world), (1, world.size))
     ignored = set(ignored_params or ())
     ctx = HSDPShardContext(
         model=model,

@@ -1,7 +1,9 @@
 """The default process group: which backend this process runs on, and its world group.
 
 ``backend="auto"`` means MPI when the process was started by ``mpiexec`` (Open MPI, MPICH or
-any PMI/PMIx launcher) and a world of one otherwise. Nothing is initialised on import: MPI
+any PMI/PMIx launcher), NCCL when it was started by ``torchrun`` with torch imported and a
+GPU visible, and a world of one otherwise. ``backend="nccl"`` runs on GPUs under either
+launcher (:mod:`hsdp.nccl` says how the ranks find each other). Nothing is initialised on import: MPI
 starts on the first :func:`init_process_group` (which ``apply_hsdp_to_model`` calls for you),
 and only if nobody else (mpi4py, say) has started it. hsdp finalises MPI at exit only when it
 was the one that initialised it.
@@ -54,19 +56,52 @@ def launched_by_mpi() -> bool:
 
 def backends() -> dict[str, str | None]:
     """Every backend the C core registers, by name: None when it is usable here, else the
-    reason it is not (what to install or build)."""
-    return {name: (None if usable else reason) for name, usable, reason in _C.backends()}
+    reason it is not (what to install or build). Asking about NCCL loads its libraries
+    (after importing torch) to find out whether a GPU is there."""
+    return {name: backend_reason(name) for name, _usable, _reason in _C.backends()}
+
+
+def backend_reason(name: str) -> str | None:
+    """None when the named backend is usable here, else why not. Only NCCL's answer loads
+    anything (torch, then its libraries)."""
+    for n, usable, reason in _C.backends():
+        if n == name:
+            if n == "nccl" and not usable and _C.nccl_built():
+                from . import nccl
+
+                return nccl.unusable_reason()
+            return None if usable else reason
+    raise ValueError(f"unknown backend {name!r}")
+
+
+def _launched_by_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def _auto_backend() -> str:
+    if launched_by_mpi():
+        return "mpi"
+    if _launched_by_torchrun() and "torch" in sys.modules and sys.modules["torch"].cuda.is_available():
+        return "nccl"
+    world_env = os.environ.get("WORLD_SIZE")
+    if world_env and world_env.isdigit() and int(world_env) > 1:
+        raise RuntimeError(
+            f"WORLD_SIZE={world_env} is set but this process was not started by an MPI launcher, and no GPU "
+            "is visible for NCCL; hsdp's CPU backend is MPI: start the job with "
+            f"`python -m hsdp.launch -n {world_env} SCRIPT` (or mpiexec -n {world_env})"
+        )
+    return "single"
 
 
 def init_process_group(backend: str = "auto") -> ProcessGroup:
     """Initialise (once) and return the world group.
 
     ``backend`` is ``"auto"`` or a registered backend's name (:func:`backends`: ``"single"``,
-    ``"mpi"``, ``"nccl"``, not built yet). Calling it again returns the existing group;
+    ``"mpi"``, ``"nccl"``). Calling it again returns the existing group;
     asking then for a different backend is an error.
     """
-    global _world, _atexit_registered
-    known = backends()
+    global _world
+    known = [name for name, _usable, _reason in _C.backends()]
     if backend != "auto" and backend not in known:
         raise ValueError(f"backend must be 'auto' or one of {', '.join(map(repr, known))}, got {backend!r}")
     if _world is not None:
@@ -77,25 +112,27 @@ def init_process_group(backend: str = "auto") -> ProcessGroup:
             )
         return _world
     if backend == "auto":
-        if launched_by_mpi():
-            backend = "mpi"
-        else:
-            world_env = os.environ.get("WORLD_SIZE")
-            if world_env and world_env.isdigit() and int(world_env) > 1:
-                raise RuntimeError(
-                    f"WORLD_SIZE={world_env} is set but this process was not started by an MPI "
-                    "launcher; hsdp's CPU backend is MPI: start the job with "
-                    f"`python -m hsdp.launch -n {world_env} SCRIPT` (or mpiexec -n {world_env})"
-                )
-            backend = "single"
-    _world = _C.ProcessGroup(backend)
-    if _world.backend != "single" and not hasattr(sys.excepthook, "__wrapped__"):  # ranks of a multi-process job
+        backend = _auto_backend()
+    if backend == "nccl":
+        from . import nccl
+
+        _world = nccl.init_world()
+    else:
+        _world = _C.ProcessGroup(backend)
+    register_teardown(multi_process=_world.backend != "single")
+    log.debug("hsdp process group: backend=%s rank=%d size=%d", _world.backend, _world.rank, _world.size)
+    return _world
+
+
+def register_teardown(multi_process: bool = True) -> None:
+    """At exit, end the runtimes hsdp started (MPI_Finalize), unless an uncaught exception
+    ended this rank of a multi-process job (see _note_failure). Once per process."""
+    global _atexit_registered
+    if multi_process and not hasattr(sys.excepthook, "__wrapped__"):
         sys.excepthook = _note_failure(sys.excepthook)
     if not _atexit_registered:
         atexit.register(destroy_process_group)
         _atexit_registered = True
-    log.debug("hsdp process group: backend=%s rank=%d size=%d", _world.backend, _world.rank, _world.size)
-    return _world
 
 
 def set_timeout(seconds: float) -> None:

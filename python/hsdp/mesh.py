@@ -16,6 +16,11 @@ from . import _C, distributed
 DEVICE_BACKENDS: dict[str, tuple[str, ...]] = {"cpu": ("mpi", "single"), "cuda": ("nccl",)}
 
 
+def device_type_of(world: _C.ProcessGroup) -> str:
+    """The device type of meshes over a world group: 'cuda' on NCCL, else 'cpu'."""
+    return "cuda" if world.backend == "nccl" else "cpu"
+
+
 def check_device_type(device_type: str) -> str:
     """The device type, if a backend for it is built and usable here; else the registry's
     reason (NotImplementedError), or ValueError for a name that is no device type."""
@@ -23,7 +28,7 @@ def check_device_type(device_type: str) -> str:
     names = DEVICE_BACKENDS.get(device_type)
     if names is None:
         raise ValueError(f"device_type must be one of {', '.join(map(repr, DEVICE_BACKENDS))}, got {device_type!r}")
-    reasons = [distributed.backends()[n] for n in names]
+    reasons = [distributed.backend_reason(n) for n in names]  # a CPU mesh never loads NCCL
     if all(r is not None for r in reasons):
         raise NotImplementedError(f"device_type={device_type!r}: {reasons[0]}")
     return device_type

@@ -18,6 +18,7 @@ Per-token timesteps (Wan 2.2 TI2V's ``timestep`` of shape (B, N)) and image cond
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -25,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .adapters.torch import _RAW_AS
-from .parallel import Ulysses
+from .parallel import ParallelGroups, Ulysses
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -38,15 +39,21 @@ def _np(t: torch.Tensor) -> np.ndarray:
 def _all_to_all(sp: Ulysses, send: torch.Tensor) -> torch.Tensor:
     send = send.contiguous()
     recv = torch.empty_like(send)
-    sp.group.all_to_all(_np(send), _np(recv))
+    if send.is_cuda:  # NCCL, on the tensors themselves, ordered on the compute stream
+        sp.group.all_to_all_device(send.data_ptr(), recv.data_ptr(), send.numel() * send.element_size() // sp.degree)
+    else:
+        sp.group.all_to_all(_np(send), _np(recv))
     return recv
 
 
 def _all_gather_tokens(sp: Ulysses, x: torch.Tensor) -> torch.Tensor:
     """Every rank's (B, n, C) -> (B, U * n, C) in rank order."""
     x = x.contiguous()
-    recv = torch.empty((sp.degree, *x.shape), dtype=x.dtype)
-    sp.group.all_gather(_np(x), _np(recv))
+    recv = torch.empty((sp.degree, *x.shape), dtype=x.dtype, device=x.device)
+    if x.is_cuda:
+        sp.group.all_gather_device(x.data_ptr(), recv.data_ptr(), x.numel() * x.element_size())
+    else:
+        sp.group.all_gather(_np(x), _np(recv))
     return recv.transpose(0, 1).reshape(x.shape[0], sp.degree * x.shape[1], *x.shape[2:])
 
 
@@ -131,3 +138,22 @@ def apply_sequence_parallel_torch(model: Any, sp: Ulysses) -> Any:
         block.attn1.set_processor(UlyssesWanAttnProcessor(sp, block.attn1.processor))
     model.proj_out.register_forward_hook(lambda module, args, out: _all_gather_tokens(sp, out))
     return model
+
+
+def cfg_combine(groups: ParallelGroups, branch: Callable[[int], torch.Tensor], guidance_scale: float) -> torch.Tensor:
+    """Classifier-free guidance on torch tensors, as :func:`hsdp.parallel.cfg_combine` does on
+    arrays: uncond + scale * (cond - uncond) in float32, the same on every rank. With a CFG
+    group each rank computes its own branch (``branch(0)`` conditional, ``branch(1)``
+    unconditional) and the two are all-gathered (on the GPU through NCCL); without one this
+    rank computes both."""
+    if groups.cfg is None:
+        cond, uncond = branch(0).float(), branch(1).float()
+    else:
+        mine = branch(groups.cfg_rank).float().contiguous()
+        both = torch.empty((groups.cfg_degree, *mine.shape), dtype=torch.float32, device=mine.device)
+        if mine.is_cuda:
+            groups.cfg.all_gather_device(mine.data_ptr(), both.data_ptr(), mine.numel() * mine.element_size())
+        else:
+            groups.cfg.all_gather(mine.numpy(), both.numpy())
+        cond, uncond = both[0], both[1]
+    return uncond + guidance_scale * (cond - uncond)

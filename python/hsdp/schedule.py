@@ -237,7 +237,8 @@ def reserve_pool(held: Counter[int] | None = None) -> None:
     need: Counter[int] = Counter()
     for peak in list(_needs.values()):
         need |= peak  # per-size maximum
-    sizes = sorted(need.elements())
+    # host sizes are ints, device ones (size, device): ordered by size alike
+    sizes = sorted(need.elements(), key=lambda k: k if isinstance(k, int) else k[0])
     if len(sizes) > _POOL_SLOTS:
         log.warning("hsdp: a steady-state forward needs %d unsharded buffers, the pool keeps %d; "
                     "later forwards will allocate", len(sizes), _POOL_SLOTS)

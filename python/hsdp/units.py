@@ -59,7 +59,10 @@ class UnitState:
         self._handles: list[Any] = []
         self.schedule: Schedule | None = None  # shared by the units of one model
         self.full_bytes = unit.total_bytes + unit.widened_bytes
-        self.buffer_sizes = tuple(n for n in (unit.total_bytes, unit.widened_bytes) if n)
+        # pool keys: host buffers by size, device buffers by (size, device)
+        self.buffer_sizes: tuple[Any, ...] = tuple(
+            n if unit.device == "host" else (n, unit.device) for n in (unit.total_bytes, unit.widened_bytes) if n
+        )
         # Set when a load into this unit failed: the model must not run on partial weights.
         self.broken: str | None = None
 
@@ -70,7 +73,7 @@ class UnitState:
     def commit(self) -> None:
         """Switch the parameters to their sharded state and install the hooks."""
         state = f"sharded by hsdp in unit '{self.label}'"
-        self.adapter.mark_sharded(self.params, self.storage_dtypes, state)
+        self.adapter.mark_sharded(self.params, self.storage_dtypes, state, self.unit.device)
         self._handles.extend(self.adapter.add_hooks(self.module, self._pre_forward, self._post_forward))
         object.__setattr__(self.module, "_hsdp_unit", self)
         self._watch_replacements()

@@ -52,6 +52,10 @@ class TensorAdapter(Protocol):
     def move(self, module: Any, device: Any) -> None:
         """Moves a module that is kept whole (an ignored module) to ``device``."""
 
+    def place_whole(self, model: Any, params: Iterable[Any], device: Any) -> None:
+        """Moves ``params`` (kept whole) and every buffer of ``model`` to ``device``; the
+        parameters to be sharded stay where they are (they are copied to their shards)."""
+
     def freeze(self, module: Any) -> None:
         """Turns off ``requires_grad`` on every parameter: inference only."""
 
@@ -93,9 +97,10 @@ class TensorAdapter(Protocol):
     def held_nbytes(self, params: Iterable[Any]) -> int:
         """Bytes these parameters occupy in memory while held whole."""
 
-    def mark_sharded(self, params: tuple[Any, ...], dtypes: tuple[DType, ...], state: str) -> None:
+    def mark_sharded(self, params: tuple[Any, ...], dtypes: tuple[DType, ...], state: str, device: str) -> None:
         """Switches parameters to the sharded state: no values, the storage dtype, and
-        ``state`` as the message any use outside the unit's forward raises."""
+        ``state`` as the message any use outside the unit's forward raises. ``device`` is
+        where the unit's unsharded buffers live ('host' or 'cuda')."""
 
     # -- dtypes and devices ----------------------------------------------------------------
     def compute_dtype(self, storage: DType) -> DType:

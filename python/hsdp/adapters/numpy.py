@@ -66,6 +66,9 @@ class NumpyAdapter:
     def move(self, module: Any, device: Any) -> None:
         module.to(device)
 
+    def place_whole(self, model: Any, params: Iterable[Any], device: Any) -> None:
+        pass  # one device: the CPU
+
     def freeze(self, module: Any) -> None:
         for p in module.parameters():
             p.requires_grad = False
@@ -105,7 +108,7 @@ class NumpyAdapter:
     def held_nbytes(self, params: Iterable[Any]) -> int:
         return sum(p.numel() * p.dtype.compute.itemsize for p in params)
 
-    def mark_sharded(self, params: tuple[Any, ...], dtypes: tuple[DType, ...], state: str) -> None:
+    def mark_sharded(self, params: tuple[Any, ...], dtypes: tuple[DType, ...], state: str, device: str) -> None:
         for p, dt in zip(params, dtypes):
             p._data = None
             p._dtype = dt

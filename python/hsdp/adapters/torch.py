@@ -11,6 +11,10 @@ torch module), so ``import hsdp`` never pulls torch in.
   dtype: nothing is widened, and the views are the gathered bytes themselves.
 - **Hooks.** A pre-hook with kwargs and a post-hook with ``always_call=True``, so a forward
   that raises still reshards.
+- **Devices.** With ``target_device="cuda"`` the unsharded buffers are device memory of
+  the NCCL backend, the views are CUDA tensors, and the placeholders are 0-element CUDA
+  tensors (torch refuses ``p.data`` across device types). Shards are written on the host
+  while loading and copied to the GPU by their first gather.
 - **Kept views.** A unit's views are kept with its pooled buffer (``_Buffer.kept``) and reused
   by the next unit of the same layout to take it, unless a user still holds a view at
   reshard (see docs/design.md, "Buffers owned by Python objects").
@@ -145,7 +149,8 @@ class _UnitViews:
         layout = (tuple(self.bases), tuple(slot[1:] for slot in self.slots))
         self.layout = _LAYOUTS.setdefault(layout, layout)
         self.params = [slot[0] for slot in self.slots]
-        self.placeholders = [adapter._placeholder(slot[5]) for slot in self.slots]
+        device = state.unit.device
+        self.placeholders = [adapter._placeholder(slot[5], device) for slot in self.slots]
         self.bound: tuple[Any, Any] | None = None  # (buffer, what is kept with it) while bound
 
 
@@ -156,7 +161,9 @@ class TorchAdapter:
     bind_attr: str | None = None  # views are torch tensors: bound here, not by the C unit
 
     def __init__(self) -> None:
-        self._placeholders: dict[torch.dtype, torch.Tensor] = {}
+        self._placeholders: dict[tuple[torch.dtype, str], torch.Tensor] = {}
+        # where whole parameters given values by a loader go when they are still meta
+        self._target: torch.device | None = None
 
     # -- modules ---------------------------------------------------------------------------
     def owns(self, module: Any) -> bool:
@@ -186,6 +193,18 @@ class TorchAdapter:
     def move(self, module: Any, device: Any) -> None:
         # meta tensors (a model built empty, to be loaded) stay meta: the loader fills them
         module._apply(lambda t: t if t.is_meta else t.to(device))
+
+    def place_whole(self, model: Any, params: Iterable[Any], device: Any) -> None:
+        # buffers (diffusers' RoPE tables) and whole parameters go to the device the views
+        # will be on; the parameters to be sharded are not moved (no whole model on the GPU)
+        dev = torch.device(device)
+        for module in model.modules():
+            for name, b in module._buffers.items():
+                if b is not None and not b.is_meta and b.device != dev:
+                    module._buffers[name] = b.to(dev)
+        for p in params:
+            if not p.is_meta and p.device != dev:
+                _set_data(p, p.data.to(dev))
 
     def freeze(self, module: Any) -> None:
         for p in module.parameters():
@@ -224,8 +243,10 @@ class TorchAdapter:
         return p.data
 
     def assign(self, p: Any, array: Any) -> None:
-        # checkpoint arrays arrive in NumPy's compute dtype (bfloat16 widened): back to p's own
-        _set_data(p, torch.from_numpy(np.ascontiguousarray(array)).to(p.dtype))
+        # checkpoint arrays arrive in NumPy's compute dtype (bfloat16 widened): back to p's own,
+        # on p's device (a meta parameter: the target device, else the CPU)
+        device = self._target if p.is_meta else p.device
+        _set_data(p, torch.from_numpy(np.ascontiguousarray(array)).to(device=device or "cpu", dtype=p.dtype))
 
     def restore(self, p: Any, saved: Any) -> None:
         _set_data(p, saved)
@@ -238,7 +259,7 @@ class TorchAdapter:
     def held_nbytes(self, params: Iterable[Any]) -> int:
         return sum(p.numel() * p.element_size() for p in params)
 
-    def mark_sharded(self, params: tuple[Any, ...], dtypes: tuple[DType, ...], state: str) -> None:
+    def mark_sharded(self, params: tuple[Any, ...], dtypes: tuple[DType, ...], state: str, device: str) -> None:
         # A meta (or inference) parameter takes its placeholder by torch.utils.swap_tensors,
         # which refuses a tensor with weak references: refused here before any parameter
         # changes, so that a unit is never left half sharded.
@@ -251,16 +272,18 @@ class TorchAdapter:
                 )
         for p, dt in zip(params, dtypes):
             p._hsdp_shape = tuple(p.shape)
-            _set_data(p, self._placeholder(_torch_dtype(dt)))  # a meta parameter becomes a CPU one
+            _set_data(p, self._placeholder(_torch_dtype(dt), device))  # a meta parameter becomes a real one
             p._hsdp_state = state
 
-    def _placeholder(self, dt: torch.dtype) -> torch.Tensor:
-        # one per dtype, made outside inference mode, so that a parameter is never left an
-        # inference tensor (set_data shares storage, and a 0-element one is safe to share)
-        ph = self._placeholders.get(dt)
+    def _placeholder(self, dt: torch.dtype, device: str = "host") -> torch.Tensor:
+        # one per dtype and device, made outside inference mode, so that a parameter is never
+        # left an inference tensor (set_data shares storage, and a 0-element one is safe to
+        # share); on the device the views will be, since p.data cannot change device type
+        ph = self._placeholders.get((dt, device))
         if ph is None:
+            where = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else "cpu"
             with torch.inference_mode(False):
-                ph = self._placeholders[dt] = torch.empty(0, dtype=dt)
+                ph = self._placeholders[(dt, device)] = torch.empty(0, dtype=dt, device=where)
         return ph
 
     # -- dtypes and devices ----------------------------------------------------------------
@@ -270,16 +293,25 @@ class TorchAdapter:
     def check_device(self, target_device: Any) -> None:
         if target_device is None:
             return
-        kind = torch.device(target_device).type
-        if kind == "cuda":
-            raise NotImplementedError(
-                f"target_device {target_device!r}: GPU sharding needs the NCCL backend, which is not built yet; "
-                "use 'cpu' (MPI ranks) for now"
-            )
-        if kind != "cpu":
-            raise ValueError(f"target_device {target_device!r} is not supported; use 'cpu' or None")
+        try:
+            device = torch.device(target_device)
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"target_device {target_device!r} is not a torch device: {exc}") from None
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"target_device {target_device!r} is not supported; use 'cpu', 'cuda' or None")
+        if device.type == "cuda":
+            # one GPU per process: the one the NCCL backend runs on (LOCAL_RANK)
+            if device.index is not None and torch.cuda.is_available() and device.index != torch.cuda.current_device():
+                raise ValueError(
+                    f"target_device {target_device!r}: this rank runs on cuda:{torch.cuda.current_device()} "
+                    "(its LOCAL_RANK); pass 'cuda' or that device"
+                )
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else device
+        self._target = device
 
     def buffer_device(self, target_device: Any) -> str:
+        if target_device is not None and torch.device(target_device).type == "cuda":
+            return "cuda"
         return "host"
 
     # -- forwards --------------------------------------------------------------------------

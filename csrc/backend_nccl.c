@@ -1,0 +1,900 @@
+/* backend_nccl.c - collectives over NCCL, on GPUs.
+ *
+ * Nothing here is linked against CUDA or NCCL: both libraries are opened at run time
+ * (hsdp_nccl_load), so one build serves CPU-only and GPU machines, and a machine without a
+ * GPU gets a clear error instead of a failed import. The headers are needed at build time
+ * only, for the types (setup.py finds them in the nvidia wheels torch brings).
+ *
+ * Streams. Every collective runs on one side stream of high priority. A started gather
+ * records an event there, and its wait makes the compute stream wait on that event: the
+ * host never blocks. A gather into a pooled buffer must not overwrite bytes the compute
+ * stream may still read: when buffers go back to the pool an event is recorded on the
+ * compute stream (buffers_released), and every later collective waits on it first. That
+ * one event covers every buffer released so far, since the compute stream runs in order.
+ *
+ * Shards. A unit's shard is written on the host while loading; its first gather copies it
+ * to device memory (the share), and every gather from then on reads the device copy.
+ *
+ * Host memory. A collective whose buffers are host memory (checkpoint plans, agreement
+ * checks, NumPy arrays) is staged through a device scratch buffer and waited for on the
+ * host, so every slot accepts both kinds of pointer.
+ *
+ * Failures. Every call is checked. A watchdog thread retires finished collectives, polls
+ * every communicator's asynchronous error, and aborts all communicators when one fails or
+ * a collective outlives HSDP_TIMEOUT; from then on every call fails with what happened,
+ * naming the collective (and its unit). */
+#define _POSIX_C_SOURCE 200809L
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "backend.h"
+#include "backend_nccl.h"
+
+#ifndef HSDP_HAVE_NCCL
+/* ---------------------------------------------------------------- built without the headers */
+static const char not_built[] =
+    "this hsdp was built without the NCCL backend (no NCCL/CUDA headers were found at build time: install "
+    "torch's CUDA wheels, or set HSDP_CUDA_HOME to a CUDA toolkit with nccl.h, and reinstall hsdp)";
+
+int hsdp_nccl_built(void) { return 0; }
+hsdp_status hsdp_nccl_load(const char *nccl_path, const char *cudart_path) {
+    (void)nccl_path, (void)cudart_path;
+    return hsdp_fail(HSDP_EUNSUPPORTED, "%s", not_built);
+}
+int hsdp_nccl_loaded(void) { return 0; }
+int hsdp_nccl_version(void) { return 0; }
+hsdp_status hsdp_nccl_unique_id(unsigned char out[HSDP_NCCL_ID_BYTES]) {
+    (void)out;
+    return hsdp_fail(HSDP_EUNSUPPORTED, "%s", not_built);
+}
+hsdp_status hsdp_nccl_set_bootstrap(const unsigned char id[HSDP_NCCL_ID_BYTES], int rank, int size, int device) {
+    (void)id, (void)rank, (void)size, (void)device;
+    return hsdp_fail(HSDP_EUNSUPPORTED, "%s", not_built);
+}
+void hsdp_nccl_set_compute_stream(void *stream) { (void)stream; }
+void *hsdp_nccl_comm_stream(void) { return NULL; }
+int hsdp_nccl_device(void) { return 0; }
+
+static int nccl_usable(const char **why) {
+    *why = not_built;
+    return 0;
+}
+static hsdp_status nccl_world(hsdp_group **out, int *we_init) {
+    *out = NULL;
+    *we_init = 0;
+    return hsdp_fail(HSDP_EUNSUPPORTED, "%s", not_built);
+}
+const hsdp_backend hsdp_backend_nccl = {.name = "nccl", .usable = nccl_usable, .world = nccl_world};
+
+#else
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+/* ---------------------------------------------------------------- the two libraries */
+#define NCCL_REQUIRED(X)                                                                                     \
+    X(ncclGetVersion) X(ncclGetUniqueId) X(ncclCommInitRank) X(ncclAllGather) X(ncclBroadcast) X(ncclAllReduce) \
+    X(ncclSend) X(ncclRecv) X(ncclGroupStart) X(ncclGroupEnd) X(ncclCommGetAsyncError) X(ncclCommAbort)         \
+    X(ncclCommUserRank) X(ncclCommCount) X(ncclGetErrorString)
+/* Resolved when present, gated on the version: init with a config (2.14: non-blocking, so
+ * it can be timed out), ncclCommSplit (2.18), ncclAlltoAll (2.28.3), last-error text (2.13). */
+#define NCCL_OPTIONAL(X) X(ncclCommInitRankConfig) X(ncclCommSplit) X(ncclAlltoAll) X(ncclGetLastError)
+#define CUDA_REQUIRED(X)                                                                                     \
+    X(cudaGetDeviceCount) X(cudaSetDevice) X(cudaMalloc) X(cudaFree) X(cudaMemcpyAsync)                      \
+    X(cudaStreamCreateWithPriority) X(cudaDeviceGetStreamPriorityRange) X(cudaStreamDestroy)                 \
+    X(cudaStreamWaitEvent) X(cudaStreamSynchronize) X(cudaEventCreateWithFlags) X(cudaEventDestroy)         \
+    X(cudaEventRecord) X(cudaEventQuery) X(cudaPointerGetAttributes) X(cudaGetErrorString)
+
+#define DECLARE(name) __typeof__(&name) name;
+static struct {
+    void *nccl, *cudart; /* dlopen handles, owned here (kept open for the process) */
+    int loaded, version;
+    NCCL_REQUIRED(DECLARE)
+    NCCL_OPTIONAL(DECLARE)
+    CUDA_REQUIRED(DECLARE)
+} api;
+#undef DECLARE
+
+int hsdp_nccl_built(void) { return 1; }
+int hsdp_nccl_loaded(void) { return api.loaded; }
+int hsdp_nccl_version(void) { return api.version; }
+
+static int resolve(void *lib, const char *name, void *slot) {
+    void *sym = dlsym(lib, name);
+    memcpy(slot, &sym, sizeof sym); /* object to function pointer, the POSIX way */
+    return sym != NULL;
+}
+
+hsdp_status hsdp_nccl_load(const char *nccl_path, const char *cudart_path) {
+    if (api.loaded) return HSDP_OK;
+    if (!nccl_path || !*nccl_path || !cudart_path || !*cudart_path)
+        return hsdp_fail(HSDP_EINVAL, "the NCCL backend needs the paths of libnccl and libcudart");
+    const char *missing = NULL, *in = NULL;
+    int n = 0;
+    cudaError_t ce;
+    api.nccl = dlopen(nccl_path, RTLD_NOW | RTLD_LOCAL);
+    if (!api.nccl) {
+        hsdp_fail(HSDP_EUNSUPPORTED, "could not open the NCCL library '%s': %s", nccl_path, dlerror());
+        goto fail;
+    }
+    api.cudart = dlopen(cudart_path, RTLD_NOW | RTLD_LOCAL);
+    if (!api.cudart) {
+        hsdp_fail(HSDP_EUNSUPPORTED, "could not open the CUDA runtime '%s': %s", cudart_path, dlerror());
+        goto fail;
+    }
+#define REQ_NCCL(name) if (!missing && !resolve(api.nccl, #name, &api.name)) missing = #name, in = nccl_path;
+#define REQ_CUDA(name) if (!missing && !resolve(api.cudart, #name, &api.name)) missing = #name, in = cudart_path;
+#define OPT_NCCL(name) (void)resolve(api.nccl, #name, &api.name);
+    NCCL_REQUIRED(REQ_NCCL)
+    CUDA_REQUIRED(REQ_CUDA)
+    NCCL_OPTIONAL(OPT_NCCL)
+#undef REQ_NCCL
+#undef REQ_CUDA
+#undef OPT_NCCL
+    if (missing) {
+        hsdp_fail(HSDP_EUNSUPPORTED, "'%s' has no symbol %s: it is not a usable NCCL/CUDA library", in, missing);
+        goto fail;
+    }
+    /* On a machine with no GPU the runtime says so here (35: the driver is missing or too old). */
+    ce = api.cudaGetDeviceCount(&n);
+    if (ce != cudaSuccess || n <= 0) {
+        if (ce != cudaSuccess)
+            hsdp_fail(HSDP_EUNSUPPORTED, "no usable GPU for the NCCL backend: cudaGetDeviceCount failed with CUDA error "
+                      "%d (%s); use backend 'mpi' for CPU ranks", (int)ce, api.cudaGetErrorString(ce));
+        else
+            hsdp_fail(HSDP_EUNSUPPORTED, "no usable GPU for the NCCL backend: no CUDA device is visible "
+                      "(CUDA_VISIBLE_DEVICES='%s'); use backend 'mpi' for CPU ranks",
+                      getenv("CUDA_VISIBLE_DEVICES") ? getenv("CUDA_VISIBLE_DEVICES") : "(unset)");
+        goto fail;
+    }
+    if (api.ncclGetVersion(&api.version) != ncclSuccess) {
+        hsdp_fail(HSDP_EUNSUPPORTED, "ncclGetVersion failed in '%s'", nccl_path);
+        goto fail;
+    }
+    /* ncclAlltoAll exists from 2.28.3; before, all_to_all is grouped sends and receives */
+    if (api.version < 22803) api.ncclAlltoAll = NULL;
+    if (api.version < 21800) api.ncclCommSplit = NULL;
+    if (api.version < 21400) api.ncclCommInitRankConfig = NULL;
+    api.loaded = 1;
+    return HSDP_OK;
+fail:
+    if (api.nccl) dlclose(api.nccl);
+    if (api.cudart) dlclose(api.cudart);
+    memset(&api, 0, sizeof api); /* nothing is left half loaded */
+    return HSDP_EUNSUPPORTED;
+}
+
+/* ---------------------------------------------------------------- process state */
+typedef struct nccl_comm {
+    ncclComm_t comm;
+    int aborted;
+    struct nccl_comm *next; /* the live list, under S.mu */
+} nccl_comm;
+
+/* A unit's shard once on the device (the share of hsdp_gather_fixed); owned by the unit,
+ * released by share_free. */
+typedef struct {
+    void *dev;
+    size_t n;
+} nccl_share;
+
+enum { RING = 256 }; /* collectives in flight that the watchdog watches */
+typedef struct {
+    cudaEvent_t ev; /* created once, reused once retired */
+    uint64_t t0;
+    char what[160];
+} flight;
+
+static struct {
+    pthread_mutex_t mu;    /* the ring, the live list, the scratch buffer */
+    pthread_mutex_t issue; /* one thread at a time enqueues NCCL work, in program order */
+    int world_up, device;
+    cudaStream_t comm, compute;
+    cudaEvent_t released, ready;
+    int have_released;
+    void *scratch; /* device staging for host buffers; owned here, freed at finalize */
+    size_t scratch_n;
+    flight ring[RING];
+    unsigned head, count;
+    nccl_comm *live;
+    pthread_t watchdog;
+    int watchdog_on;
+    atomic_int stop;
+    atomic_int failed;
+    char why[512];
+    struct {
+        unsigned char id[HSDP_NCCL_ID_BYTES];
+        int rank, size, device, set;
+    } boot;
+} S = {.mu = PTHREAD_MUTEX_INITIALIZER, .issue = PTHREAD_MUTEX_INITIALIZER};
+
+void hsdp_nccl_set_compute_stream(void *stream) { S.compute = (cudaStream_t)stream; }
+void *hsdp_nccl_comm_stream(void) { return (void *)S.comm; }
+int hsdp_nccl_device(void) { return S.device; }
+
+static const char *nccl_text(ncclResult_t rc, nccl_comm *c) {
+    const char *last = c && api.ncclGetLastError ? api.ncclGetLastError(c->comm) : NULL;
+    return last && *last ? last : api.ncclGetErrorString(rc);
+}
+
+static hsdp_status cuda_fail(cudaError_t e, const char *what) {
+    return hsdp_fail(HSDP_ECOMM, "%s failed: CUDA error %d (%s)", what, (int)e, api.cudaGetErrorString(e));
+}
+#define CUDA_TRY(call, what)                                                                                  \
+    do {                                                                                                      \
+        cudaError_t e_ = (call);                                                                              \
+        if (e_ != cudaSuccess) return cuda_fail(e_, what);                                                    \
+    } while (0)
+
+static hsdp_status failed_status(void) {
+    return hsdp_fail(HSDP_ECOMM, "the NCCL communicators were aborted: %s", S.why);
+}
+
+/* Aborts every communicator once, saying why on stderr: peers blocked in a collective with
+ * this rank are released by their own watchdogs within the same timeout. */
+static void abort_all_locked(const char *why) {
+    int expected = 0;
+    if (!atomic_compare_exchange_strong(&S.failed, &expected, 1)) return;
+    snprintf(S.why, sizeof S.why, "%s", why);
+    fprintf(stderr, "hsdp: rank %d (NCCL): %s; aborting the NCCL communicators\n", S.boot.rank, why);
+    for (nccl_comm *c = S.live; c; c = c->next)
+        if (!c->aborted) {
+            api.ncclCommAbort(c->comm);
+            c->aborted = 1;
+        }
+}
+
+static double timeout_s(void) { return (double)hsdp_timeout_ns() / 1e9; }
+
+static void nap(unsigned *us) {
+    struct timespec ts = {0, (long)*us * 1000};
+    nanosleep(&ts, NULL);
+    if (*us < 1000) *us *= 2;
+}
+
+/* An NCCL call's result on a non-blocking communicator: ncclInProgress is polled until the
+ * call is done, within the timeout. */
+static hsdp_status nccl_done(nccl_comm *c, ncclResult_t rc, const char *what) {
+    uint64_t t0 = hsdp_now_ns(), limit = hsdp_timeout_ns();
+    unsigned us = 10;
+    while (rc == ncclInProgress) {
+        ncclResult_t state = ncclSuccess;
+        api.ncclCommGetAsyncError(c->comm, &state);
+        rc = state;
+        if (rc != ncclInProgress) break;
+        if (limit && hsdp_now_ns() - t0 > limit) {
+            char why[256];
+            snprintf(why, sizeof why, "%s did not complete within %g s (HSDP_TIMEOUT)", what, timeout_s());
+            pthread_mutex_lock(&S.mu);
+            abort_all_locked(why);
+            pthread_mutex_unlock(&S.mu);
+            return failed_status();
+        }
+        nap(&us);
+    }
+    if (rc != ncclSuccess) return hsdp_fail(HSDP_ECOMM, "%s failed: NCCL error %d (%s)", what, (int)rc, nccl_text(rc, c));
+    return HSDP_OK;
+}
+
+/* Retires finished collectives from the front of the ring (S.mu held). */
+static void retire_locked(void) {
+    while (S.count) {
+        flight *f = &S.ring[S.head];
+        cudaError_t e = api.cudaEventQuery(f->ev);
+        if (e == cudaErrorNotReady) return;
+        if (e != cudaSuccess) {
+            char why[256];
+            snprintf(why, sizeof why, "%s failed on the GPU: CUDA error %d (%s)", f->what, (int)e,
+                     api.cudaGetErrorString(e));
+            abort_all_locked(why);
+        }
+        S.head = (S.head + 1) % RING;
+        S.count--;
+    }
+}
+
+static void watch_once(void) {
+    pthread_mutex_lock(&S.mu);
+    retire_locked();
+    uint64_t limit = hsdp_timeout_ns();
+    if (S.count && limit && !atomic_load(&S.failed)) {
+        flight *f = &S.ring[S.head];
+        uint64_t age = hsdp_now_ns() - f->t0;
+        if (age > limit) {
+            char why[256];
+            snprintf(why, sizeof why, "%s has waited %.1f s for its peers (HSDP_TIMEOUT=%g s)", f->what,
+                     (double)age / 1e9, timeout_s());
+            abort_all_locked(why);
+        }
+    }
+    for (nccl_comm *c = S.live; c && !atomic_load(&S.failed); c = c->next) {
+        ncclResult_t state = ncclSuccess;
+        if (c->aborted || api.ncclCommGetAsyncError(c->comm, &state) != ncclSuccess) continue;
+        if (state != ncclSuccess && state != ncclInProgress) {
+            char why[256];
+            snprintf(why, sizeof why, "NCCL reported an asynchronous error: %s", nccl_text(state, c));
+            abort_all_locked(why);
+        }
+    }
+    pthread_mutex_unlock(&S.mu);
+}
+
+static void *watchdog(void *arg) {
+    (void)arg;
+    while (!atomic_load(&S.stop)) {
+        watch_once();
+        struct timespec ts = {0, 20 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
+    return NULL;
+}
+
+/* Records the end of the collective just enqueued on the side stream, in the ring the
+ * watchdog watches; *ev gets its event. A full ring waits for the oldest to finish. */
+static hsdp_status track(const char *what, cudaEvent_t *ev) {
+    pthread_mutex_lock(&S.mu);
+    unsigned us = 10;
+    for (;;) {
+        retire_locked();
+        if (atomic_load(&S.failed)) {
+            pthread_mutex_unlock(&S.mu);
+            return failed_status();
+        }
+        if (S.count < RING) break;
+        pthread_mutex_unlock(&S.mu);
+        nap(&us);
+        pthread_mutex_lock(&S.mu);
+    }
+    flight *f = &S.ring[(S.head + S.count) % RING];
+    cudaError_t e = cudaSuccess;
+    if (!f->ev) e = api.cudaEventCreateWithFlags(&f->ev, cudaEventDisableTiming);
+    if (e == cudaSuccess) e = api.cudaEventRecord(f->ev, S.comm);
+    if (e != cudaSuccess) {
+        pthread_mutex_unlock(&S.mu);
+        return cuda_fail(e, "recording a collective's event");
+    }
+    f->t0 = hsdp_now_ns();
+    snprintf(f->what, sizeof f->what, "%s", what);
+    S.count++;
+    *ev = f->ev;
+    pthread_mutex_unlock(&S.mu);
+    return HSDP_OK;
+}
+
+/* Blocks the host until ev has happened, within the timeout (host buffers need it). */
+static hsdp_status host_wait(cudaEvent_t ev, const char *what) {
+    uint64_t t0 = hsdp_now_ns(), limit = hsdp_timeout_ns();
+    unsigned us = 5;
+    for (;;) {
+        cudaError_t e = api.cudaEventQuery(ev);
+        if (e == cudaSuccess) return HSDP_OK;
+        if (e != cudaErrorNotReady) return cuda_fail(e, what);
+        if (atomic_load(&S.failed)) return failed_status();
+        if (limit && hsdp_now_ns() - t0 > limit) {
+            char why[256];
+            snprintf(why, sizeof why, "%s has waited %g s for its peers (HSDP_TIMEOUT)", what, timeout_s());
+            pthread_mutex_lock(&S.mu);
+            abort_all_locked(why);
+            pthread_mutex_unlock(&S.mu);
+            return failed_status();
+        }
+        nap(&us);
+    }
+}
+
+/* Before enqueuing: no collective after a failure, and none may overwrite a pooled buffer
+ * the compute stream may still read. */
+static hsdp_status begin(void) {
+    if (atomic_load(&S.failed)) return failed_status();
+    if (S.have_released) CUDA_TRY(api.cudaStreamWaitEvent(S.comm, S.released, 0), "waiting for released buffers");
+    return HSDP_OK;
+}
+
+static int on_device(const void *p) {
+    if (!p) return 1; /* nothing to stage */
+    struct cudaPointerAttributes a;
+    if (api.cudaPointerGetAttributes(&a, p) != cudaSuccess) return 0;
+    return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged;
+}
+
+/* A device buffer of at least n bytes for staging host memory (S.issue held). */
+static hsdp_status scratch(size_t n, void **out) {
+    if (n > S.scratch_n) {
+        if (S.scratch) {
+            cudaEvent_t ev = NULL;
+            hsdp_status st = track("the collectives using the staging buffer", &ev);
+            if (st == HSDP_OK) st = host_wait(ev, "the collectives using the staging buffer");
+            if (st != HSDP_OK) return st;
+            api.cudaFree(S.scratch);
+            S.scratch = NULL;
+            S.scratch_n = 0;
+        }
+        CUDA_TRY(api.cudaMalloc(&S.scratch, n), "allocating a device staging buffer");
+        S.scratch_n = n;
+    }
+    *out = S.scratch;
+    return HSDP_OK;
+}
+
+/* ---------------------------------------------------------------- the collectives */
+typedef enum { OP_GATHER, OP_BCAST, OP_ALLTOALL, OP_BARRIER } op_kind;
+
+/* Enqueues one collective on device buffers (S.issue held). */
+static hsdp_status enqueue(nccl_comm *c, op_kind op, int size, const void *send, void *recv, size_t nbytes,
+                           int root) {
+    ncclResult_t rc = ncclSuccess;
+    switch (op) {
+    case OP_GATHER:
+        rc = api.ncclAllGather(send, recv, nbytes, ncclUint8, c->comm, S.comm);
+        return nccl_done(c, rc, "ncclAllGather");
+    case OP_BCAST:
+        rc = api.ncclBroadcast(recv, recv, nbytes, ncclUint8, root, c->comm, S.comm);
+        return nccl_done(c, rc, "ncclBroadcast");
+    case OP_BARRIER:
+        rc = api.ncclAllReduce(recv, recv, 1, ncclFloat32, ncclSum, c->comm, S.comm);
+        return nccl_done(c, rc, "the barrier's ncclAllReduce");
+    case OP_ALLTOALL:
+        if (api.ncclAlltoAll) {
+            rc = api.ncclAlltoAll(send, recv, nbytes, ncclUint8, c->comm, S.comm);
+            return nccl_done(c, rc, "ncclAlltoAll");
+        }
+        rc = api.ncclGroupStart();
+        for (int p = 0; rc == ncclSuccess && p < size; p++) {
+            rc = api.ncclSend((const char *)send + (size_t)p * nbytes, nbytes, ncclUint8, p, c->comm, S.comm);
+            if (rc == ncclSuccess) rc = api.ncclRecv((char *)recv + (size_t)p * nbytes, nbytes, ncclUint8, p, c->comm, S.comm);
+        }
+        ncclResult_t end = api.ncclGroupEnd();
+        return nccl_done(c, rc != ncclSuccess ? rc : end, "the all-to-all's grouped ncclSend/ncclRecv");
+    }
+    return hsdp_fail(HSDP_EINVAL, "unknown collective");
+}
+
+/* A synchronous collective. On device buffers it returns once enqueued, with the compute
+ * stream made to wait for it; on host buffers, through the staging buffer, once done. */
+static hsdp_status run_sync(hsdp_group *g, op_kind op, const void *send, void *recv, size_t nbytes, int root,
+                            const char *what) {
+    nccl_comm *c = g->impl;
+    size_t n = (size_t)g->size;
+    size_t send_n = op == OP_GATHER ? nbytes : op == OP_ALLTOALL ? nbytes * n : 0;
+    size_t recv_n = op == OP_GATHER || op == OP_ALLTOALL ? nbytes * n : op == OP_BCAST ? nbytes : sizeof(float);
+    int direct = op != OP_BARRIER && on_device(send) && on_device(recv);
+    pthread_mutex_lock(&S.issue);
+    hsdp_status st = begin();
+    void *base = NULL;
+    const void *s = send;
+    void *r = recv;
+    if (st == HSDP_OK && direct) {
+        /* the caller's device buffers were written on the compute stream: read them after */
+        cudaError_t e = api.cudaEventRecord(S.ready, S.compute);
+        if (e == cudaSuccess) e = api.cudaStreamWaitEvent(S.comm, S.ready, 0);
+        if (e != cudaSuccess) st = cuda_fail(e, "ordering a collective after the compute stream");
+    }
+    if (st == HSDP_OK && !direct) {
+        /* recv first, then (all-to-all) send, each 64-byte aligned */
+        size_t off = (recv_n + 63) / 64 * 64;
+        st = scratch(off + send_n + 64, &base);
+        if (st == HSDP_OK) {
+            r = base;
+            if (op == OP_GATHER) s = (char *)base + (size_t)g->rank * nbytes; /* in place */
+            if (op == OP_ALLTOALL) s = (char *)base + off;
+            cudaError_t e = cudaSuccess;
+            if (op == OP_BCAST && nbytes)
+                e = api.cudaMemcpyAsync(r, recv, nbytes, cudaMemcpyDefault, S.comm);
+            else if (send_n && send)
+                e = api.cudaMemcpyAsync((void *)s, send, send_n, cudaMemcpyDefault, S.comm);
+            if (e != cudaSuccess) st = cuda_fail(e, "staging host memory on the device");
+        }
+    }
+    if (st == HSDP_OK) st = enqueue(c, op, g->size, s, r, nbytes, root);
+    if (st == HSDP_OK && !direct && op != OP_BARRIER && recv_n) {
+        cudaError_t e = api.cudaMemcpyAsync(recv, r, recv_n, cudaMemcpyDefault, S.comm);
+        if (e != cudaSuccess) st = cuda_fail(e, "copying a collective's result to host memory");
+    }
+    cudaEvent_t ev = NULL;
+    if (st == HSDP_OK) st = track(what, &ev);
+    if (st == HSDP_OK && direct) {
+        cudaError_t e = api.cudaStreamWaitEvent(S.compute, ev, 0);
+        if (e != cudaSuccess) st = cuda_fail(e, "ordering the compute stream after a collective");
+    }
+    /* a staged collective must finish before the staging buffer is reused */
+    if (st == HSDP_OK && !direct) st = host_wait(ev, what);
+    pthread_mutex_unlock(&S.issue);
+    return st;
+}
+
+static void describe(char *out, size_t n, const char *op, const char *label, size_t nbytes, int size) {
+    if (label && *label)
+        snprintf(out, n, "the %s of unit '%s' (%zu bytes per rank over %d ranks)", op, label, nbytes, size);
+    else
+        snprintf(out, n, "an %s of %zu bytes per rank over %d ranks", op, nbytes, size);
+}
+
+static hsdp_status nccl_all_gather(hsdp_group *g, const void *send, void *recv, size_t nbytes) {
+    char what[160];
+    describe(what, sizeof what, "all-gather", NULL, nbytes, g->size);
+    return run_sync(g, OP_GATHER, send, recv, nbytes, 0, what);
+}
+
+static hsdp_status nccl_broadcast(hsdp_group *g, void *buf, size_t nbytes, int root) {
+    if (root < 0 || root >= g->size)
+        return hsdp_fail(HSDP_EINVAL, "broadcast root %d is outside a group of %d", root, g->size);
+    char what[160];
+    describe(what, sizeof what, "broadcast", NULL, nbytes, g->size);
+    return run_sync(g, OP_BCAST, buf, buf, nbytes, root, what);
+}
+
+static hsdp_status nccl_barrier(hsdp_group *g) {
+    char what[160];
+    snprintf(what, sizeof what, "a barrier over %d ranks", g->size);
+    return run_sync(g, OP_BARRIER, NULL, NULL, 0, 0, what);
+}
+
+static hsdp_status nccl_all_to_all(hsdp_group *g, const void *send, void *recv, size_t nbytes) {
+    char what[160];
+    describe(what, sizeof what, "all-to-all", NULL, nbytes, g->size);
+    return run_sync(g, OP_ALLTOALL, send, recv, nbytes, 0, what);
+}
+
+/* The device copy a fixed chunk is gathered from: made (and filled from the host chunk) by
+ * the first gather. */
+static hsdp_status fixed_source(void **share, const void *send, size_t nbytes, const void **src) {
+    nccl_share *s = *share;
+    if (!s) {
+        s = calloc(1, sizeof *s); /* owned by the unit through *share; freed by share_free */
+        if (!s) return hsdp_fail(HSDP_ENOMEM, "could not allocate a shard's device record");
+        cudaError_t e = api.cudaMalloc(&s->dev, nbytes);
+        if (e == cudaSuccess) e = api.cudaMemcpyAsync(s->dev, send, nbytes, cudaMemcpyDefault, S.comm);
+        if (e != cudaSuccess) {
+            if (s->dev) api.cudaFree(s->dev);
+            free(s);
+            return cuda_fail(e, "copying a shard to the GPU");
+        }
+        s->n = nbytes;
+        *share = s;
+    }
+    *src = s->dev;
+    return HSDP_OK;
+}
+
+static hsdp_status nccl_gather_fixed(hsdp_group *g, void **share, const void *send, void *recv, size_t nbytes,
+                                     const char *label) {
+    if (!on_device(recv)) return nccl_all_gather(g, send, recv, nbytes); /* a host unit: staged each time */
+    char what[160];
+    describe(what, sizeof what, "gather", label, nbytes, g->size);
+    pthread_mutex_lock(&S.issue);
+    const void *src = NULL;
+    hsdp_status st = begin();
+    if (st == HSDP_OK) st = fixed_source(share, send, nbytes, &src);
+    if (st == HSDP_OK) st = enqueue(g->impl, OP_GATHER, g->size, src, recv, nbytes, 0);
+    cudaEvent_t ev = NULL;
+    if (st == HSDP_OK) st = track(what, &ev);
+    if (st == HSDP_OK) {
+        cudaError_t e = api.cudaStreamWaitEvent(S.compute, ev, 0);
+        if (e != cudaSuccess) st = cuda_fail(e, "ordering the compute stream after a gather");
+    }
+    pthread_mutex_unlock(&S.issue);
+    return st;
+}
+
+static void nccl_share_free(hsdp_group *g, void *share, void *memory) {
+    (void)g;
+    nccl_share *s = share;
+    free(memory);
+    if (!s) return;
+    /* a gather may still read the device copy: drain the side stream first (unless aborted) */
+    if (!atomic_load(&S.failed)) (void)api.cudaStreamSynchronize(S.comm);
+    api.cudaFree(s->dev);
+    free(s);
+}
+
+static const char *nccl_share_kind(const void *share) {
+    (void)share;
+    return "device";
+}
+
+/* The request's own state: the event its wait makes the compute stream wait on. */
+typedef struct {
+    cudaEvent_t ev;
+} nccl_task;
+_Static_assert(sizeof(nccl_task) <= HSDP_REQ_STATE_BYTES, "nccl_task must fit in hsdp_req.state");
+
+static hsdp_status nccl_gather_start(hsdp_req *r, const void *send, void *recv, size_t nbytes) {
+    nccl_task *t = (nccl_task *)r->state;
+    t->ev = NULL;
+    r->start_ns = hsdp_now_ns();
+    if (r->then) /* the conversion is host work: a device unit computes in its storage dtypes */
+        return hsdp_fail(HSDP_EUNSUPPORTED, "a GPU gather cannot convert dtypes on the host; compute in the storage dtype");
+    hsdp_status st;
+    if (!on_device(recv)) { /* a host unit: staged and complete before returning */
+        st = r->share ? nccl_gather_fixed(r->g, r->share, send, recv, nbytes, r->label)
+                      : nccl_all_gather(r->g, send, recv, nbytes);
+        r->end_ns = hsdp_now_ns();
+        return st;
+    }
+    char what[160];
+    describe(what, sizeof what, "gather", r->label, nbytes, r->g->size);
+    pthread_mutex_lock(&S.issue);
+    const void *src = send;
+    st = begin();
+    if (st == HSDP_OK && r->share) st = fixed_source(r->share, send, nbytes, &src);
+    if (st == HSDP_OK) st = enqueue(r->g->impl, OP_GATHER, r->g->size, src, recv, nbytes, 0);
+    if (st == HSDP_OK) st = track(what, &t->ev);
+    pthread_mutex_unlock(&S.issue);
+    return st;
+}
+
+static void nccl_gather_wait(hsdp_req *r) {
+    nccl_task *t = (nccl_task *)r->state;
+    hsdp_status st = HSDP_OK;
+    if (atomic_load(&S.failed)) {
+        st = failed_status();
+    } else if (t->ev) {
+        /* the compute stream waits; the host does not */
+        cudaError_t e = api.cudaStreamWaitEvent(S.compute, t->ev, 0);
+        if (e != cudaSuccess) st = cuda_fail(e, "ordering the compute stream after a gather");
+    }
+    r->end_ns = hsdp_now_ns();
+    r->status = st;
+    if (st != HSDP_OK) snprintf(r->err, sizeof r->err, "%s", hsdp_last_error());
+}
+
+static int nccl_overlaps(const hsdp_group *g) {
+    (void)g;
+    return 1;
+}
+
+static void *nccl_buffer_alloc(size_t nbytes, hsdp_device device) {
+    void *p = NULL;
+    if (device != HSDP_DEVICE_CUDA || !api.loaded) return NULL;
+    return api.cudaMalloc(&p, nbytes ? nbytes : 1) == cudaSuccess ? p : NULL;
+}
+
+static void nccl_buffer_free(void *p, size_t nbytes, hsdp_device device) {
+    (void)nbytes, (void)device;
+    if (p) api.cudaFree(p);
+}
+
+static void nccl_buffers_released(hsdp_device device) {
+    if (device != HSDP_DEVICE_CUDA || !S.world_up) return;
+    if (api.cudaEventRecord(S.released, S.compute) == cudaSuccess) S.have_released = 1;
+}
+
+/* ---------------------------------------------------------------- communicators */
+static hsdp_status comm_wrap(ncclComm_t comm, int rank, int size, hsdp_group **out) {
+    nccl_comm *c = calloc(1, sizeof *c); /* owned by the group; freed by nccl_free */
+    hsdp_group *g = malloc(sizeof *g);   /* owned by the caller; hsdp_group_free */
+    if (!c || !g) {
+        free(c);
+        free(g);
+        api.ncclCommAbort(comm);
+        return hsdp_fail(HSDP_ENOMEM, "could not allocate an NCCL group");
+    }
+    c->comm = comm;
+    pthread_mutex_lock(&S.mu);
+    c->next = S.live;
+    S.live = c;
+    pthread_mutex_unlock(&S.mu);
+    *g = (hsdp_group){.backend = &hsdp_backend_nccl, .rank = rank, .size = size, .impl = c};
+    *out = g;
+    return HSDP_OK;
+}
+
+/* Non-blocking communicators, so that joining can be timed out. */
+static ncclConfig_t comm_config(void) {
+    ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+    cfg.blocking = 0;
+    return cfg;
+}
+
+static hsdp_status join_done(ncclComm_t comm, ncclResult_t rc, const char *what) {
+    nccl_comm tmp = {.comm = comm};
+    if (rc != ncclSuccess && rc != ncclInProgress)
+        return hsdp_fail(HSDP_ECOMM, "%s failed: NCCL error %d (%s)", what, (int)rc, api.ncclGetErrorString(rc));
+    uint64_t t0 = hsdp_now_ns(), limit = hsdp_timeout_ns();
+    unsigned us = 50;
+    for (;;) {
+        ncclResult_t state = ncclSuccess;
+        api.ncclCommGetAsyncError(comm, &state);
+        if (state == ncclSuccess) return HSDP_OK;
+        if (state != ncclInProgress) {
+            hsdp_status st = hsdp_fail(HSDP_ECOMM, "%s failed: NCCL error %d (%s)", what, (int)state,
+                                       nccl_text(state, &tmp));
+            api.ncclCommAbort(comm);
+            return st;
+        }
+        if (limit && hsdp_now_ns() - t0 > limit) {
+            api.ncclCommAbort(comm);
+            return hsdp_fail(HSDP_ECOMM, "%s did not finish within %g s (HSDP_TIMEOUT): a rank did not arrive, or "
+                             "the ranks were not given the same unique id", what, timeout_s());
+        }
+        nap(&us);
+    }
+}
+
+hsdp_status hsdp_nccl_unique_id(unsigned char out[HSDP_NCCL_ID_BYTES]) {
+    if (!api.loaded) return hsdp_fail(HSDP_ESTATE, "the NCCL library is not loaded yet");
+    ncclUniqueId id;
+    _Static_assert(sizeof id == HSDP_NCCL_ID_BYTES, "ncclUniqueId is 128 bytes");
+    ncclResult_t rc = api.ncclGetUniqueId(&id);
+    if (rc != ncclSuccess)
+        return hsdp_fail(HSDP_ECOMM, "ncclGetUniqueId failed: NCCL error %d (%s)", (int)rc, api.ncclGetErrorString(rc));
+    memcpy(out, &id, sizeof id);
+    return HSDP_OK;
+}
+
+hsdp_status hsdp_nccl_set_bootstrap(const unsigned char id[HSDP_NCCL_ID_BYTES], int rank, int size, int device) {
+    if (size < 1 || rank < 0 || rank >= size)
+        return hsdp_fail(HSDP_EINVAL, "rank %d is outside a world of %d", rank, size);
+    if (device < 0) return hsdp_fail(HSDP_EINVAL, "the CUDA device must be >= 0, got %d", device);
+    memcpy(S.boot.id, id, HSDP_NCCL_ID_BYTES);
+    S.boot.rank = rank;
+    S.boot.size = size;
+    S.boot.device = device;
+    S.boot.set = 1;
+    return HSDP_OK;
+}
+
+static int nccl_usable(const char **why) {
+    if (!api.loaded) {
+        *why = "the NCCL backend is built but its libraries are not loaded: hsdp.distributed.init_process_group"
+               "('nccl') loads them after importing torch";
+        return 0;
+    }
+    *why = NULL;
+    return 1;
+}
+
+static hsdp_status start_process_state(int device) {
+    int n = 0;
+    CUDA_TRY(api.cudaGetDeviceCount(&n), "cudaGetDeviceCount");
+    if (device >= n)
+        return hsdp_fail(HSDP_EINVAL, "CUDA device %d does not exist: this machine shows %d (LOCAL_RANK must be below "
+                         "the number of visible GPUs)", device, n);
+    CUDA_TRY(api.cudaSetDevice(device), "cudaSetDevice");
+    S.device = device;
+    if (!S.comm) {
+        int least = 0, greatest = 0;
+        CUDA_TRY(api.cudaDeviceGetStreamPriorityRange(&least, &greatest), "cudaDeviceGetStreamPriorityRange");
+        CUDA_TRY(api.cudaStreamCreateWithPriority(&S.comm, cudaStreamNonBlocking, greatest), "creating the gather stream");
+        CUDA_TRY(api.cudaEventCreateWithFlags(&S.released, cudaEventDisableTiming), "creating the release event");
+        CUDA_TRY(api.cudaEventCreateWithFlags(&S.ready, cudaEventDisableTiming), "creating the ordering event");
+    }
+    if (!S.watchdog_on) {
+        atomic_store(&S.stop, 0);
+        int rc = pthread_create(&S.watchdog, NULL, watchdog, NULL);
+        if (rc != 0) return hsdp_fail(HSDP_ECOMM, "could not start the NCCL watchdog thread: %s", strerror(rc));
+        S.watchdog_on = 1;
+    }
+    S.world_up = 1;
+    return HSDP_OK;
+}
+
+static hsdp_status nccl_world(hsdp_group **out, int *we_init) {
+    *out = NULL;
+    *we_init = 0;
+    if (!S.boot.set)
+        return hsdp_fail(HSDP_ESTATE, "the NCCL world needs its bootstrap first: use hsdp.distributed."
+                         "init_process_group('nccl'), which exchanges the unique id over MPI or torch's TCPStore");
+    S.boot.set = 0; /* an id joins one world */
+    hsdp_status st = start_process_state(S.boot.device);
+    if (st != HSDP_OK) return st;
+    ncclUniqueId id;
+    memcpy(&id, S.boot.id, sizeof id);
+    ncclComm_t comm = NULL;
+    char what[128];
+    snprintf(what, sizeof what, "joining the NCCL world of %d ranks as rank %d", S.boot.size, S.boot.rank);
+    if (api.ncclCommInitRankConfig) {
+        ncclConfig_t cfg = comm_config();
+        st = join_done(comm, api.ncclCommInitRankConfig(&comm, S.boot.size, id, S.boot.rank, &cfg), what);
+    } else { /* before 2.14: blocking, so not bounded by the timeout */
+        ncclResult_t rc = api.ncclCommInitRank(&comm, S.boot.size, id, S.boot.rank);
+        st = rc == ncclSuccess ? HSDP_OK : hsdp_fail(HSDP_ECOMM, "%s failed: %s", what, api.ncclGetErrorString(rc));
+    }
+    if (st != HSDP_OK) return st;
+    st = comm_wrap(comm, S.boot.rank, S.boot.size, out);
+    if (st == HSDP_OK) *we_init = 1;
+    return st;
+}
+
+static hsdp_status nccl_split(hsdp_group *g, int color, int key, hsdp_group **out) {
+    *out = NULL;
+    if (!api.ncclCommSplit)
+        return hsdp_fail(HSDP_EUNSUPPORTED, "subgroups need ncclCommSplit (NCCL 2.18 or later); the loaded NCCL is %d",
+                         api.version);
+    if (atomic_load(&S.failed)) return failed_status();
+    nccl_comm *c = g->impl;
+    ncclComm_t comm = NULL;
+    ncclConfig_t cfg = comm_config();
+    char what[96];
+    snprintf(what, sizeof what, "ncclCommSplit (color %d, key %d)", color, key);
+    pthread_mutex_lock(&S.issue);
+    hsdp_status st = join_done(comm, api.ncclCommSplit(c->comm, color, key, &comm, &cfg), what);
+    pthread_mutex_unlock(&S.issue);
+    if (st != HSDP_OK) return st;
+    int rank = -1, size = -1;
+    if (api.ncclCommUserRank(comm, &rank) != ncclSuccess || api.ncclCommCount(comm, &size) != ncclSuccess) {
+        api.ncclCommAbort(comm);
+        return hsdp_fail(HSDP_ECOMM, "could not read the rank and size of a split NCCL communicator");
+    }
+    return comm_wrap(comm, rank, size, out);
+}
+
+/* Frees a communicator without a collective: a group may be dropped on its ranks in any
+ * order (Python's garbage collector decides), and ncclCommAbort tears down locally once
+ * this rank's collectives on it are done. */
+static void nccl_free(hsdp_group *g) {
+    nccl_comm *c = g->impl;
+    if (c) {
+        if (!atomic_load(&S.failed) && S.comm) {
+            cudaEvent_t ev = NULL;
+            pthread_mutex_lock(&S.issue);
+            if (track("the last collectives of a group being freed", &ev) == HSDP_OK)
+                (void)host_wait(ev, "the last collectives of a group being freed");
+            pthread_mutex_unlock(&S.issue);
+        }
+        pthread_mutex_lock(&S.mu);
+        for (nccl_comm **p = &S.live; *p; p = &(*p)->next)
+            if (*p == c) {
+                *p = c->next;
+                break;
+            }
+        if (!c->aborted) api.ncclCommAbort(c->comm);
+        pthread_mutex_unlock(&S.mu);
+        free(c);
+    }
+    free(g);
+}
+
+static hsdp_status nccl_finalize(void) {
+    if (S.watchdog_on) {
+        atomic_store(&S.stop, 1);
+        pthread_join(S.watchdog, NULL);
+        S.watchdog_on = 0;
+    }
+    if (S.comm && !atomic_load(&S.failed)) (void)api.cudaStreamSynchronize(S.comm);
+    if (S.scratch) api.cudaFree(S.scratch);
+    S.scratch = NULL;
+    S.scratch_n = 0;
+    for (unsigned i = 0; i < RING; i++)
+        if (S.ring[i].ev) {
+            api.cudaEventDestroy(S.ring[i].ev);
+            S.ring[i].ev = NULL;
+        }
+    S.head = S.count = 0;
+    if (S.released) api.cudaEventDestroy(S.released);
+    if (S.ready) api.cudaEventDestroy(S.ready);
+    S.ready = NULL;
+    if (S.comm) api.cudaStreamDestroy(S.comm);
+    S.released = NULL;
+    S.comm = NULL;
+    S.have_released = 0;
+    S.world_up = 0;
+    return HSDP_OK;
+}
+
+const hsdp_backend hsdp_backend_nccl = {
+    .name = "nccl",
+    .usable = nccl_usable,
+    .world = nccl_world,
+    .all_gather = nccl_all_gather,
+    .broadcast = nccl_broadcast,
+    .barrier = nccl_barrier,
+    .all_to_all = nccl_all_to_all,
+    .split = nccl_split,
+    .free = nccl_free,
+    .gather_start = nccl_gather_start,
+    .gather_wait = nccl_gather_wait,
+    .overlaps = nccl_overlaps,
+    .buffer_alloc = nccl_buffer_alloc,
+    .buffer_free = nccl_buffer_free,
+    .buffers_released = nccl_buffers_released,
+    .finalize = nccl_finalize,
+    .gather_fixed = nccl_gather_fixed,
+    .share_free = nccl_share_free,
+    .share_kind = nccl_share_kind,
+};
+#endif

@@ -1,0 +1,76 @@
+/* nccl_functions.c - the module functions the Python side of the NCCL backend calls
+ * (hsdp/nccl.py): load the libraries it found, make and hand in the unique id, and tell the
+ * backend which stream torch computes on. Everything else goes through ProcessGroup. */
+#include "pyhsdp.h" /* first: Python.h must precede system headers */
+
+static PyObject *mod_nccl_built(PyObject *m, PyObject *unused) {
+    (void)m, (void)unused;
+    return PyBool_FromLong(hsdp_nccl_built());
+}
+
+static PyObject *mod_nccl_load(PyObject *m, PyObject *args) {
+    (void)m;
+    const char *nccl, *cudart;
+    if (!PyArg_ParseTuple(args, "ss", &nccl, &cudart)) return NULL;
+    hsdp_status st;
+    Py_BEGIN_ALLOW_THREADS /* the first CUDA call can take a while */
+    st = hsdp_nccl_load(nccl, cudart);
+    Py_END_ALLOW_THREADS
+    if (st != HSDP_OK) return hsdp_py_raise(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *mod_nccl_version(PyObject *m, PyObject *unused) {
+    (void)m, (void)unused;
+    return PyLong_FromLong(hsdp_nccl_version());
+}
+
+static PyObject *mod_nccl_unique_id(PyObject *m, PyObject *unused) {
+    (void)m, (void)unused;
+    unsigned char id[HSDP_NCCL_ID_BYTES];
+    hsdp_status st = hsdp_nccl_unique_id(id);
+    if (st != HSDP_OK) return hsdp_py_raise(st);
+    return PyBytes_FromStringAndSize((const char *)id, sizeof id);
+}
+
+static PyObject *mod_nccl_bootstrap(PyObject *m, PyObject *args) {
+    (void)m;
+    Py_buffer id;
+    int rank, size, device;
+    if (!PyArg_ParseTuple(args, "y*iii", &id, &rank, &size, &device)) return NULL;
+    if (id.len != HSDP_NCCL_ID_BYTES) {
+        Py_ssize_t n = id.len;
+        PyBuffer_Release(&id);
+        return PyErr_Format(PyExc_ValueError, "an NCCL unique id is %d bytes, got %zd", HSDP_NCCL_ID_BYTES, n);
+    }
+    hsdp_status st = hsdp_nccl_set_bootstrap(id.buf, rank, size, device);
+    PyBuffer_Release(&id);
+    if (st != HSDP_OK) return hsdp_py_raise(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *mod_nccl_set_stream(PyObject *m, PyObject *arg) {
+    (void)m;
+    void *p = PyLong_AsVoidPtr(arg);
+    if (!p && PyErr_Occurred()) return NULL;
+    hsdp_nccl_set_compute_stream(p);
+    Py_RETURN_NONE;
+}
+
+static PyObject *mod_nccl_comm_stream(PyObject *m, PyObject *unused) {
+    (void)m, (void)unused;
+    return PyLong_FromVoidPtr(hsdp_nccl_comm_stream());
+}
+
+PyMethodDef hsdp_py_nccl_functions[] = {
+    {"nccl_built", mod_nccl_built, METH_NOARGS, "Whether this build has the NCCL backend."},
+    {"nccl_load", mod_nccl_load, METH_VARARGS, "nccl_load(libnccl_path, libcudart_path): open both and find a GPU."},
+    {"nccl_version", mod_nccl_version, METH_NOARGS, "ncclGetVersion of the loaded NCCL (0 before loading)."},
+    {"nccl_unique_id", mod_nccl_unique_id, METH_NOARGS, "ncclGetUniqueId as 128 bytes (rank 0 makes it)."},
+    {"nccl_bootstrap", mod_nccl_bootstrap, METH_VARARGS,
+     "nccl_bootstrap(unique_id, rank, size, device): what the next ProcessGroup('nccl') joins."},
+    {"nccl_set_stream", mod_nccl_set_stream, METH_O,
+     "The CUDA stream (an int handle; 0: the legacy default) the gathers' consumers run on."},
+    {"nccl_comm_stream", mod_nccl_comm_stream, METH_NOARGS, "The side stream gathers run on, as an int handle."},
+    {NULL, NULL, 0, NULL},
+};

@@ -1,0 +1,145 @@
+/* test_nccl.c - the NCCL backend without a GPU.
+ *   test_nccl LIBNCCL LIBCUDART [FAKE]
+ * With the real libraries: built, libraries that are not there are named, a machine with no
+ * GPU is said to have none (and nothing stays loaded), and the world refuses before the
+ * bootstrap. With FAKE (fake_cuda_nccl.so: one "GPU" of host memory, a world of one), the
+ * backend's own logic runs: joining, splits, unit gathers from the shard's device copy,
+ * staging of host buffers, both all-to-all forms, and the watchdog's timeout. */
+#define _POSIX_C_SOURCE 200809L /* setenv */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend.h"
+#include "backend_nccl.h"
+#include "check.h"
+
+static void fake_world(const char *fake) {
+    CHECK(hsdp_nccl_load(fake, fake) == HSDP_OK);
+    int version = hsdp_nccl_version();
+    printf("test_nccl: fake NCCL %d\n", version);
+    unsigned char id[HSDP_NCCL_ID_BYTES];
+    CHECK(hsdp_nccl_unique_id(id) == HSDP_OK && id[1] == 8);
+    hsdp_group *world = NULL, *sub = NULL;
+    int we_init = 0;
+    CHECK(hsdp_backend_world("nccl", &world, &we_init) == HSDP_ESTATE); /* no bootstrap yet */
+    CHECK(strstr(hsdp_last_error(), "needs its bootstrap first") != NULL);
+    CHECK(hsdp_nccl_set_bootstrap(id, 0, 1, 0) == HSDP_OK);
+    CHECK(hsdp_backend_world("nccl", &world, &we_init) == HSDP_OK && we_init == 1);
+    if (!world) return;
+    CHECK(world->size == 1 && world->rank == 0 && hsdp_group_overlaps(world));
+    CHECK(hsdp_group_split(world, 0, 0, &sub) == HSDP_OK && sub && sub->size == 1 && sub->rank == 0);
+    CHECK(hsdp_nccl_comm_stream() != NULL);
+
+    /* host buffers are staged through the device */
+    int host_send[4] = {1, 2, 3, 4}, host_recv[4] = {0};
+    CHECK(hsdp_all_gather(sub, host_send, host_recv, sizeof host_send) == HSDP_OK);
+    CHECK(memcmp(host_send, host_recv, sizeof host_send) == 0);
+    CHECK(hsdp_broadcast(sub, host_recv, sizeof host_recv, 0) == HSDP_OK && host_recv[3] == 4);
+    CHECK(hsdp_broadcast(sub, host_recv, sizeof host_recv, 1) == HSDP_EINVAL);
+    CHECK(hsdp_barrier(sub) == HSDP_OK);
+    memset(host_recv, 0, sizeof host_recv);
+    CHECK(hsdp_all_to_all(sub, host_send, host_recv, sizeof host_send) == HSDP_OK); /* AlltoAll or grouped */
+    CHECK(memcmp(host_send, host_recv, sizeof host_send) == 0);
+
+    /* device buffers go straight to NCCL */
+    hsdp_stats stats;
+    hsdp_stats_init(&stats);
+    const hsdp_backend *b = hsdp_backend_find("nccl");
+    char *dsend = hsdp_device_alloc(&stats, b, HSDP_DEVICE_CUDA, 64), *drecv = hsdp_device_alloc(&stats, b, HSDP_DEVICE_CUDA, 64);
+    CHECK(dsend && drecv);
+    if (dsend && drecv) {
+        memset(dsend, 7, 64);
+        CHECK(hsdp_all_to_all(sub, dsend, drecv, 64) == HSDP_OK && drecv[63] == 7);
+        hsdp_device_free(&stats, b, HSDP_DEVICE_CUDA, dsend, 64);
+        hsdp_device_free(&stats, b, HSDP_DEVICE_CUDA, drecv, 64);
+    }
+
+    /* a unit: written on the host, copied to the device by its first gather, gathered from there */
+    size_t numels[2] = {10, 3};
+    hsdp_dtype dts[2] = {HSDP_F32, HSDP_BF16};
+    hsdp_unit u;
+    CHECK(hsdp_unit_init(&u, numels, dts, NULL, 2, sub, &stats) == HSDP_OK);
+    float w[10];
+    for (int i = 0; i < 10; i++) w[i] = (float)i + 0.5f;
+    CHECK(hsdp_unit_write(&u, 0, 0, 10, w, HSDP_F32) == HSDP_OK);
+    snprintf(u.label, sizeof u.label, "blocks.0");
+    CHECK(strcmp(hsdp_share_kind(sub, u.share), "unset") == 0);
+    for (int round = 0; round < 3; round++) {
+        void *full = hsdp_device_alloc(&stats, b, HSDP_DEVICE_CUDA, u.layout.total_bytes);
+        hsdp_gather_req req;
+        memset(&req, 0, sizeof req);
+        CHECK(full && hsdp_unit_gather_start(&u, full, NULL, &req) == HSDP_OK);
+        CHECK(hsdp_unit_gather_wait(&u, &req) == HSDP_OK);
+        CHECK(full && memcmp(full, w, sizeof w) == 0);
+        CHECK(strcmp(hsdp_share_kind(sub, u.share), "device") == 0);
+        hsdp_buffers_released(b, HSDP_DEVICE_CUDA);
+        hsdp_device_free(&stats, b, HSDP_DEVICE_CUDA, full, u.layout.total_bytes);
+    }
+    CHECK(hsdp_unit_write(&u, 0, 0, 10, w, HSDP_F32) == HSDP_ESTATE); /* fixed from the first gather */
+    void *host_full = malloc(u.layout.total_bytes);
+    CHECK(host_full && hsdp_unit_gather(&u, host_full) == HSDP_OK && memcmp(host_full, w, sizeof w) == 0);
+    free(host_full);
+    hsdp_unit_free(&u);
+
+    /* a collective that never completes: the watchdog (or the waiting call) aborts, naming it */
+    CHECK(hsdp_set_timeout(0.3) == HSDP_OK);
+    setenv("FAKE_STALL", "1", 1);
+    CHECK(hsdp_all_gather(sub, host_send, host_recv, sizeof host_send) == HSDP_ECOMM);
+    CHECK(strstr(hsdp_last_error(), "all-gather of 16 bytes per rank over 1 ranks") != NULL);
+    CHECK(strstr(hsdp_last_error(), "HSDP_TIMEOUT") != NULL);
+    setenv("FAKE_STALL", "0", 1);
+    CHECK(hsdp_barrier(world) == HSDP_ECOMM); /* every later call: the communicators are aborted */
+    CHECK(strstr(hsdp_last_error(), "the NCCL communicators were aborted") != NULL);
+    hsdp_group_free(sub);
+    hsdp_group_free(world);
+    CHECK(hsdp_backend_finalize("nccl") == HSDP_OK);
+}
+
+int main(int argc, char **argv) {
+    if (argc != 3 && argc != 4) {
+        fprintf(stderr, "usage: %s LIBNCCL LIBCUDART [FAKE]\n", argv[0]);
+        return 2;
+    }
+    CHECK(hsdp_nccl_built());
+    CHECK(!hsdp_nccl_loaded() && hsdp_nccl_version() == 0);
+
+    /* the registry knows it; unloaded it is not usable, and says what loads it */
+    const hsdp_backend *b = hsdp_backend_find("nccl");
+    CHECK(b != NULL);
+    hsdp_group *g = NULL;
+    int we_init = 1;
+    CHECK(hsdp_backend_world("nccl", &g, &we_init) == HSDP_EUNSUPPORTED && g == NULL && we_init == 0);
+    CHECK(strstr(hsdp_last_error(), "built but its libraries are not loaded") != NULL);
+
+    /* a path that is not there is named; nothing is left loaded */
+    CHECK(hsdp_nccl_load("/nonexistent/libnccl.so.2", argv[2]) == HSDP_EUNSUPPORTED);
+    CHECK(strstr(hsdp_last_error(), "could not open the NCCL library '/nonexistent/libnccl.so.2'") != NULL);
+    CHECK(hsdp_nccl_load(argv[1], "/nonexistent/libcudart.so") == HSDP_EUNSUPPORTED);
+    CHECK(strstr(hsdp_last_error(), "could not open the CUDA runtime '/nonexistent/libcudart.so'") != NULL);
+    CHECK(!hsdp_nccl_loaded());
+    /* a library that is no NCCL: its missing symbol is named */
+    CHECK(hsdp_nccl_load(argv[2], argv[2]) == HSDP_EUNSUPPORTED);
+    CHECK(strstr(hsdp_last_error(), "has no symbol ncclGetVersion") != NULL);
+    CHECK(hsdp_nccl_load("", argv[2]) == HSDP_EINVAL);
+
+    unsigned char id[HSDP_NCCL_ID_BYTES] = {0};
+    CHECK(hsdp_nccl_unique_id(id) == HSDP_ESTATE);
+    CHECK(hsdp_nccl_set_bootstrap(id, 2, 2, 0) == HSDP_EINVAL);
+    CHECK(strstr(hsdp_last_error(), "rank 2 is outside a world of 2") != NULL);
+    CHECK(hsdp_nccl_set_bootstrap(id, 0, 1, -1) == HSDP_EINVAL);
+
+    /* the real libraries: on a machine without a GPU, the runtime's own error, nothing loaded */
+    hsdp_status st = hsdp_nccl_load(argv[1], argv[2]);
+    if (st == HSDP_OK) {
+        printf("test_nccl: a GPU is present: NCCL %d loaded\n", hsdp_nccl_version());
+        CHECK(hsdp_nccl_version() >= 21800);
+    } else {
+        CHECK(st == HSDP_EUNSUPPORTED);
+        CHECK(strstr(hsdp_last_error(), "no usable GPU for the NCCL backend") != NULL);
+        CHECK(!hsdp_nccl_loaded() && hsdp_nccl_version() == 0);
+        printf("test_nccl: no GPU: %s\n", hsdp_last_error());
+    }
+    if (argc > 3 && !hsdp_nccl_loaded()) fake_world(argv[3]);
+    return check_report();
+}

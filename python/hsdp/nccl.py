@@ -1,0 +1,283 @@
+"""The NCCL backend's Python side: finding the libraries, and joining the ranks.
+
+- **Libraries.** The C backend links nothing; it opens libnccl and libcudart at run time.
+  The copies opened are the ones torch has loaded (read from ``/proc/self/maps`` after
+  ``import torch``), else the nvidia wheels' files, else ``HSDP_NCCL_LIBRARY`` /
+  ``HSDP_CUDART_LIBRARY``. Opening NCCL by its soname before torch is imported can pick a
+  system NCCL that then breaks ``import torch``; that is why this happens here, after it.
+- **Joining.** Rank 0 makes the NCCL unique id (128 bytes) and the others receive it: by MPI
+  broadcast under ``mpiexec``, through torch's ``TCPStore`` under ``torchrun`` (the agent's
+  store when torchrun serves one, else a store rank 0 serves at MASTER_ADDR:MASTER_PORT,
+  or the default store of an initialised ``torch.distributed``). hsdp does no networking of
+  its own. The device is LOCAL_RANK.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import site
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import _C
+
+ID_BYTES = 128
+
+# Kept for the life of the process: the MPI world that carried the id (MPI cannot start
+# twice) and the TCPStore rank 0 serves (the others may still be reading from it).
+_keep: list[Any] = []
+
+_WHEEL_LIBS = {
+    "nccl": ("nvidia/nccl/lib/libnccl.so.2",),
+    "cudart": ("nvidia/cu13/lib/libcudart.so.13", "nvidia/cuda_runtime/lib/libcudart.so.12", "nvidia/cu12/lib/libcudart.so.12"),
+}
+_LIB_PREFIX = {"nccl": "libnccl.so", "cudart": "libcudart.so"}
+_LIB_ENV = {"nccl": "HSDP_NCCL_LIBRARY", "cudart": "HSDP_CUDART_LIBRARY"}
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Who this process is in the job, as its launcher says."""
+
+    via: str  # "torchrun", "mpi" or "single"
+    rank: int
+    size: int
+    local_rank: int
+    master_addr: str | None = None
+    master_port: int | None = None
+    agent_store: bool = False
+    restart: int = 0
+
+
+def _int_var(environ: Mapping[str, str], name: str, default: int | None = None) -> int:
+    text = environ.get(name)
+    if text is None:
+        if default is None:
+            raise ValueError(f"{name} is not set; torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT")
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {text!r}") from None
+
+
+def _mpi_local_rank(environ: Mapping[str, str]) -> int | None:
+    for name in ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMI_LOCAL_RANK", "PMIX_LOCAL_RANK"):
+        if name in environ:
+            return _int_var(environ, name)
+    return None
+
+
+def launch_info(environ: Mapping[str, str] | None = None) -> Launch:
+    """This process's place in the job: torchrun's variables first, then an MPI launcher's,
+    else a world of one. Bad or contradictory values are errors naming the variable."""
+    from .distributed import launched_by_mpi
+
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env:
+        rank, size = _int_var(env, "RANK"), _int_var(env, "WORLD_SIZE")
+        local = _int_var(env, "LOCAL_RANK", rank)
+        port = _int_var(env, "MASTER_PORT")
+        if size < 1 or not 0 <= rank < size:
+            raise ValueError(f"RANK={rank} is outside WORLD_SIZE={size}")
+        if local < 0:
+            raise ValueError(f"LOCAL_RANK must be >= 0, got {local}")
+        if not 0 < port < 65536:
+            raise ValueError(f"MASTER_PORT must be a TCP port (1-65535), got {port}")
+        return Launch(
+            "torchrun", rank, size, local, env["MASTER_ADDR"], port,
+            agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
+            restart=_int_var(env, "TORCHELASTIC_RESTART_COUNT", 0),
+        )
+    if launched_by_mpi():
+        # rank and size come from the MPI world itself when the id is exchanged
+        return Launch("mpi", -1, -1, _mpi_local_rank(env) if _mpi_local_rank(env) is not None else -1)
+    return Launch("single", 0, 1, _int_var(env, "LOCAL_RANK", 0))
+
+
+# ---------------------------------------------------------------------------- libraries
+def _site_dirs() -> list[Path]:
+    dirs = [*site.getsitepackages(), site.getusersitepackages(), *sys.path]
+    return [Path(d) for d in dict.fromkeys(dirs) if d and Path(d).is_dir()]
+
+
+def library_paths() -> tuple[str, str]:
+    """(libnccl, libcudart): the copies torch loaded, else the nvidia wheels', else the
+    HSDP_*_LIBRARY variables. Imports torch first."""
+    import torch  # noqa: F401  (its libraries are the ones to use)
+
+    loaded: dict[str, str] = {}
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.rsplit(None, 1)[-1] if "/" in line else ""
+                for kind, prefix in _LIB_PREFIX.items():
+                    if kind not in loaded and Path(path).name.startswith(prefix):
+                        loaded[kind] = path
+    except OSError:
+        pass
+    out = []
+    for kind in ("nccl", "cudart"):
+        path = os.environ.get(_LIB_ENV[kind]) or loaded.get(kind)
+        if not path:
+            path = next((str(d / rel) for d in _site_dirs() for rel in _WHEEL_LIBS[kind] if (d / rel).is_file()), None)
+        if not path:
+            raise NotImplementedError(
+                f"no {_LIB_PREFIX[kind]} was found for the NCCL backend: torch did not load one (a CPU-only torch?) "
+                f"and no nvidia wheel holds one; install torch with CUDA from PyPI, or set {_LIB_ENV[kind]}"
+            )
+        out.append(path)
+    return out[0], out[1]
+
+
+def load() -> None:
+    """Opens libnccl and libcudart (once) and checks that a GPU is there. On a machine with
+    no GPU this raises at once, saying so; nothing stays loaded and torch is unaffected."""
+    if not _C.nccl_built():
+        _C.nccl_load("", "")  # raises the build's own reason
+    if _C.nccl_version():
+        return
+    _C.nccl_load(*library_paths())
+
+
+def unusable_reason() -> str | None:
+    """None when the NCCL backend can run here, else why not (loads it to find out)."""
+    try:
+        load()
+    except (NotImplementedError, RuntimeError, ValueError, OSError, ImportError) as exc:
+        return str(exc)
+    return None
+
+
+# ---------------------------------------------------------------------------- the unique id
+def _check_id(uid: bytes, where: str) -> bytes:
+    if len(uid) != ID_BYTES:
+        raise RuntimeError(f"the NCCL unique id from {where} is {len(uid)} bytes, not {ID_BYTES}")
+    return uid
+
+
+def exchange_over_mpi(make_id: Callable[[], bytes]) -> tuple[bytes, int, int]:
+    """(id, rank, size): rank 0 of the MPI world makes the id, an MPI broadcast carries it."""
+    from .distributed import register_teardown
+
+    world = _C.ProcessGroup("mpi")
+    _keep.append(world)
+    register_teardown()  # hsdp started MPI here: it finalises it at exit
+    buf = np.zeros(ID_BYTES, np.uint8)
+    if world.rank == 0:
+        buf[:] = np.frombuffer(_check_id(make_id(), "ncclGetUniqueId"), np.uint8)
+    world.broadcast(buf, 0)
+    return buf.tobytes(), world.rank, world.size
+
+
+def _store(info: Launch, timeout_s: float) -> Any:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.distributed_c10d._get_default_store()
+    limit = timeout_s if timeout_s > 0 else 86400.0 * 365
+    timeout = datetime.timedelta(seconds=limit)
+    if not info.agent_store and info.rank == 0:
+        try:
+            return dist.TCPStore(info.master_addr, info.master_port, info.size, is_master=True, timeout=timeout,
+                                 wait_for_workers=False)
+        except Exception as exc:  # torch raises its own store errors (DistNetworkError, ...)
+            raise RuntimeError(f"rank 0: could not serve the TCPStore at {info.master_addr}:{info.master_port} "
+                               f"(MASTER_ADDR:MASTER_PORT): {exc}") from exc
+    # A client that comes up before the server is refused, and torch's own retry then backs
+    # off for most of its timeout: short attempts instead, until the whole timeout is spent.
+    deadline = time.monotonic() + limit
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            store = dist.TCPStore(info.master_addr, info.master_port, is_master=False,
+                                  timeout=datetime.timedelta(seconds=max(min(left, 2.0), 0.1)))
+            store.set_timeout(timeout)
+            return store
+        except Exception as exc:
+            if left <= 0:
+                raise RuntimeError(f"rank {info.rank}: could not reach the TCPStore at {info.master_addr}:"
+                                   f"{info.master_port} (MASTER_ADDR:MASTER_PORT) within {limit:g} s: {exc}") from exc
+            time.sleep(0.05)
+
+
+def exchange_over_store(make_id: Callable[[], bytes], info: Launch, timeout_s: float) -> bytes:
+    """Rank 0 sets the id in torch's TCPStore; every rank reads it (within timeout_s)."""
+    store = _store(info, timeout_s)
+    _keep.append(store)
+    key = f"hsdp/nccl_unique_id/{info.restart}"
+    if info.rank == 0:
+        store.set(key, _check_id(make_id(), "ncclGetUniqueId"))
+    try:
+        uid = store.get(key)
+    except Exception as exc:
+        raise RuntimeError(
+            f"rank {info.rank}: rank 0 did not publish the NCCL unique id at {info.master_addr}:{info.master_port} "
+            f"within {timeout_s:g} s (HSDP_TIMEOUT): {exc}"
+        ) from exc
+    uid = _check_id(bytes(uid), f"the TCPStore at {info.master_addr}:{info.master_port}")
+    # Rank 0 may be the store's server: it waits until every rank has read the id, so that
+    # the store outlives every read, and names the ranks that never came.
+    store.set(f"{key}/read/{info.rank}", b"1")
+    if info.rank == 0 and not info.agent_store:
+        keys = [f"{key}/read/{r}" for r in range(info.size)]
+        deadline = time.monotonic() + (timeout_s if timeout_s > 0 else 86400.0 * 365)
+        while not store.check(keys):
+            if time.monotonic() > deadline:
+                missing = [r for r, k in enumerate(keys) if not store.check([k])]
+                raise RuntimeError(
+                    f"rank 0: ranks {missing} of {info.size} did not read the NCCL unique id from the TCPStore at "
+                    f"{info.master_addr}:{info.master_port} within {timeout_s:g} s (HSDP_TIMEOUT)"
+                )
+            time.sleep(0.01)
+    return uid
+
+
+def exchange_unique_id(make_id: Callable[[], bytes], info: Launch, timeout_s: float) -> tuple[bytes, int, int]:
+    """(id, rank, size) by the launcher's own means; make_id runs on rank 0 only."""
+    if info.via == "mpi":
+        return exchange_over_mpi(make_id)
+    if info.via == "torchrun":
+        return exchange_over_store(make_id, info, timeout_s), info.rank, info.size
+    return _check_id(make_id(), "ncclGetUniqueId"), 0, 1
+
+
+def init_world() -> Any:
+    """The NCCL world group: load, pick the device (LOCAL_RANK), exchange the id, join."""
+    load()
+    import torch
+
+    info = launch_info()
+    uid, rank, size = exchange_unique_id(_C.nccl_unique_id, info, float(_C.get_timeout()))
+    local = info.local_rank if info.local_rank >= 0 else rank % max(torch.cuda.device_count(), 1)
+    count = torch.cuda.device_count()
+    if local >= count:
+        raise ValueError(
+            f"rank {rank}: LOCAL_RANK {local} has no GPU: this machine shows {count} "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}); run at most {count} ranks per host"
+        )
+    torch.cuda.set_device(local)
+    _C.nccl_bootstrap(uid, rank, size, local)
+    # torch computes on its current stream; the gathers make that stream wait, not the host
+    _C.nccl_set_stream(torch.cuda.current_stream().cuda_stream)
+    return _C.ProcessGroup("nccl")
+
+
+def set_compute_stream(stream: Any) -> None:
+    """Tell hsdp which CUDA stream the model runs on (a ``torch.cuda.Stream``), when it is not
+    the one that was current at ``init_process_group``: gathers make that stream wait."""
+    _C.nccl_set_stream(int(getattr(stream, "cuda_stream", stream)))
+
+
+def comm_stream() -> Any:
+    """The side stream gathers run on, as a ``torch.cuda.ExternalStream`` (for timing)."""
+    import torch
+
+    return torch.cuda.ExternalStream(_C.nccl_comm_stream())
