@@ -128,9 +128,18 @@ def _match(ckpt: Checkpoint, key_map: KeyMap | None, known: set[str]) -> tuple[d
     return found, count, others
 
 
-def _listed(names: list[str], count: int) -> str:
-    more = f" and {count - len(names)} more" if count > len(names) else ""
-    return ", ".join(names) + more
+def _listed(names: list[str], count: int, budget: int = 700) -> str:
+    """Names joined, as many as fit in ``budget`` characters (so that a message listing both
+    missing and unexpected names stays under the cap), and how many more there are."""
+    kept: list[str] = []
+    used = 0
+    for n in names:
+        if kept and used + len(n) + 2 > budget:
+            break
+        kept.append(n)
+        used += len(n) + 2
+    more = f" and {count - len(kept)} more" if count > len(kept) else ""
+    return ", ".join(kept) + more
 
 
 def _check_keys(
