@@ -62,8 +62,7 @@ def _mapped(ckpt: Checkpoint, fn: Callable[[str], str | None]) -> Iterator[tuple
         t = f.entries
         if t is None:
             continue
-        for i in range(len(t)):
-            name = t.name_at(i)
+        for i, name in enumerate(t):
             target = fn(name)
             if target is None:
                 continue
