@@ -19,7 +19,7 @@ CFLAGS_CHECK := -std=c11 -O1 -g -Wall -Wextra -Werror -Wshadow -fsanitize=addres
 include csrc/sources.mk
 TESTBIN := csrc/tests/bin
 
-.PHONY: all sysdeps venv build ctest pytest test demo bench clean
+.PHONY: all sysdeps venv build ctest pytest test demo bench clean fuzz fuzz-smoke fuzz-build fuzz-deps
 
 all: build
 
@@ -112,6 +112,58 @@ demo: build
 
 bench: build
 	$(PY) bench/run_all.py
+
+# Fuzzing the checkpoint reader (docs/checkpoints.md#fuzzing): a libFuzzer harness (clang,
+# ASan + UBSan) over the C data path, hsdp_unit_read, and an atheris harness over the header
+# parser and validator. `make fuzz` runs each for FUZZ_RUNS executions; `make fuzz-smoke`
+# (what CI runs, after `make test`) each for FUZZ_SECONDS. Neither builds the package: the
+# atheris harness runs under FUZZ_PY (by default the project's venv, into which fuzz-deps
+# installs atheris from a wheel) with hsdp importable there, as `make build` leaves it.
+# Findings (crash-*, leak-*, timeout-*) land in $(FUZZ_OUT).
+FUZZ_RUNS ?= 10000000
+FUZZ_SECONDS ?= 60
+FUZZ_PY ?= $(PY)
+FUZZ_CC ?= clang
+FUZZ_OUT := $(TESTBIN)/fuzz
+FUZZ_FLAGS := -std=c11 -O1 -g -Wall -Wextra -Werror -Wshadow -fsanitize=fuzzer,address,undefined \
+	-fno-sanitize-recover=all -DHSDP_BOUNCE_BYTES=64
+
+$(TESTBIN)/fuzz_checkpoint: csrc/tests/fuzz_checkpoint.c $(CORE_SRC) csrc/*.h csrc/sources.mk
+	@command -v $(FUZZ_CC) >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing: clang (apt-get), for the libFuzzer harness"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq clang >/dev/null; \
+	  else echo "missing: $(FUZZ_CC) with libFuzzer (install clang, e.g. apt-get install clang)"; exit 1; fi; }
+	@mkdir -p $(TESTBIN)
+	$(FUZZ_CC) $(FUZZ_FLAGS) -Icsrc $(CORE_SRC) $< -o $@ -lm -lpthread
+
+fuzz-build: $(TESTBIN)/fuzz_checkpoint
+
+fuzz-deps:
+	@$(FUZZ_PY) -c "import hsdp" 2>/dev/null || { \
+	  echo "missing: hsdp importable by $(FUZZ_PY) (run 'make build', or set FUZZ_PY/PYTHONPATH)"; exit 1; }
+	@$(FUZZ_PY) -c "import atheris" 2>/dev/null || { \
+	  echo "installing: atheris into $(FUZZ_PY)'s environment (a binary wheel only)"; \
+	  $(FUZZ_PY) -m pip install -q --only-binary=:all: atheris || { \
+	    echo "missing: atheris for $$($(FUZZ_PY) -V) on $$(uname -m): no wheel installs here (it needs a"; \
+	    echo "  supported CPython and platform, or clang and libFuzzer to build from source)"; exit 1; }; }
+
+# One harness: $(1) name, $(2) the command, $(3) its seed folder, $(4) libFuzzer flags. New
+# inputs go to a working corpus ($(FUZZ_OUT)/NAME), not into the committed seeds.
+define run_fuzzer
+	@mkdir -p $(FUZZ_OUT)/$(1)
+	set -o pipefail; $(2) $(FUZZ_OUT)/$(1) $(3) -artifact_prefix=$(FUZZ_OUT)/$(1)- $(4) 2>&1 \
+	  | tee $(FUZZ_OUT)/$(1).log | { grep -E "DONE|SUMMARY|ERROR|Done [0-9]+ runs" || true; }
+	@echo "$(1): $$(grep -Eo 'number_of_executed_units: [0-9]+' $(FUZZ_OUT)/$(1).log | tail -1) (log: $(FUZZ_OUT)/$(1).log)"
+endef
+
+fuzz-smoke: fuzz-build fuzz-deps
+	$(call run_fuzzer,checkpoint,$(CURDIR)/$(TESTBIN)/fuzz_checkpoint,fuzz/seeds/checkpoint,-max_total_time=$(FUZZ_SECONDS) -print_final_stats=1)
+	$(call run_fuzzer,header,$(FUZZ_PY) $(CURDIR)/fuzz/fuzz_header.py,fuzz/seeds/header,-max_total_time=$(FUZZ_SECONDS) -print_final_stats=1)
+
+fuzz: fuzz-build fuzz-deps
+	$(call run_fuzzer,checkpoint,$(CURDIR)/$(TESTBIN)/fuzz_checkpoint,fuzz/seeds/checkpoint,-runs=$(FUZZ_RUNS) -print_final_stats=1)
+	$(call run_fuzzer,header,$(FUZZ_PY) $(CURDIR)/fuzz/fuzz_header.py,fuzz/seeds/header,-atheris_runs=$(FUZZ_RUNS) -print_final_stats=1)
 
 clean:
 	rm -rf build $(TESTBIN) python/hsdp/*.so python/*.egg-info

@@ -3,13 +3,16 @@
  * casts them to the storage dtype on the way in. The header is parsed in Python with json. */
 #define _XOPEN_SOURCE 700 /* pread */
 #include <errno.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
 #include "hsdp.h"
 
-#define BOUNCE_BYTES ((size_t)4 << 20) /* bounded extra memory when a cast is needed */
+#ifndef HSDP_BOUNCE_BYTES /* the fuzz build makes it tiny, so the loop below runs many rounds */
+#define HSDP_BOUNCE_BYTES ((size_t)4 << 20) /* bounded extra memory when a cast is needed */
+#endif
 
 hsdp_status hsdp_pread_exact(int fd, void *dst, size_t n, uint64_t off) {
     unsigned char *p = dst;
@@ -46,6 +49,12 @@ hsdp_status hsdp_unit_read(hsdp_unit *u, size_t i, int fd, uint64_t tensor_off, 
     size_t b, e, chunk_off;
     if (!hsdp_layout_owned(&u->layout, i, u->s, &b, &e, &chunk_off)) return HSDP_OK;
     size_t first = b / item, count = (e - b) / item;
+    /* Python validates offsets against the file, but this range must not wrap or pass
+     * off_t's range on its own (a wrapped offset would read the wrong bytes). */
+    uint64_t span = (uint64_t)(first + count) * src_item;
+    if (tensor_off > (uint64_t)INT64_MAX - span)
+        return hsdp_fail(HSDP_EINVAL, "tensor offset %llu plus its %llu bytes is past any file's end",
+                         (unsigned long long)tensor_off, (unsigned long long)span);
     uint64_t off = tensor_off + (uint64_t)first * src_item;
     unsigned char *dst = u->shard + chunk_off;
     if (src_dt == p->dtype) { /* straight into the shard */
@@ -53,7 +62,7 @@ hsdp_status hsdp_unit_read(hsdp_unit *u, size_t i, int fd, uint64_t tensor_off, 
         if (st == HSDP_OK) *nread = count * item;
         return st;
     }
-    size_t per = BOUNCE_BYTES / src_item;
+    size_t per = HSDP_BOUNCE_BYTES / src_item;
     if (per > count) per = count;
     unsigned char *bounce = malloc(per * src_item); /* owned here, freed below */
     if (!bounce) return hsdp_fail(HSDP_ENOMEM, "could not allocate a %zu-byte read buffer", per * src_item);

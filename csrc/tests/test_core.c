@@ -1,6 +1,9 @@
 /* test_core.c - the core without Python: mesh arithmetic, flat layout, a unit's life on the
  * world-of-one backend (found by name in the registry), the S-rank write path through
  * simulated shard groups, and the worker thread the MPI backend runs on. */
+#define _POSIX_C_SOURCE 200809L /* fileno */
+#include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -266,6 +269,35 @@ static void test_registry(void) {
     CHECK(hsdp_device_from_name("cuda", &d) == 0 && d == HSDP_DEVICE_CUDA && hsdp_device_from_name("tpu", &d) == -1);
 }
 
+/* hsdp_unit_read: exact bytes, a cast, and the refusals (past the end, a wrapping offset,
+ * incompatible dtypes). The libFuzzer harness (fuzz_checkpoint.c) covers the rest. */
+static void test_unit_read(void) {
+    float vals[6] = {1, 2, 3, 4, 5, 6};
+    FILE *f = tmpfile(); /* owned here, closed below */
+    CHECK(f != NULL && fwrite(vals, sizeof vals, 1, f) == 1 && fflush(f) == 0);
+    int fd = fileno(f);
+    hsdp_stats st;
+    hsdp_stats_init(&st);
+    hsdp_group g = {.backend = &fake_backend, .rank = 0, .size = 1};
+    size_t numels[] = {4, 2};
+    hsdp_dtype dts[] = {HSDP_F32, HSDP_BF16};
+    hsdp_unit u;
+    CHECK(hsdp_unit_init(&u, numels, dts, NULL, 2, &g, &st) == HSDP_OK);
+    size_t n = 0;
+    CHECK(hsdp_unit_read(&u, 0, fd, 4, HSDP_F32, &n) == HSDP_OK && n == 16);
+    CHECK(memcmp(u.shard, vals + 1, 16) == 0);
+    CHECK(hsdp_unit_read(&u, 1, fd, 16, HSDP_F32, &n) == HSDP_OK && n == 8);
+    uint16_t h[2];
+    memcpy(h, u.shard + u.layout.slots[1].offset, sizeof h);
+    CHECK(hsdp_bf16_to_f32(h[0]) == 5 && hsdp_bf16_to_f32(h[1]) == 6);
+    CHECK(hsdp_unit_read(&u, 0, fd, 12, HSDP_F32, &n) == HSDP_EIO && n == 0);              /* past the end */
+    CHECK(hsdp_unit_read(&u, 0, fd, UINT64_MAX - 8, HSDP_F32, &n) == HSDP_EINVAL && n == 0); /* wraps */
+    CHECK(hsdp_unit_read(&u, 0, fd, 0, HSDP_I32, &n) == HSDP_ETYPE);
+    CHECK(hsdp_unit_read(&u, 2, fd, 0, HSDP_F32, &n) == HSDP_EINVAL);
+    hsdp_unit_free(&u);
+    fclose(f);
+}
+
 int main(void) {
     test_registry();
     test_exec();
@@ -273,5 +305,6 @@ int main(void) {
     test_layout();
     test_unit_ranks();
     test_unit_single();
+    test_unit_read();
     return check_report();
 }

@@ -24,7 +24,7 @@ import numpy as np
 from .. import distributed
 from ..api import _post_order, finalize_hsdp_root, prepare_hsdp_shard_context, shard_hsdp_module
 from ..units import UnitState
-from .errors import in_context
+from .errors import in_context, shown
 from .index import Checkpoint, CheckpointPath, open_checkpoint
 from .plan import KeyMap, LoadPlan, plan_load
 from .progress import LoadReport, Progress, ProgressArg, set_report
@@ -167,6 +167,7 @@ def load_model_sharded(
     key_map: KeyMap | None = None,
     progress: ProgressArg = True,
     read_on_every_replica: bool = False,
+    strict: bool = True,
 ) -> Any:
     """Shard ``model`` (built under ``hsdp.nn.meta_init()``) and load it from a safetensors
     checkpoint, block by block, each rank reading only its own shard. Returns the model.
@@ -175,7 +176,9 @@ def load_model_sharded(
     or an open :class:`Checkpoint`. ``key_map(checkpoint_name) -> model_name | None`` (or a
     dict) renames tensors; None skips one. ``progress`` logs on rank 0 (or is called there
     with a :class:`LoadProgress` after every unit). With replicas, replica 0 reads and
-    broadcasts unless ``read_on_every_replica``.
+    broadcasts unless ``read_on_every_replica``. ``strict`` (the default) refuses a file
+    whose tensors leave gaps or trailing bytes in its data section, as the reference
+    safetensors package does; ``strict=False`` accepts them (overlaps are always refused).
 
     Missing and unexpected names raise one :class:`CheckpointKeyError` listing them; shape
     and dtype mismatches raise :class:`CheckpointError` naming each tensor; both before any
@@ -192,12 +195,12 @@ def load_model_sharded(
     ckpt: Checkpoint | None = None if own else checkpoint
     try:
         if ckpt is None:
-            ckpt = open_checkpoint(checkpoint)  # type: ignore[arg-type]
+            ckpt = open_checkpoint(checkpoint, strict=strict)  # type: ignore[arg-type]
         plan = plan_load(model, ckpt, key_map)
     except Exception as e:
         err = e
     try:
-        agree(err, 0, f"validating checkpoint '{checkpoint}'")
+        agree(err, 0, f"validating checkpoint '{shown(str(checkpoint))}'")
     except BaseException:
         if own and ckpt is not None:
             ckpt.close()

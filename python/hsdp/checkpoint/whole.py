@@ -38,12 +38,13 @@ def read_tensor(entry: TensorEntry) -> np.ndarray:
     return _C.decode(raw, dt.name)
 
 
-def load_checkpoint(path: CheckpointPath, key_map: KeyMap | None = None) -> dict[str, np.ndarray]:
+def load_checkpoint(path: CheckpointPath, key_map: KeyMap | None = None, *, strict: bool = True) -> dict[str, np.ndarray]:
     """Every tensor of a checkpoint, whole: name -> array (bfloat16/float8 as float32 values).
 
-    ``key_map`` renames (and, returning None, drops) tensors as in :func:`load_model_sharded`.
+    ``key_map`` renames (and, returning None, drops) tensors as in :func:`load_model_sharded`;
+    ``strict=False`` accepts gaps and trailing bytes in the data section (see docs/checkpoints.md).
     """
-    with open_checkpoint(path) as ckpt:
+    with open_checkpoint(path, strict=strict) as ckpt:
         return {name: read_tensor(e) for name, e in map_names(ckpt, key_map).items()}
 
 
@@ -53,6 +54,7 @@ def load_model_whole(
     *,
     key_map: KeyMap | None = None,
     progress: ProgressArg = True,
+    strict: bool = True,
 ) -> Any:
     """Load every parameter whole (the strategy streaming is compared with): every rank holds
     the full model afterwards; shard it with ``hsdp.apply_hsdp_to_model``. Returns the model.
@@ -61,7 +63,7 @@ def load_model_whole(
     it was.
     """
     own = not isinstance(checkpoint, Checkpoint)
-    ckpt = open_checkpoint(checkpoint) if own else checkpoint
+    ckpt = open_checkpoint(checkpoint, strict=strict) if own else checkpoint
     try:
         plan = plan_load(model, ckpt, key_map)
         total = plan.nbytes(it.param for it in plan.items)
