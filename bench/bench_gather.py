@@ -9,6 +9,11 @@ buffer from the same allocator. Ratio = raw time / hsdp time (1.0 = as fast as t
     .venv/bin/python bench/bench_gather.py            # 2 and 4 ranks, 1 MiB .. 256 MiB
     .venv/bin/python bench/bench_gather.py --busy     # a gather beside busy ranks: direct vs collective
 
+``--agreement`` measures what the agreement check costs: on the collective path
+(``HSDP_DIRECT_GATHER=0``, where it runs) a 1 MiB unit gather, which includes the check,
+against the check's own collective alone (a 64-byte all-gather per rank) and the raw 1 MiB
+``MPI_Allgather``; 2 and 4 ranks.
+
 ``--busy`` times one 16 MiB gather on 2 ranks while each rank's Python thread computes for
 50 ms (what a forward does while the next block prefetches), against the same gather with
 both ranks idle, for the two paths a unit's gathers can take after its first: *direct*
@@ -34,7 +39,6 @@ def rank_main() -> None:
     world = hsdp.distributed.init_process_group()
     mesh = hsdp.init_device_mesh("cpu", (1, world.size))
     group = mesh.shard_group
-    _C.set_pool_capacity(2)
     rows = []
     for mib in SIZES_MIB:
         nbytes = mib << 20
@@ -116,8 +120,57 @@ def rank_busy() -> None:
         print("RESULT " + json.dumps({f"{p}/{'busy' if b else 'idle'}": t for (p, b), t in med.items()}))
 
 
+def rank_agreement() -> None:
+    import os
+
+    import numpy as np
+
+    import hsdp
+    from hsdp import _C
+    from harness import interleaved
+
+    os.environ["HSDP_DIRECT_GATHER"] = "0"  # the check runs on collective gathers
+    world = hsdp.distributed.init_process_group()
+    group = hsdp.init_device_mesh("cpu", (1, world.size)).shard_group
+    nbytes = 1 << 20
+    unit = _C.Unit(group, ["float32"], [(nbytes // 4,)], name="1MiB")
+    send, recv = _C.empty_aligned(unit.chunk_bytes), _C.empty_aligned(unit.total_bytes)
+    ticket, tickets = np.zeros(64, np.uint8), np.zeros(64 * world.size, np.uint8)
+
+    def ours() -> None:
+        unit.unshard()
+        unit.reshard()
+
+    def unchecked() -> None:  # the same gather with the check off (on every rank, in step)
+        _C._set_agreement_check(False)
+        ours()
+        _C._set_agreement_check(True)
+
+    fns = [ours, unchecked, lambda: group.all_gather(send, recv), lambda: group.all_gather(ticket, tickets)]
+    interleaved(fns, 5, sync=world.barrier)
+    t_ours, t_off, t_raw, t_check = interleaved(fns, 300, sync=world.barrier)
+    assert unit.gather_path == "collective", unit.gather_path
+    if world.rank == 0:
+        print("RESULT " + json.dumps({"ranks": world.size, "ours_s": t_ours, "off_s": t_off, "raw_s": t_raw,
+                                      "check_s": t_check}))
+
+
 def main() -> None:
     from harness import launch, machine, table
+
+    if "--agreement" in sys.argv:
+        rows = []
+        for n in (2, 4):
+            line = next(l for l in launch(n, "bench/bench_gather.py", "--rank-agreement").splitlines()
+                        if l.startswith("RESULT "))
+            r = json.loads(line[7:])
+            rows.append([n, f"{r['ours_s'] * 1e6:.1f}", f"{r['off_s'] * 1e6:.1f}",
+                         f"{(r['ours_s'] / r['off_s'] - 1) * 100:+.1f}%", f"{r['check_s'] * 1e6:.1f}",
+                         f"{r['raw_s'] * 1e6:.1f}", f"{r['raw_s'] / r['ours_s']:.3f}"])
+        print(f"The agreement check on a 1 MiB collective unit gather ({machine()}); median us, interleaved")
+        print(table(["ranks", "gather us", "gather, check off us", "check's cost", "64-byte all-gather from Python us",
+                     "raw 1 MiB us", "raw / gather"], rows))
+        return
 
     if "--busy" in sys.argv:
         line = next(l for l in launch(2, "bench/bench_gather.py", "--rank-busy").splitlines() if l.startswith("RESULT "))
@@ -152,6 +205,8 @@ if __name__ == "__main__":
     sys.path.insert(0, __import__("os").path.dirname(__file__))
     if "--rank-busy" in sys.argv:
         rank_busy()
+    elif "--rank-agreement" in sys.argv:
+        rank_agreement()
     elif "--rank" in sys.argv:
         rank_main()
     else:

@@ -119,6 +119,10 @@ hsdp_status hsdp_set_timeout(double seconds) {
     return HSDP_OK;
 }
 
+static atomic_int agreement_off;
+void hsdp_set_agreement_check(int on) { atomic_store(&agreement_off, !on); }
+int hsdp_agreement_check(void) { return !atomic_load(&agreement_off); }
+
 /* The share of a fixed chunk that is always gathered collectively (any backend). */
 static char collective_share;
 void *hsdp_share_collective(void) { return &collective_share; }

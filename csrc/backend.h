@@ -139,6 +139,12 @@ enum { HSDP_DEFAULT_TIMEOUT_S = 600 };
 uint64_t hsdp_timeout_ns(void);
 hsdp_status hsdp_set_timeout(double seconds);
 
+/* Whether unit gathers that are collectives first check that every rank gathers the same
+ * unit (backend_mpi.c; on by default). Off only to measure what the check costs: every rank
+ * of a group must have the same setting, or their collectives no longer pair up. */
+void hsdp_set_agreement_check(int on);
+int hsdp_agreement_check(void);
+
 /* The backends, each defined in its own file. */
 extern const hsdp_backend hsdp_backend_single; /* backend_single.c */
 extern const hsdp_backend hsdp_backend_mpi;    /* backend_mpi.c */

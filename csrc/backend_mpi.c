@@ -54,6 +54,7 @@ static hsdp_status mpi_fail(int rc, const char *what) {
 typedef struct {
     MPI_Comm comm;
     uint64_t id;
+    uint64_t unit_gathers; /* collective unit gathers issued on this group (the worker's) */
 } mpi_group;
 
 static MPI_Comm comm_of(hsdp_group *g) { return ((mpi_group *)g->impl)->comm; }
@@ -415,12 +416,79 @@ static hsdp_status direct_gather(hsdp_group *g, const direct_share *d, const voi
     return HSDP_OK;
 }
 
+/* ---------------------------------------------------------------- agreement */
+/* Before a unit's collective gather the ranks of its group exchange what they are about to
+ * gather: the unit's name, the group's count of unit gathers so far and the bytes per rank.
+ * Ranks that disagree (one unsharding blocks.0 while another unshards blocks.1, or a rank
+ * that skipped a gather after catching an exception) all see every ticket, so every one of
+ * them fails, naming what each asked for, and none gathers: no rank returns weights mixed
+ * from two units, and a size mismatch never reaches MPI as a truncation. It is a separate
+ * 64-byte all-gather: carrying the ticket inside the data would copy every chunk. Direct
+ * gathers need no check: each rank reads its peers' shards of its own unit. */
+enum { TICKET_LABEL = 40 };
+typedef struct {
+    uint64_t seq, nbytes, label_hash;
+    char label[TICKET_LABEL];
+} ticket;
+_Static_assert(sizeof(ticket) == 64, "a ticket is 64 bytes");
+enum { TICKETS_ON_STACK = 16 };
+
+static hsdp_status agree(hsdp_group *g, const char *label, size_t nbytes) {
+    mpi_group *h = g->impl;
+    ticket mine;
+    memset(&mine, 0, sizeof mine);
+    mine.seq = ++h->unit_gathers;
+    mine.nbytes = nbytes;
+    label = label ? label : "";
+    mine.label_hash = fnv1a(1469598103934665603ull, label, strlen(label)); /* names longer than the copy */
+    snprintf(mine.label, sizeof mine.label, "%s", label);
+    ticket stack[TICKETS_ON_STACK];
+    ticket *all = g->size <= TICKETS_ON_STACK ? stack : malloc(sizeof *all * (size_t)g->size); /* freed below */
+    if (!all) return hsdp_fail(HSDP_ENOMEM, "could not allocate the agreement of %d ranks", g->size);
+    watch_begin("MPI_Allgather (agreeing on the unit to gather)", g, sizeof mine * (size_t)g->size);
+    int rc = MPI_Allgather(&mine, (int)sizeof mine, MPI_BYTE, all, (int)sizeof mine, MPI_BYTE, comm_of(g));
+    watch_end();
+    hsdp_status st = HSDP_OK;
+    if (rc != MPI_SUCCESS) {
+        st = mpi_fail(rc, "MPI_Allgather (agreeing on the unit to gather)");
+    } else {
+        int differ = 0;
+        for (int j = 1; j < g->size; j++) differ |= memcmp(&all[j], &all[0], sizeof mine) != 0;
+        if (differ) {
+            char msg[900];
+            size_t used = (size_t)snprintf(msg, sizeof msg, "the %d ranks of a group do not gather the same unit, so "
+                                           "none of them gathers:", g->size);
+            for (int j = 0, shown = 0; j < g->size && used < sizeof msg; j++) {
+                /* every rank that differs from rank 0, and rank 0, at most 6 in all */
+                if (j && !memcmp(&all[j], &all[0], sizeof mine)) continue;
+                if (shown++ == 6) {
+                    used += (size_t)snprintf(msg + used, sizeof msg - used, " ...");
+                    break;
+                }
+                used += (size_t)snprintf(msg + used, sizeof msg - used, "%s rank %d asks for unit '%.*s' (%llu bytes "
+                                         "per rank, its gather #%llu on this group)", j ? ";" : "", j, TICKET_LABEL - 1,
+                                         all[j].label, (unsigned long long)all[j].nbytes,
+                                         (unsigned long long)all[j].seq);
+            }
+            st = hsdp_fail(HSDP_ECOMM, "%s", msg);
+        }
+    }
+    if (all != stack) free(all);
+    return st;
+}
+
 /* On the worker. The first gather of a fixed chunk is collective and sets *share. */
 static hsdp_status fixed_gather(hsdp_group *g, void **share, const void *send, void *recv, size_t nbytes,
                                 const char *label) {
     if (*share && *share != hsdp_share_collective()) return direct_gather(g, *share, send, recv, nbytes);
+    hsdp_status st = HSDP_OK;
+    if (g->size > 1 && hsdp_agreement_check()) {
+        watch_label(label, !*share); /* a stalled peer is first seen here: name the unit */
+        st = agree(g, label, nbytes);
+    }
+    if (st != HSDP_OK) return st;
     watch_label(label, !*share);
-    hsdp_status st = raw_all_gather(g, send, recv, nbytes);
+    st = raw_all_gather(g, send, recv, nbytes);
     if (st == HSDP_OK && !*share) st = direct_setup(g, share, send, nbytes);
     return st;
 }

@@ -322,3 +322,29 @@ def test_mpiexec_exit_status_is_forwarded_unchanged(tmp_path):
     """Mutation 7's neighbour: a plain non-zero exit is returned as is, not as a signal."""
     assert launch._run([fake(tmp_path, "mpiexec", "exit 5")], dict(os.environ)) == 5
     assert launch._run([fake(tmp_path, "ok", "exit 0")], dict(os.environ)) == 0
+
+
+_EXPLICIT = """
+import hsdp
+from hsdp import models
+hsdp.distributed.init_process_group("single")
+model = models.make_model("tiny", seed=0)
+hsdp.apply_hsdp_to_model(model, hsdp.HSDPInferenceConfig(enabled=True, param_dtype="float32"))  # one buffer a gather
+before = hsdp.memory_stats()
+for _ in range(9):
+    hsdp.unshard(model.blocks[0])
+    hsdp.reshard(model.blocks[0])
+after = hsdp.memory_stats()
+print(before["pool_capacity"], after["buffer_allocs"] - before["buffer_allocs"], after["pooled_bytes"] > 0)
+"""
+
+
+def test_explicit_unshard_and_reshard_reuse_a_buffer_with_the_defaults():
+    """In a fresh process (the default pool, no forward has sized it), nine explicit
+    unshard/reshard cycles of one block allocate one buffer, not nine."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _EXPLICIT], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["2", "1", "True"], out.stdout

@@ -27,6 +27,21 @@ def test_a_stalled_peer_ends_the_job_within_the_timeout(where, what):
     assert what in proc.stderr and "rank 0:" in proc.stderr
     assert "not reached" not in proc.stdout
     assert took < 2 + 10 + 10, took  # the timeout, plus start-up, plus the launcher's teardown
+    print(f"job ended {took:.1f} s after launch")
+
+
+def test_a_killed_peer_ends_the_job():
+    """Rank 1 dies by SIGKILL before a gather rank 0 waits in: the launcher ends the job (no
+    timeout needed: mpiexec sees the death), and rank 0 never returns from the gather."""
+    env = {**os.environ, **MPI_ENV, "HSDP_TIMEOUT": "60"}
+    cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "hsdp._rank", "tests/timeout_worker.py", "kill"]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=110)
+    took = time.monotonic() - t0
+    assert proc.returncode != 0
+    assert "not reached" not in proc.stdout
+    assert took < 30, took  # well within the 60 s timeout: the launcher, not the watchdog, ended it
+    print(f"job ended {took:.1f} s after launch")
 
 
 def test_the_timeout_setting_is_checked():

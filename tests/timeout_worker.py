@@ -1,8 +1,11 @@
 """One rank of the timeout check (started by tests/test_timeout.py under mpiexec): rank 1
-stalls before the first forward; rank 0's first gather must end the job, saying so."""
+stalls (or, with "kill", dies by SIGKILL) before the first forward; rank 0's first gather
+must end the job, saying so, instead of waiting."""
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import time
 
@@ -18,9 +21,11 @@ def main() -> None:
     hsdp.apply_hsdp_to_model(model, hsdp.HSDPInferenceConfig(enabled=True, param_dtype="float32"))
     x = models.make_inputs(models.DiTConfig.preset("tiny"), seed=3)
     print(f"rank {world.rank}: ready", flush=True)
+    if world.rank == 1 and where == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)  # a peer that dies without a word
     if world.rank == 1:
         time.sleep(120)  # a stalled peer: alive, never reaching the collective
-    if where == "forward":
+    if where in ("forward", "kill"):
         model(*x)
     else:
         world.barrier()

@@ -286,6 +286,15 @@ static PyObject *mod_set_timeout(PyObject *m, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+/* _set_agreement_check(on): for the benchmark that measures the check (every rank alike). */
+static PyObject *mod_set_agreement_check(PyObject *m, PyObject *arg) {
+    (void)m;
+    int on = PyObject_IsTrue(arg);
+    if (on < 0) return NULL;
+    hsdp_set_agreement_check(on);
+    Py_RETURN_NONE;
+}
+
 static PyObject *mod_get_timeout(PyObject *m, PyObject *unused) {
     (void)m;
     (void)unused;
@@ -296,6 +305,9 @@ PyMethodDef hsdp_py_backend_functions[] = {
     {"set_timeout", mod_set_timeout, METH_O,
      "set_timeout(seconds): how long a collective may wait for its peers before the job is ended (0: no limit)."},
     {"get_timeout", mod_get_timeout, METH_NOARGS, "The collective timeout in seconds (0: no limit)."},
+    {"_set_agreement_check", mod_set_agreement_check, METH_O,
+     "_set_agreement_check(on): whether collective unit gathers check that every rank gathers the same unit "
+     "(default on; off only to measure the check, on every rank alike)."},
     {"backends", mod_backends, METH_NOARGS,
      "The registered backends: (name, usable, reason it is not usable or None) each."},
     {"finalize_backends", mod_finalize_backends, METH_NOARGS,

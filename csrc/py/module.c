@@ -140,6 +140,10 @@ PyMODINIT_FUNC PyInit__C(void) {
     if (!m) return NULL;
     modstate *ms = PyModule_GetState(m);
     memset(ms, 0, sizeof *ms);
+    /* Idle buffers kept by default, so that explicit unshard/reshard (and resident) reuse
+     * their memory instead of allocating and faulting it in every time; a forward's schedule
+     * sizes the pool itself. hsdp.set_pool_capacity and hsdp.empty_pool trade it back. */
+    ms->pool_cap = HSDP_DEFAULT_POOL_CAPACITY;
     hsdp_stats_init(&ms->stats);
     if (add_type(m, &hsdp_py_group_spec, &ms->group_type, "ProcessGroup") < 0 ||
         add_type(m, &hsdp_py_unit_spec, &ms->unit_type, "Unit") < 0 ||

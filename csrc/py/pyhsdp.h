@@ -30,6 +30,8 @@
 /* The pool keeps at most this many idle unsharded buffers (exported as _C.POOL_SLOTS, which
  * the Python schedule reads). */
 #define HSDP_POOL_SLOTS 256
+/* Idle buffers the pool keeps before any schedule sizes it (buffer_type.c). */
+#define HSDP_DEFAULT_POOL_CAPACITY 2
 
 struct BufferObject;
 

@@ -15,6 +15,7 @@ from .api import (
     HSDPShardContext,
     apply_hsdp_to_model,
     empty_pool,
+    set_pool_capacity,
     finalize_hsdp_root,
     full_state_dict,
     get_units,
@@ -51,7 +52,7 @@ def __getattr__(name: str) -> object:
 
 __all__ = [
     "DType", "DeviceMesh", "DiffusionParallelConfig", "HSDPInferenceConfig", "HSDPShardContext",
-    "MixedPrecisionPolicy", "adapters", "apply_hsdp_to_model", "bfloat16", "dtypes", "empty_pool", "finalize_hsdp_root",
+    "MixedPrecisionPolicy", "adapters", "apply_hsdp_to_model", "bfloat16", "dtypes", "empty_pool", "set_pool_capacity", "finalize_hsdp_root",
     "float16", "float32", "float64", "float8_e4m3fn", "float8_e5m2", "full_state_dict", "get_units",
     "init_device_mesh", "load_checkpoint", "load_model_sharded", "memory_stats", "prepare_hsdp_shard_context", "reshard",
     "resident", "save_checkpoint", "shard_hsdp_module", "shard_model", "trace", "unshard",

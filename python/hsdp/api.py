@@ -538,3 +538,10 @@ def empty_pool() -> None:
     """Release the idle unsharded buffers kept for reuse (like torch.cuda.empty_cache); the
     next forward allocates again."""
     _C.empty_pool()
+
+
+def set_pool_capacity(n: int) -> None:
+    """Keep at most ``n`` idle unsharded buffers for reuse (default 2; 0 keeps none, so every
+    gather outside a scheduled forward allocates). A forward's schedule raises it to what a
+    steady-state forward holds."""
+    _C.set_pool_capacity(int(n))

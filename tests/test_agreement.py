@@ -1,0 +1,64 @@
+"""Ranks that disagree on which unit they gather (issue: desync gave mixed weights silently):
+every rank of the group raises, naming what each asked for, and none returns weights. The
+check rides on every collective unit gather (the first of each unit; every one with
+HSDP_DIRECT_GATHER=0); direct gathers need none, each rank reading its own unit's shards."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from mpirun import MPI_ENV, ROOT, mpiexec
+
+WORKER = str(ROOT / "tests" / "agreement_worker.py")
+
+
+def run(scenario: str, n: int = 2, **env: str) -> dict[int, list[str]]:
+    proc = subprocess.run([mpiexec(), "-n", str(n), sys.executable, WORKER, scenario], cwd=ROOT,
+                          env={**os.environ, **MPI_ENV, "HSDP_TIMEOUT": "60", **env}, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines: dict[int, list[str]] = {}
+    for m in re.finditer(r"^RANK (\d+) (.*)$", proc.stdout, re.M):
+        lines.setdefault(int(m[1]), []).append(m[2])
+    return lines
+
+
+def test_two_units_of_the_same_size_raise_on_every_rank():
+    got = run("equal")
+    for r in (0, 1):
+        (line,) = got[r]
+        assert line.startswith("RAISED the 2 ranks of a group do not gather the same unit, so none of them gathers"), line
+        assert "rank 0 asks for unit 'blocks.0'" in line and "rank 1 asks for unit 'blocks.1'" in line, line
+
+
+def test_units_of_different_sizes_raise_on_every_rank_not_a_truncation():
+    got = run("unequal")
+    for r in (0, 1):
+        (line,) = got[r]
+        assert "do not gather the same unit" in line and "MPI_ERR_TRUNCATE" not in line, line
+        sizes = [int(v) for v in re.findall(r"\((\d+) bytes per rank", line)]
+        assert len(sizes) == 2 and sizes[0] != sizes[1], line
+
+
+@pytest.mark.parametrize("direct", ["1", "0"])
+def test_a_caught_per_rank_exception_never_gives_wrong_numbers(direct):
+    """Rank 1 raises inside request 2 (block 0 of 4) and goes on. With direct gathers the ranks stay
+    independent and every request is exact; with collective gathers the ranks out of step
+    raise (naming the units) until they meet again, and every request that returns is exact."""
+    got = run("caught", HSDP_DIRECT_GATHER=direct)
+    assert set(got) == {0, 1}
+    for r, lines in got.items():
+        assert not any("WRONG" in line for line in lines), lines
+        assert all(line.endswith("EXACT") for line in lines[-3:]), lines  # they rejoin
+    assert "request 2 RAISED ValueError: a per-request failure on this rank" in got[1]
+    if direct == "1":
+        assert len(got[0]) == 5 and all(line.endswith("EXACT") for line in got[0]), got[0]
+    else:  # the ranks out of step each raised once, naming what each asked for
+        for r in (0, 1):
+            assert sum("RAISED RuntimeError: the 2 ranks of a group do not gather the same unit" in line
+                       for line in got[r]) == 1, got[r]
