@@ -74,6 +74,74 @@ hsdp_status hsdp_all_to_all(hsdp_group *g, const void *send, void *recv, size_t 
     return g->backend->all_to_all(g, send, recv, nbytes);
 }
 
+size_t hsdp_blocks_bytes(const hsdp_blocks *b, int size, size_t *span) {
+    if (b->ndims < 0 || b->ndims > HSDP_BLOCK_DIMS || size < 1) {
+        hsdp_fail(HSDP_EINVAL, "a block layout has %d dimensions (at most %d)", b->ndims, HSDP_BLOCK_DIMS);
+        return 0;
+    }
+    size_t n = b->inner, last = b->inner; /* bytes per block; end of a block's last byte */
+    for (int k = 0; k < b->ndims; k++) {
+        if (!b->count[k] || (n && b->count[k] > SIZE_MAX / n) ||
+            (b->stride[k] && b->count[k] - 1 > (SIZE_MAX / 4) / b->stride[k])) {
+            hsdp_fail(HSDP_EINVAL, "a block layout's dimension %d (count %zu, stride %zu) overflows", k, b->count[k],
+                      b->stride[k]);
+            return 0;
+        }
+        n *= b->count[k];
+        last += (b->count[k] - 1) * b->stride[k];
+    }
+    if (b->step && (size_t)(size - 1) > (SIZE_MAX / 4) / b->step) {
+        hsdp_fail(HSDP_EINVAL, "a block layout's step %zu overflows over %d blocks", b->step, size);
+        return 0;
+    }
+    *span = (size_t)(size - 1) * b->step + last;
+    return n;
+}
+
+/* Packs (dir 0) or unpacks (dir 1) one block between its layout and contiguous bytes. */
+static void copy_block(char *base, const hsdp_blocks *b, char *flat, int dir) {
+    size_t idx[HSDP_BLOCK_DIMS] = {0}, total = 1;
+    for (int k = 0; k < b->ndims; k++) total *= b->count[k];
+    for (size_t r = 0; r < total; r++) {
+        size_t off = 0;
+        for (int k = 0; k < b->ndims; k++) off += idx[k] * b->stride[k];
+        if (dir == 0)
+            memcpy(flat, base + off, b->inner);
+        else
+            memcpy(base + off, flat, b->inner);
+        flat += b->inner;
+        for (int k = b->ndims - 1; k >= 0; k--) { /* the innermost index moves fastest */
+            if (++idx[k] < b->count[k]) break;
+            idx[k] = 0;
+        }
+    }
+}
+
+hsdp_status hsdp_all_to_all_blocks(hsdp_group *g, const void *send, const hsdp_blocks *s, void *recv,
+                                   const hsdp_blocks *r) {
+    size_t sspan, rspan;
+    size_t sn = hsdp_blocks_bytes(s, g->size, &sspan);
+    if (!sn && s->inner) return HSDP_EINVAL;
+    size_t rn = hsdp_blocks_bytes(r, g->size, &rspan);
+    if (!rn && r->inner) return HSDP_EINVAL;
+    if (sn != rn)
+        return hsdp_fail(HSDP_EINVAL, "an all-to-all sends blocks of %zu bytes but receives blocks of %zu", sn, rn);
+    if (!sn) return HSDP_OK;
+    const char *sp = send, *rp = recv;
+    if (sp < rp + rspan && rp < sp + sspan) return hsdp_fail(HSDP_EINVAL, "all-to-all send and recv buffers overlap");
+    if (g->backend->all_to_all_blocks) return g->backend->all_to_all_blocks(g, send, s, recv, r);
+    /* No packing in the backend: through two contiguous host buffers */
+    size_t total = sn * (size_t)g->size;
+    char *a = malloc(total), *b = malloc(total); /* owned here, freed below */
+    hsdp_status st = a && b ? HSDP_OK : hsdp_fail(HSDP_ENOMEM, "could not allocate %zu bytes to pack an all-to-all", total);
+    for (int j = 0; st == HSDP_OK && j < g->size; j++) copy_block((char *)send + (size_t)j * s->step, s, a + (size_t)j * sn, 0);
+    if (st == HSDP_OK) st = g->backend->all_to_all(g, a, b, sn);
+    for (int j = 0; st == HSDP_OK && j < g->size; j++) copy_block((char *)recv + (size_t)j * r->step, r, b + (size_t)j * sn, 1);
+    free(a);
+    free(b);
+    return st;
+}
+
 hsdp_status hsdp_group_split(hsdp_group *g, int color, int key, hsdp_group **out) {
     return g->backend->split(g, color, key, out);
 }

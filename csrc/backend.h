@@ -20,6 +20,9 @@
  *                               taking part (MPI on one host: process_vm_readv; NCCL: the
  *                               chunk is copied to the device once, and gathered from there)
  *   share_kind                  what a share set by gather_fixed is, for Unit.gather_path
+ *   all_to_all_blocks           an all-to-all between strided layouts (hsdp_blocks), packed
+ *                               by the backend itself (MPI: derived datatypes); without it
+ *                               backend.c packs host memory around all_to_all
  *   finalize                    ends the backend's runtime, when world() started it */
 #ifndef HSDP_BACKEND_H
 #define HSDP_BACKEND_H
@@ -27,6 +30,17 @@
 #include "hsdp.h"
 
 typedef struct hsdp_backend hsdp_backend;
+
+/* Where the size blocks of an all-to-all lie in a buffer, so that a strided tensor is sent or
+ * received in place: block j is `inner` contiguous bytes at base + j * step + sum over k of
+ * i_k * stride[k], for every i_k < count[k] (k = 0 outermost), in that order. A contiguous
+ * block is ndims = 0 with inner = its bytes. */
+enum { HSDP_BLOCK_DIMS = 3 };
+typedef struct {
+    size_t inner, step;
+    int ndims;
+    size_t count[HSDP_BLOCK_DIMS], stride[HSDP_BLOCK_DIMS];
+} hsdp_blocks;
 
 struct hsdp_backend {
     const char *name;
@@ -73,6 +87,8 @@ struct hsdp_backend {
     void (*share_free)(hsdp_group *g, void *share, void *memory);
     /* "direct" when NULL */
     const char *(*share_kind)(const void *share);
+    hsdp_status (*all_to_all_blocks)(hsdp_group *g, const void *send, const hsdp_blocks *s, void *recv,
+                                     const hsdp_blocks *r);
 };
 
 struct hsdp_group {
@@ -97,6 +113,13 @@ hsdp_status hsdp_all_gather(hsdp_group *g, const void *send, void *recv, size_t 
 hsdp_status hsdp_broadcast(hsdp_group *g, void *buf, size_t nbytes, int root);
 hsdp_status hsdp_barrier(hsdp_group *g);
 hsdp_status hsdp_all_to_all(hsdp_group *g, const void *send, void *recv, size_t nbytes);
+/* The all-to-all between two block layouts (both describe g->size blocks of the same bytes).
+ * Host memory unless the backend's slot says otherwise. */
+hsdp_status hsdp_all_to_all_blocks(hsdp_group *g, const void *send, const hsdp_blocks *s, void *recv,
+                                   const hsdp_blocks *r);
+/* Bytes in one block; 0 with an error recorded when the layout is malformed or overflows.
+ * *span gets the bytes from the buffer's start to the end of its last block (size blocks). */
+size_t hsdp_blocks_bytes(const hsdp_blocks *b, int size, size_t *span);
 hsdp_status hsdp_group_split(hsdp_group *g, int color, int key, hsdp_group **out);
 /* Frees the group (NULL is fine). The caller owned it. */
 void hsdp_group_free(hsdp_group *g);

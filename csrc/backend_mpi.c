@@ -13,6 +13,7 @@
 #include <mpi.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -55,6 +56,7 @@ typedef struct {
     MPI_Comm comm;
     uint64_t id;
     uint64_t unit_gathers; /* collective unit gathers issued on this group (the worker's) */
+    int *world_ranks;      /* owned: the world rank of each rank of the group (for messages) */
 } mpi_group;
 
 static MPI_Comm comm_of(hsdp_group *g) { return ((mpi_group *)g->impl)->comm; }
@@ -92,6 +94,14 @@ static _Atomic uint64_t watch_start; /* ns; 0 while no collective runs */
 static int watch_rank = -1;          /* this process's world rank, for the message */
 static pthread_t watch_thread;
 static atomic_int watch_running, watch_stop;
+/* What this rank waits in, published for its peers' watchdogs to read (same host). */
+static struct {
+    _Atomic uint64_t active, hash;
+    char what[320];
+} watch_pub;
+static const int *watch_group;  /* under watch_mu: world ranks of the collective's group */
+static int watch_group_size;
+static void who_is_missing(char *out, size_t n, const char *what); /* below, with the direct reads */
 
 static void watch_label(const char *label, int first) {
     pthread_mutex_lock(&watch_mu);
@@ -100,17 +110,29 @@ static void watch_label(const char *label, int first) {
     pthread_mutex_unlock(&watch_mu);
 }
 
+static uint64_t fnv1a(uint64_t h, const char *s, size_t n);
+
 static void watch_begin(const char *op, const hsdp_group *g, size_t nbytes) {
     pthread_mutex_lock(&watch_mu);
     int n = snprintf(watch_what, sizeof watch_what, "%s of %zu bytes over a group of %d ranks", op, nbytes, g->size);
     if (watch_next[0] && n > 0 && (size_t)n < sizeof watch_what)
         snprintf(watch_what + n, sizeof watch_what - (size_t)n, " (%s)", watch_next);
     watch_next[0] = '\0';
+    watch_group = ((const mpi_group *)g->impl)->world_ranks;
+    watch_group_size = g->size;
+    /* published: inactive while being rewritten, so a peer never reads a torn description */
+    atomic_store(&watch_pub.active, 0);
+    memcpy(watch_pub.what, watch_what, sizeof watch_pub.what);
+    atomic_store(&watch_pub.hash, fnv1a(1469598103934665603ull, watch_what, strlen(watch_what)));
+    atomic_store(&watch_pub.active, 1);
     pthread_mutex_unlock(&watch_mu);
     atomic_store(&watch_start, hsdp_now_ns());
 }
 
-static void watch_end(void) { atomic_store(&watch_start, 0); }
+static void watch_end(void) {
+    atomic_store(&watch_start, 0);
+    atomic_store(&watch_pub.active, 0);
+}
 
 static void *watchdog(void *arg) {
     (void)arg;
@@ -124,10 +146,12 @@ static void *watchdog(void *arg) {
         memcpy(what, watch_what, sizeof what);
         pthread_mutex_unlock(&watch_mu);
         if (atomic_load(&watch_start) != t0) continue; /* it completed meanwhile */
+        char missing[640];
+        who_is_missing(missing, sizeof missing, what);
         fprintf(stderr,
                 "hsdp: rank %d: %s has waited more than %.3g s (HSDP_TIMEOUT): some rank of the group has not "
-                "reached it (stalled, hung, or at a different step); ending the job\n",
-                watch_rank, what, (double)limit / 1e9);
+                "reached it (stalled, hung, or at a different step)%s; ending the job\n",
+                watch_rank, what, (double)limit / 1e9, missing);
         fflush(stderr);
         MPI_Abort(MPI_COMM_WORLD, 124); /* the launcher ends every rank */
         _exit(124);
@@ -207,6 +231,55 @@ static hsdp_status raw_all_to_all(hsdp_group *g, const void *send, void *recv, s
     return HSDP_OK;
 }
 
+/* The MPI datatype of one block of a layout (its extent: the layout's step). */
+static hsdp_status blocks_type(const hsdp_blocks *b, MPI_Datatype *out) {
+    if (b->inner > (size_t)INT_MAX || b->step > (size_t)INT_MAX * (size_t)HSDP_ALIGN)
+        return hsdp_fail(HSDP_EINVAL, "a block of %zu contiguous bytes is too large for one MPI datatype", b->inner);
+    MPI_Datatype t, next;
+    int rc = MPI_Type_contiguous((int)b->inner, MPI_BYTE, &t);
+    for (int k = b->ndims - 1; rc == MPI_SUCCESS && k >= 0; k--) {
+        if (b->count[k] > (size_t)INT_MAX) {
+            MPI_Type_free(&t);
+            return hsdp_fail(HSDP_EINVAL, "a block layout's count %zu is too large for MPI", b->count[k]);
+        }
+        rc = MPI_Type_create_hvector((int)b->count[k], 1, (MPI_Aint)b->stride[k], t, &next);
+        MPI_Type_free(&t);
+        t = next;
+    }
+    if (rc == MPI_SUCCESS) {
+        rc = MPI_Type_create_resized(t, 0, (MPI_Aint)b->step, &next);
+        MPI_Type_free(&t);
+        t = next;
+    }
+    if (rc == MPI_SUCCESS) rc = MPI_Type_commit(&t);
+    if (rc != MPI_SUCCESS) return mpi_fail(rc, "building an all-to-all's datatype");
+    *out = t;
+    return HSDP_OK;
+}
+
+/* MPI packs the strided blocks itself, inside the transfer: no copy before or after it. */
+static hsdp_status raw_all_to_all_blocks(hsdp_group *g, const void *send, const hsdp_blocks *s, void *recv,
+                                         const hsdp_blocks *r) {
+    REQUIRE_LIVE();
+    MPI_Datatype st_, rt;
+    hsdp_status st = blocks_type(s, &st_);
+    if (st != HSDP_OK) return st;
+    st = blocks_type(r, &rt);
+    if (st != HSDP_OK) {
+        MPI_Type_free(&st_);
+        return st;
+    }
+    size_t span;
+    watch_begin("MPI_Alltoall", g, hsdp_blocks_bytes(s, g->size, &span) * (size_t)g->size);
+    int rc = MPI_Alltoall(send, 1, st_, recv, 1, rt, comm_of(g));
+    watch_end();
+    MPI_Type_free(&st_);
+    MPI_Type_free(&rt);
+    if (rc != MPI_SUCCESS) return mpi_fail(rc, "MPI_Alltoall");
+    collective_done(g);
+    return HSDP_OK;
+}
+
 static hsdp_status wrap(MPI_Comm c, hsdp_group **out);
 
 static hsdp_status raw_split(hsdp_group *g, int color, int key, hsdp_group **out) {
@@ -222,6 +295,7 @@ static hsdp_status raw_split(hsdp_group *g, int color, int key, hsdp_group **out
 static void raw_free(hsdp_group *g) {
     /* After MPI_Finalize a communicator may no longer be freed; the process is ending. */
     if (!mpi_done()) MPI_Comm_free(&((mpi_group *)g->impl)->comm);
+    free(((mpi_group *)g->impl)->world_ranks);
     free(g->impl);
     free(g);
 }
@@ -243,6 +317,25 @@ static hsdp_status wrap(MPI_Comm c, hsdp_group **out) {
     *g = (hsdp_group){.backend = &hsdp_backend_mpi, .impl = h};
     MPI_Comm_rank(c, &g->rank);
     MPI_Comm_size(c, &g->size);
+    /* which world ranks these are, so a timeout can name them (NULL: it cannot) */
+    h->world_ranks = malloc(sizeof *h->world_ranks * (size_t)g->size); /* owned by h; raw_free */
+    int *mine = malloc(sizeof *mine * (size_t)g->size);                /* freed below */
+    MPI_Group grp, world;
+    if (h->world_ranks && mine && MPI_Comm_group(c, &grp) == MPI_SUCCESS) {
+        if (MPI_Comm_group(MPI_COMM_WORLD, &world) == MPI_SUCCESS) {
+            for (int i = 0; i < g->size; i++) mine[i] = i;
+            if (MPI_Group_translate_ranks(grp, g->size, mine, world, h->world_ranks) != MPI_SUCCESS) {
+                free(h->world_ranks);
+                h->world_ranks = NULL;
+            }
+            MPI_Group_free(&world);
+        }
+        MPI_Group_free(&grp);
+    } else {
+        free(h->world_ranks);
+        h->world_ranks = NULL;
+    }
+    free(mine);
     *out = g;
     return HSDP_OK;
 }
@@ -327,6 +420,70 @@ static int peer_read(pid_t pid, void *dst, uint64_t addr, size_t n) {
         done += (size_t)got;
     }
     return 0;
+}
+
+/* ---------------------------------------------------------------- naming who did not arrive */
+/* At world start every rank learns where each world peer publishes what it waits in
+ * (watch_pub). When a collective times out, the watchdog reads that of every peer of the
+ * group on this host: a peer not waiting in the same collective did not arrive, and what
+ * it waits in instead (if anything) is named. Peers on other hosts, or that cannot be read,
+ * are listed as unknown. Read-only and best effort: it runs just before the job ends. */
+static struct {
+    uint64_t pid, addr, host, pidns;
+} *world_peers; /* owned: one per world rank; set once */
+static int world_n;
+
+static void learn_world_peers(void) {
+    int n = 0;
+    if (world_peers || MPI_Comm_size(MPI_COMM_WORLD, &n) != MPI_SUCCESS || n < 2) return;
+    uint64_t mine[4] = {(uint64_t)getpid(), (uintptr_t)&watch_pub, host_id(), pidns_id()};
+    uint64_t *all = malloc(sizeof mine * (size_t)n); /* owned by world_peers */
+    if (!all) return;
+    if (MPI_Allgather(mine, 4, MPI_UINT64_T, all, 4, MPI_UINT64_T, MPI_COMM_WORLD) != MPI_SUCCESS) {
+        free(all);
+        return;
+    }
+    world_peers = (void *)all;
+    world_n = n;
+}
+
+static void who_is_missing(char *out, size_t n, const char *what) {
+    out[0] = '\0';
+    pthread_mutex_lock(&watch_mu);
+    const int *ranks = watch_group;
+    int size = watch_group_size;
+    pthread_mutex_unlock(&watch_mu);
+    if (!ranks || !world_peers) return;
+    uint64_t want = fnv1a(1469598103934665603ull, what, strlen(what));
+    uint64_t host = host_id(), pidns = pidns_id();
+    size_t used = (size_t)snprintf(out, n, "; not in it:");
+    int absent = 0, unknown = 0;
+    char unknowns[128] = "";
+    size_t uused = 0;
+    for (int i = 0; i < size && used < n; i++) {
+        int r = ranks[i];
+        if (r == watch_rank || r < 0 || r >= world_n) continue;
+        __typeof__(world_peers[0]) *p = &world_peers[r];
+        uint64_t state[2] = {0, 0};
+        char theirs[sizeof watch_pub.what] = "";
+        int readable = p->host == host && p->pidns == pidns &&
+                       peer_read((pid_t)p->pid, state, p->addr, sizeof state) == 0 &&
+                       peer_read((pid_t)p->pid, theirs, p->addr + offsetof(__typeof__(watch_pub), what),
+                                 sizeof theirs - 1) == 0;
+        if (!readable) {
+            if (uused < sizeof unknowns)
+                uused += (size_t)snprintf(unknowns + uused, sizeof unknowns - uused, "%s%d", unknown ? ", " : "", r);
+            unknown++;
+            continue;
+        }
+        if (state[0] && state[1] == want) continue; /* waiting in the same collective: it arrived */
+        theirs[sizeof theirs - 1] = '\0';
+        used += (size_t)snprintf(out + used, n - used, "%s rank %d (%s%.120s)", absent ? "," : "", r,
+                                 state[0] ? "waiting in " : "in no collective", state[0] ? theirs : "");
+        absent++;
+    }
+    if (!absent && used < n) used += (size_t)snprintf(out + used, n - used, " no rank on this host");
+    if (unknown && used < n) snprintf(out + used, n - used, "; unknown (other hosts, or not readable): %s", unknowns);
 }
 
 /* After the first (collective) gather of a chunk: exchange, probe, agree. Collective over g. */
@@ -574,6 +731,7 @@ typedef struct {
     hsdp_group **out;
     void **share;
     const char *label;
+    const hsdp_blocks *sblocks, *rblocks;
 } call_args;
 
 static hsdp_status do_all_gather(void *p) {
@@ -595,6 +753,11 @@ static hsdp_status do_barrier(void *p) {
 static hsdp_status do_all_to_all(void *p) {
     call_args *a = p;
     return raw_all_to_all(a->g, a->send, a->recv, a->nbytes);
+}
+
+static hsdp_status do_all_to_all_blocks(void *p) {
+    call_args *a = p;
+    return raw_all_to_all_blocks(a->g, a->send, a->sblocks, a->recv, a->rblocks);
 }
 static hsdp_status do_split(void *p) {
     call_args *a = p;
@@ -625,6 +788,12 @@ static hsdp_status mpi_barrier(hsdp_group *g) {
 static hsdp_status mpi_all_to_all(hsdp_group *g, const void *send, void *recv, size_t nbytes) {
     call_args a = {.g = g, .send = send, .recv = recv, .nbytes = nbytes};
     return hsdp_exec_run(mpi_worker, do_all_to_all, &a);
+}
+
+static hsdp_status mpi_all_to_all_blocks(hsdp_group *g, const void *send, const hsdp_blocks *sb, void *recv,
+                                         const hsdp_blocks *rb) {
+    call_args a = {.g = g, .send = send, .recv = recv, .sblocks = sb, .rblocks = rb};
+    return hsdp_exec_run(mpi_worker, do_all_to_all_blocks, &a);
 }
 static hsdp_status mpi_split(hsdp_group *g, int color, int key, hsdp_group **out) {
     call_args a = {.g = g, .color = color, .key = key, .out = out};
@@ -686,6 +855,7 @@ static hsdp_status dup_world(void *out) {
     MPI_Comm c;
     int rc = MPI_Comm_dup(MPI_COMM_WORLD, &c);
     if (rc != MPI_SUCCESS) return mpi_fail(rc, "MPI_Comm_dup");
+    learn_world_peers(); /* collective over the world, like the dup itself */
     return wrap(c, out);
 }
 
@@ -737,6 +907,7 @@ const hsdp_backend hsdp_backend_mpi = {
     .broadcast = mpi_broadcast,
     .barrier = mpi_barrier,
     .all_to_all = mpi_all_to_all,
+    .all_to_all_blocks = mpi_all_to_all_blocks,
     .split = mpi_split,
     .free = mpi_free,
     .gather_start = mpi_gather_start,

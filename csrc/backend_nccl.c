@@ -13,7 +13,8 @@
  * one event covers every buffer released so far, since the compute stream runs in order.
  *
  * Shards. A unit's shard is written on the host while loading; its first gather copies it
- * to device memory (the share), and every gather from then on reads the device copy.
+ * to device memory (the share), and every gather from then on copies the device copy into
+ * its slot of the buffer and gathers in place.
  *
  * Host memory. A collective whose buffers are host memory (checkpoint plans, agreement
  * checks, NumPy arrays) is staged through a device scratch buffer and waited for on the
@@ -541,6 +542,16 @@ static hsdp_status nccl_all_to_all(hsdp_group *g, const void *send, void *recv, 
 
 /* The device copy a fixed chunk is gathered from: made (and filled from the host chunk) by
  * the first gather. */
+static hsdp_status in_place(const void *src, void *recv, size_t nbytes, int rank, const void **send) {
+    /* NCCL's in-place form (send = recv + rank * chunk) skips its own copy of this rank's
+     * chunk; the one copy is ours, on the side stream, device to device */
+    char *mine = (char *)recv + (size_t)rank * nbytes;
+    cudaError_t e = api.cudaMemcpyAsync(mine, src, nbytes, cudaMemcpyDefault, S.comm);
+    if (e != cudaSuccess) return cuda_fail(e, "copying a shard into its gather buffer");
+    *send = mine;
+    return HSDP_OK;
+}
+
 static hsdp_status fixed_source(void **share, const void *send, size_t nbytes, const void **src) {
     nccl_share *s = *share;
     if (!s) {
@@ -569,6 +580,7 @@ static hsdp_status nccl_gather_fixed(hsdp_group *g, void **share, const void *se
     const void *src = NULL;
     hsdp_status st = begin();
     if (st == HSDP_OK) st = fixed_source(share, send, nbytes, &src);
+    if (st == HSDP_OK) st = in_place(src, recv, nbytes, g->rank, &src);
     if (st == HSDP_OK) st = enqueue(g->impl, OP_GATHER, g->size, src, recv, nbytes, 0);
     cudaEvent_t ev = NULL;
     if (st == HSDP_OK) st = track(what, &ev);
@@ -621,6 +633,8 @@ static hsdp_status nccl_gather_start(hsdp_req *r, const void *send, void *recv, 
     const void *src = send;
     st = begin();
     if (st == HSDP_OK && r->share) st = fixed_source(r->share, send, nbytes, &src);
+    if (st == HSDP_OK && src != (const char *)recv + (size_t)r->g->rank * nbytes)
+        st = in_place(src, recv, nbytes, r->g->rank, &src);
     if (st == HSDP_OK) st = enqueue(r->g->impl, OP_GATHER, r->g->size, src, recv, nbytes, 0);
     if (st == HSDP_OK) st = track(what, &t->ev);
     pthread_mutex_unlock(&S.issue);

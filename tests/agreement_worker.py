@@ -1,11 +1,12 @@
 """One rank of the agreement checks (tests/test_agreement.py, under mpiexec).
 
-`python tests/agreement_worker.py SCENARIO`; each rank prints what it saw on lines starting
-with "RANK r". A failure of the check itself raises out of main.
+`python tests/agreement_worker.py SCENARIO`; each rank writes what it saw, a line per
+event, to $AGREEMENT_OUT/rank<r>.txt. A failure of the check itself raises out of main.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 import numpy as np
@@ -22,7 +23,9 @@ def sharded(seed: int = 0):
 
 
 def report(rank: int, what: str) -> None:
-    print(f"RANK {rank} {what}", flush=True)
+    # one file per rank: lines through mpiexec's output can interleave mid-line
+    with open(os.path.join(os.environ["AGREEMENT_OUT"], f"rank{rank}.txt"), "a") as f:
+        f.write(what + "\n")
 
 
 def scenario_equal(rank: int) -> None:

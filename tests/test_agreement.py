@@ -9,6 +9,8 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -18,14 +20,13 @@ WORKER = str(ROOT / "tests" / "agreement_worker.py")
 
 
 def run(scenario: str, n: int = 2, **env: str) -> dict[int, list[str]]:
-    proc = subprocess.run([mpiexec(), "-n", str(n), sys.executable, WORKER, scenario], cwd=ROOT,
-                          env={**os.environ, **MPI_ENV, "HSDP_TIMEOUT": "60", **env}, capture_output=True, text=True,
-                          timeout=240)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    lines: dict[int, list[str]] = {}
-    for m in re.finditer(r"^RANK (\d+) (.*)$", proc.stdout, re.M):
-        lines.setdefault(int(m[1]), []).append(m[2])
-    return lines
+    with tempfile.TemporaryDirectory() as out:
+        proc = subprocess.run([mpiexec(), "-n", str(n), sys.executable, WORKER, scenario], cwd=ROOT,
+                              env={**os.environ, **MPI_ENV, "HSDP_TIMEOUT": "60", "AGREEMENT_OUT": out, **env},
+                              capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return {r: Path(out, f"rank{r}.txt").read_text().splitlines() for r in range(n)
+                if Path(out, f"rank{r}.txt").exists()}
 
 
 def test_two_units_of_the_same_size_raise_on_every_rank():

@@ -762,3 +762,23 @@ def test_failed_adapter_bind_leaves_no_view_and_binds_next_time():
         assert np.array_equal(m(*x), ref(*x))
     finally:
         adapters.unregister_adapter(a)
+
+
+def test_all_to_all_blocks_packs_strided_layouts_and_checks_them():
+    """all_to_all_blocks on a world of one (backend.c packs host memory around all_to_all):
+    a strided send lands contiguous; layouts reaching outside an array, or blocks of different
+    sizes, are refused naming the bytes."""
+    g = _C.ProcessGroup("single")
+    src = np.arange(24, dtype=np.int32).reshape(4, 6)  # rows of 6 ints; the block is the first 3 of each row
+    out = np.zeros(12, np.int32)
+    g.all_to_all_blocks(src, (12, 48, ((4, 24),)), out, (48, 48, ()))  # one block: 4 rows of 12 bytes, 24 apart
+    assert out.tolist() == src[:, :3].ravel().tolist()
+    shifted = np.zeros_like(out)
+    g.all_to_all_blocks(src[:, :].copy(), (8, 48, ((4, 24),)), shifted[:8], (32, 32, ()))
+    assert shifted[:8].tolist() == src[:, :2].ravel().tolist()
+    with pytest.raises(ValueError, match="the layouts reach 96 bytes of send"):
+        g.all_to_all_blocks(src, (12, 48, ((8, 12),)), out, (96, 96, ()))
+    with pytest.raises(ValueError, match="sends blocks of 48 bytes but receives blocks of 40"):
+        g.all_to_all_blocks(src, (12, 48, ((4, 24),)), out, (40, 40, ()))
+    with pytest.raises(ValueError, match="at most 3"):
+        g.all_to_all_blocks(src, (4, 4, ((1, 1),) * 4), out, (4, 4, ()))

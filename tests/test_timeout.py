@@ -25,9 +25,22 @@ def test_a_stalled_peer_ends_the_job_within_the_timeout(where, what):
     assert proc.returncode != 0
     assert "has waited more than 2 s (HSDP_TIMEOUT)" in proc.stderr, proc.stderr
     assert what in proc.stderr and "rank 0:" in proc.stderr
+    assert "not in it: rank 1 (in no collective)" in proc.stderr, proc.stderr  # who did not arrive
     assert "not reached" not in proc.stdout
     assert took < 2 + 10 + 10, took  # the timeout, plus start-up, plus the launcher's teardown
     print(f"job ended {took:.1f} s after launch")
+
+
+def test_a_peer_in_another_collective_is_named_with_it():
+    """Rank 1 waits in a barrier while rank 0 waits in the first gather: the watchdog that
+    fires names the other rank and the collective it waits in instead."""
+    env = {**os.environ, **MPI_ENV, "HSDP_TIMEOUT": "2"}
+    cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "hsdp._rank", "tests/timeout_worker.py", "elsewhere"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=110)
+    assert proc.returncode != 0
+    named = ("not in it: rank 1 (waiting in MPI_Barrier" in proc.stderr
+             or "not in it: rank 0 (waiting in MPI_Allgather (agreeing on the unit to gather)" in proc.stderr)
+    assert named, proc.stderr
 
 
 def test_a_killed_peer_ends_the_job():

@@ -21,11 +21,13 @@ def main() -> None:
     hsdp.apply_hsdp_to_model(model, hsdp.HSDPInferenceConfig(enabled=True, param_dtype="float32"))
     x = models.make_inputs(models.DiTConfig.preset("tiny"), seed=3)
     print(f"rank {world.rank}: ready", flush=True)
+    if world.rank == 1 and where == "elsewhere":
+        world.barrier()  # a peer waiting in another collective than rank 0's gather
     if world.rank == 1 and where == "kill":
         os.kill(os.getpid(), signal.SIGKILL)  # a peer that dies without a word
     if world.rank == 1:
         time.sleep(120)  # a stalled peer: alive, never reaching the collective
-    if where in ("forward", "kill"):
+    if where in ("forward", "kill", "elsewhere"):
         model(*x)
     else:
         world.barrier()

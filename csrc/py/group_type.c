@@ -150,6 +150,69 @@ static PyObject *group_all_to_all(GroupObject *self, PyObject *args, PyObject *k
     return blocks_call(self, args, kw, self->g->size, hsdp_all_to_all);
 }
 
+/* A block layout from Python: (inner, step, ((count, stride), ...)), all in bytes. */
+static int parse_blocks(PyObject *o, const char *what, hsdp_blocks *b) {
+    PyObject *dims;
+    memset(b, 0, sizeof *b);
+    if (!PyArg_ParseTuple(o, "nnO", (Py_ssize_t *)&b->inner, (Py_ssize_t *)&b->step, &dims)) {
+        PyErr_Format(PyExc_TypeError, "%s must be (inner, step, ((count, stride), ...)) in bytes", what);
+        return -1;
+    }
+    PyObject *seq = PySequence_Fast(dims, "the dimensions must be a sequence of (count, stride)");
+    if (!seq) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    int rc = 0;
+    if (n > HSDP_BLOCK_DIMS) {
+        PyErr_Format(PyExc_ValueError, "%s has %zd dimensions; at most %d", what, n, HSDP_BLOCK_DIMS);
+        rc = -1;
+    }
+    for (Py_ssize_t k = 0; !rc && k < n; k++) {
+        Py_ssize_t c, s;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, k), "nn", &c, &s)) rc = -1;
+        else if (c < 1 || s < 0) {
+            PyErr_Format(PyExc_ValueError, "%s dimension %zd: count %zd must be >= 1 and stride %zd >= 0", what, k, c, s);
+            rc = -1;
+        } else {
+            b->count[k] = (size_t)c;
+            b->stride[k] = (size_t)s;
+        }
+    }
+    b->ndims = (int)n;
+    Py_DECREF(seq);
+    if (!rc && ((Py_ssize_t)b->inner < 0 || (Py_ssize_t)b->step < 0)) {
+        PyErr_Format(PyExc_ValueError, "%s: inner and step must be >= 0", what);
+        rc = -1;
+    }
+    return rc;
+}
+
+/* all_to_all_blocks(send, send_layout, recv, recv_layout): the all-to-all between strided
+ * layouts of two C-contiguous arrays, packed by the backend inside the transfer. */
+static PyObject *group_all_to_all_blocks(GroupObject *self, PyObject *args) {
+    PyObject *so, *sl, *ro, *rl;
+    if (!PyArg_ParseTuple(args, "OOOO", &so, &sl, &ro, &rl)) return NULL;
+    PyArrayObject *ra = hsdp_py_writable_array(ro, "recv");
+    if (!ra) return NULL;
+    if (!PyArray_Check(so) || !PyArray_IS_C_CONTIGUOUS((PyArrayObject *)so))
+        return PyErr_Format(PyExc_TypeError, "send must be a C-contiguous NumPy array");
+    hsdp_blocks s, r;
+    if (parse_blocks(sl, "send_layout", &s) < 0 || parse_blocks(rl, "recv_layout", &r) < 0) return NULL;
+    size_t sspan = 0, rspan = 0;
+    size_t sn = hsdp_blocks_bytes(&s, self->g->size, &sspan), rn = hsdp_blocks_bytes(&r, self->g->size, &rspan);
+    if ((!sn && s.inner) || (!rn && r.inner)) return hsdp_py_raise(HSDP_EINVAL);
+    if (sspan > (size_t)PyArray_NBYTES((PyArrayObject *)so) || rspan > (size_t)PyArray_NBYTES(ra))
+        return PyErr_Format(PyExc_ValueError, "the layouts reach %zu bytes of send (%zd held) and %zu of recv (%zd held)",
+                            sspan, PyArray_NBYTES((PyArrayObject *)so), rspan, PyArray_NBYTES(ra));
+    hsdp_status st;
+    const void *sp = PyArray_DATA((PyArrayObject *)so);
+    void *rp = PyArray_DATA(ra);
+    Py_BEGIN_ALLOW_THREADS
+    st = hsdp_all_to_all_blocks(self->g, sp, &s, rp, &r);
+    Py_END_ALLOW_THREADS
+    if (st != HSDP_OK) return hsdp_py_raise(st);
+    Py_RETURN_NONE;
+}
+
 /* The same collectives on device memory given as addresses (torch's data_ptr()), for a
  * backend whose buffers live on a device: the caller keeps the memory alive, and the result
  * is ordered before later work on the compute stream. */
@@ -205,6 +268,9 @@ static PyMethodDef group_methods[] = {
     {"all_to_all", (PyCFunction)(void (*)(void))group_all_to_all, METH_VARARGS | METH_KEYWORDS,
      "all_to_all(send, recv): block j of send goes to rank j; block i of recv comes from rank i (send and recv "
      "hold size equal blocks and must not overlap)."},
+    {"all_to_all_blocks", (PyCFunction)group_all_to_all_blocks, METH_VARARGS,
+     "all_to_all_blocks(send, send_layout, recv, recv_layout): all_to_all between strided layouts, each "
+     "(inner, step, ((count, stride), ...)) in bytes: block j is `inner` bytes at j * step plus the strides."},
     {"all_gather_device", (PyCFunction)group_all_gather_device, METH_VARARGS,
      "all_gather_device(send_addr, recv_addr, block_bytes): all_gather on device memory (nccl)."},
     {"all_to_all_device", (PyCFunction)group_all_to_all_device, METH_VARARGS,

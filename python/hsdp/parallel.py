@@ -20,6 +20,7 @@ Rank layout (HSDP adds no ranks; it shards over these same ones, see docs/launch
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +37,7 @@ class Ulysses:
         self.group = group
         self.degree = int(group.size)
         self.rank = int(group.rank)
+        self._buffers: dict[tuple[Any, ...], list[np.ndarray]] = {}
 
     def __repr__(self) -> str:
         return f"Ulysses(degree={self.degree}, rank={self.rank})"
@@ -70,31 +72,56 @@ class Ulysses:
         b, n, c = send.shape
         return np.ascontiguousarray(recv.transpose(1, 0, 2, 3).reshape(b, self.degree * n, c))
 
+    def _buffer(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        """A receive buffer of this shape, reused once nothing else refers to it (a result
+        still in use keeps its buffer through its views' .base): a fresh array per exchange
+        would be allocated and faulted in each time, costing more than the transfer."""
+        key = (shape, np.dtype(dtype).str)
+        kept = self._buffers.setdefault(key, [])
+        for buf in kept:
+            if sys.getrefcount(buf) == 3:  # the list, this loop's name, getrefcount's argument
+                return buf
+        buf = np.empty(shape, dtype)
+        if len(kept) < 4:
+            kept.append(buf)
+        return buf
+
     def _to_heads(self, t: np.ndarray) -> np.ndarray:
-        # (B, H, n, D), my tokens -> (B, H / degree, N, D), my heads. The send is packed
-        # token-major, (degree, B, n, H / degree, D): block j is head group j (rank j's);
-        # the model's q, k and v are (B, n, H, D) projections seen as (B, H, n, D), so that is
-        # one copy. Block i of the recv is rank i's tokens, and for B = 1 the result is a
-        # strided view of it, which the matrix products read as is.
+        # (B, H, n, D), my tokens -> (B, H / degree, N, D), my heads. The model's q, k and v
+        # are (B, n, H, D) projections seen as (B, H, n, D): block j of the send (head group
+        # j, rank j's) is then B*n rows of H/degree*D values, a stride of H*D apart, and MPI
+        # packs them inside the transfer. Block i of the recv is rank i's tokens,
+        # (B, n, H / degree, D); for B = 1 the result is a strided view of it, which the
+        # matrix products read as is.
         b, h, n, d = t.shape
         p = self.degree
-        send = np.ascontiguousarray(t.transpose(0, 2, 1, 3).reshape(b, n, p, h // p, d).transpose(2, 0, 1, 3, 4))
-        recv = np.empty_like(send)
-        self.group.all_to_all(send, recv)
-        return recv.transpose(1, 3, 0, 2, 4).reshape(b, h // p, p * n, d)
+        hp, item = h // p, t.itemsize
+        recv = self._buffer((p, b, n, hp, d), t.dtype)
+        tokens = t.transpose(0, 2, 1, 3)
+        if tokens.flags.c_contiguous:
+            block = b * n * hp * d * item
+            self.group.all_to_all_blocks(tokens, (hp * d * item, hp * d * item, ((b * n, h * d * item),)),
+                                         recv, (block, block, ()))
+        else:  # any other layout: one packing copy first
+            send = np.ascontiguousarray(tokens.reshape(b, n, p, hp, d).transpose(2, 0, 1, 3, 4))
+            self.group.all_to_all(send, recv)
+        return recv.transpose(1, 3, 0, 2, 4).reshape(b, hp, p * n, d)
 
     def _to_tokens(self, t: np.ndarray) -> np.ndarray:
         # (B, H / degree, N, D) -> (B, H, n, D), as a view of a token-major (B, n, H, D) array
         # (what the output projection reads). Block j of the send is rank j's tokens for my
-        # heads; block i of the recv is head group i for my tokens.
+        # heads, taken (b, token, head) in place; block i of the recv lands at head group i
+        # of my tokens in place: no copy on either side.
+        t = np.ascontiguousarray(t)
         b, hp, total, d = t.shape
         p = self.degree
-        n = total // p
-        send = np.ascontiguousarray(t.reshape(b, hp, p, n, d).transpose(2, 0, 3, 1, 4))  # (p, B, n, hp, D)
-        recv = np.empty_like(send)
-        self.group.all_to_all(send, recv)
-        tokens = np.ascontiguousarray(recv.transpose(1, 2, 0, 3, 4)).reshape(b, n, p * hp, d)
-        return tokens.transpose(0, 2, 1, 3)
+        n, item = total // p, t.itemsize
+        h = hp * p
+        recv = self._buffer((b, n, h, d), t.dtype)
+        send_layout = (d * item, n * d * item, ((b, hp * total * d * item), (n, d * item), (hp, total * d * item)))
+        recv_layout = (hp * d * item, hp * d * item, ((b * n, h * d * item),))
+        self.group.all_to_all_blocks(t, send_layout, recv, recv_layout)
+        return recv.transpose(0, 2, 1, 3)
 
     def attention(
         self, q: np.ndarray, k: np.ndarray, v: np.ndarray, sdpa: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]

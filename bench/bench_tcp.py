@@ -1,0 +1,45 @@
+"""Across hosts over TCP: a 16 MiB unit gather against the raw MPI_Allgather of the same
+bytes, with two ranks in two network namespaces joined by veth (bench/netns.py; root and
+`ip netns` needed), Open MPI's TCP transport only. The ranks see different hosts, so the
+unit's gathers are collective (with the agreement check), as between real hosts; the model
+check (sharded equals unsharded) runs first. Library defaults otherwise.
+
+    .venv/bin/python bench/bench_tcp.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import netns  # noqa: E402
+from harness import machine, table  # noqa: E402
+
+
+def main() -> None:
+    why = netns.unavailable()
+    if why:
+        raise SystemExit(f"bench_tcp: two network namespaces are not available here: {why}")
+    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+           "OMPI_MCA_mpi_yield_when_idle": "1"}
+    with netns.two_hosts() as prefix:
+        proc = subprocess.run([*prefix, "--wdir", str(HERE.parent), sys.executable, "tests/netns_worker.py", "--bench"],
+                              cwd=HERE.parent, env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode:
+        raise SystemExit(proc.stdout + proc.stderr)
+    rows = sorted((json.loads(m) for m in re.findall(r"RESULT (\{[^{}]*\})", proc.stdout)), key=lambda r: r["rank"])
+    print(f"16 MiB unit gather vs raw MPI_Allgather, 2 ranks in 2 network namespaces over TCP (veth), {machine()}; "
+          "median ms")
+    print(table(["rank", "host", "sharded == unsharded", "gather path", "raw ms", "hsdp ms", "raw / hsdp"],
+                [[r["rank"], r["host"], r["exact"], "/".join(r["paths"]), f"{r['raw_s'] * 1e3:.2f}",
+                  f"{r['ours_s'] * 1e3:.2f}", f"{r['raw_s'] / r['ours_s']:.3f}"] for r in rows]))
+
+
+if __name__ == "__main__":
+    main()
