@@ -573,7 +573,11 @@ static hsdp_status fixed_source(void **share, const void *send, size_t nbytes, c
 
 static hsdp_status nccl_gather_fixed(hsdp_group *g, void **share, const void *send, void *recv, size_t nbytes,
                                      const char *label) {
-    if (!on_device(recv)) return nccl_all_gather(g, send, recv, nbytes); /* a host unit: staged each time */
+    if (!on_device(recv)) { /* a host unit: staged each time, and fixed from now on like any other */
+        hsdp_status st = nccl_all_gather(g, send, recv, nbytes);
+        if (st == HSDP_OK && !*share) *share = hsdp_share_collective();
+        return st;
+    }
     char what[160];
     describe(what, sizeof what, "gather", label, nbytes, g->size);
     pthread_mutex_lock(&S.issue);

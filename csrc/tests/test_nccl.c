@@ -82,6 +82,17 @@ static void fake_world(const char *fake) {
     free(host_full);
     hsdp_unit_free(&u);
 
+    /* a unit gathered into host memory on NCCL: staged, and fixed after its first gather too */
+    hsdp_unit hu;
+    CHECK(hsdp_unit_init(&hu, numels, dts, NULL, 2, sub, &stats) == HSDP_OK);
+    CHECK(hsdp_unit_write(&hu, 0, 0, 10, w, HSDP_F32) == HSDP_OK);
+    void *hfull = malloc(hu.layout.total_bytes);
+    CHECK(hfull && hsdp_unit_gather(&hu, hfull) == HSDP_OK && memcmp(hfull, w, sizeof w) == 0);
+    CHECK(strcmp(hsdp_share_kind(sub, hu.share), "collective") == 0);
+    CHECK(hsdp_unit_write(&hu, 0, 0, 10, w, HSDP_F32) == HSDP_ESTATE);
+    free(hfull);
+    hsdp_unit_free(&hu);
+
     /* a collective that never completes: the watchdog (or the waiting call) aborts, naming it */
     CHECK(hsdp_set_timeout(0.3) == HSDP_OK);
     setenv("FAKE_STALL", "1", 1);
