@@ -53,7 +53,9 @@ class DeviceMesh:
             raise ValueError(f"mesh_dim_names must be two distinct names, got {names!r}")
         if any(x <= 0 for x in shape):
             raise ValueError(f"mesh shape {shape}: both sizes must be positive")
-        world = distributed.init_process_group()
+        # a GPU mesh starts the NCCL world when none exists (under mpiexec "auto" means MPI)
+        gpu_first = self.device_type == "cuda" and not distributed.is_initialized()
+        world = distributed.init_process_group("nccl" if gpu_first else "auto")
         if world.backend not in DEVICE_BACKENDS[self.device_type]:
             raise RuntimeError(
                 f"a {self.device_type!r} mesh needs backend {' or '.join(DEVICE_BACKENDS[self.device_type])}, but "
