@@ -96,7 +96,7 @@ static pthread_t watch_thread;
 static atomic_int watch_running, watch_stop;
 /* What this rank waits in, published for its peers' watchdogs to read (same host). */
 static struct {
-    _Atomic uint64_t active, hash;
+    _Atomic uint64_t active;
     char what[320];
 } watch_pub;
 static const int *watch_group;  /* under watch_mu: world ranks of the collective's group */
@@ -110,8 +110,6 @@ static void watch_label(const char *label, int first) {
     pthread_mutex_unlock(&watch_mu);
 }
 
-static uint64_t fnv1a(uint64_t h, const char *s, size_t n);
-
 static void watch_begin(const char *op, const hsdp_group *g, size_t nbytes) {
     pthread_mutex_lock(&watch_mu);
     int n = snprintf(watch_what, sizeof watch_what, "%s of %zu bytes over a group of %d ranks", op, nbytes, g->size);
@@ -123,7 +121,6 @@ static void watch_begin(const char *op, const hsdp_group *g, size_t nbytes) {
     /* published: inactive while being rewritten, so a peer never reads a torn description */
     atomic_store(&watch_pub.active, 0);
     memcpy(watch_pub.what, watch_what, sizeof watch_pub.what);
-    atomic_store(&watch_pub.hash, fnv1a(1469598103934665603ull, watch_what, strlen(watch_what)));
     atomic_store(&watch_pub.active, 1);
     pthread_mutex_unlock(&watch_mu);
     atomic_store(&watch_start, hsdp_now_ns());
@@ -454,7 +451,6 @@ static void who_is_missing(char *out, size_t n, const char *what) {
     int size = watch_group_size;
     pthread_mutex_unlock(&watch_mu);
     if (!ranks || !world_peers) return;
-    uint64_t want = fnv1a(1469598103934665603ull, what, strlen(what));
     uint64_t host = host_id(), pidns = pidns_id();
     size_t used = (size_t)snprintf(out, n, "; not in it:");
     int absent = 0, unknown = 0;
@@ -464,10 +460,10 @@ static void who_is_missing(char *out, size_t n, const char *what) {
         int r = ranks[i];
         if (r == watch_rank || r < 0 || r >= world_n) continue;
         __typeof__(world_peers[0]) *p = &world_peers[r];
-        uint64_t state[2] = {0, 0};
+        uint64_t active = 0;
         char theirs[sizeof watch_pub.what] = "";
         int readable = p->host == host && p->pidns == pidns &&
-                       peer_read((pid_t)p->pid, state, p->addr, sizeof state) == 0 &&
+                       peer_read((pid_t)p->pid, &active, p->addr, sizeof active) == 0 &&
                        peer_read((pid_t)p->pid, theirs, p->addr + offsetof(__typeof__(watch_pub), what),
                                  sizeof theirs - 1) == 0;
         if (!readable) {
@@ -476,10 +472,10 @@ static void who_is_missing(char *out, size_t n, const char *what) {
             unknown++;
             continue;
         }
-        if (state[0] && state[1] == want) continue; /* waiting in the same collective: it arrived */
         theirs[sizeof theirs - 1] = '\0';
+        if (active && strcmp(theirs, what) == 0) continue; /* waiting in the same collective: it arrived */
         used += (size_t)snprintf(out + used, n - used, "%s rank %d (%s%.120s)", absent ? "," : "", r,
-                                 state[0] ? "waiting in " : "in no collective", state[0] ? theirs : "");
+                                 active ? "waiting in " : "in no collective", active ? theirs : "");
         absent++;
     }
     if (!absent && used < n) used += (size_t)snprintf(out + used, n - used, " no rank on this host");

@@ -27,6 +27,7 @@
 #define _POSIX_C_SOURCE 200809L
 #include <dlfcn.h>
 #include <pthread.h>
+#include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -180,7 +181,6 @@ typedef struct nccl_comm {
  * released by share_free. */
 typedef struct {
     void *dev;
-    size_t n;
 } nccl_share;
 
 enum { RING = 256 }; /* collectives in flight that the watchdog watches */
@@ -236,18 +236,25 @@ static hsdp_status failed_status(void) {
 }
 
 /* Aborts every communicator once, saying why on stderr: peers blocked in a collective with
- * this rank are released by their own watchdogs within the same timeout. */
-static void abort_all_locked(const char *why) {
+ * this rank are released by their own watchdogs within the same timeout. S.mu held. */
+__attribute__((format(printf, 1, 2))) static void abort_all_locked(const char *fmt, ...) {
     int expected = 0;
     if (!atomic_compare_exchange_strong(&S.failed, &expected, 1)) return;
-    snprintf(S.why, sizeof S.why, "%s", why);
-    fprintf(stderr, "hsdp: rank %d (NCCL): %s; aborting the NCCL communicators\n", S.boot.rank, why);
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(S.why, sizeof S.why, fmt, ap);
+    va_end(ap);
+    fprintf(stderr, "hsdp: rank %d (NCCL): %s; aborting the NCCL communicators\n", S.boot.rank, S.why);
     for (nccl_comm *c = S.live; c; c = c->next)
         if (!c->aborted) {
             api.ncclCommAbort(c->comm);
             c->aborted = 1;
         }
 }
+
+/* The same from a caller that does not hold S.mu; returns the failure every call now gets. */
+#define ABORT_ALL(...)                                                                                        \
+    (pthread_mutex_lock(&S.mu), abort_all_locked(__VA_ARGS__), pthread_mutex_unlock(&S.mu), failed_status())
 
 static double timeout_s(void) { return (double)hsdp_timeout_ns() / 1e9; }
 
@@ -267,14 +274,8 @@ static hsdp_status nccl_done(nccl_comm *c, ncclResult_t rc, const char *what) {
         api.ncclCommGetAsyncError(c->comm, &state);
         rc = state;
         if (rc != ncclInProgress) break;
-        if (limit && hsdp_now_ns() - t0 > limit) {
-            char why[256];
-            snprintf(why, sizeof why, "%s did not complete within %g s (HSDP_TIMEOUT)", what, timeout_s());
-            pthread_mutex_lock(&S.mu);
-            abort_all_locked(why);
-            pthread_mutex_unlock(&S.mu);
-            return failed_status();
-        }
+        if (limit && hsdp_now_ns() - t0 > limit)
+            return ABORT_ALL("%s did not complete within %g s (HSDP_TIMEOUT)", what, timeout_s());
         nap(&us);
     }
     if (rc != ncclSuccess) return hsdp_fail(HSDP_ECOMM, "%s failed: NCCL error %d (%s)", what, (int)rc, nccl_text(rc, c));
@@ -287,12 +288,8 @@ static void retire_locked(void) {
         flight *f = &S.ring[S.head];
         cudaError_t e = api.cudaEventQuery(f->ev);
         if (e == cudaErrorNotReady) return;
-        if (e != cudaSuccess) {
-            char why[256];
-            snprintf(why, sizeof why, "%s failed on the GPU: CUDA error %d (%s)", f->what, (int)e,
-                     api.cudaGetErrorString(e));
-            abort_all_locked(why);
-        }
+        if (e != cudaSuccess)
+            abort_all_locked("%s failed on the GPU: CUDA error %d (%s)", f->what, (int)e, api.cudaGetErrorString(e));
         S.head = (S.head + 1) % RING;
         S.count--;
     }
@@ -305,21 +302,15 @@ static void watch_once(void) {
     if (S.count && limit && !atomic_load(&S.failed)) {
         flight *f = &S.ring[S.head];
         uint64_t age = hsdp_now_ns() - f->t0;
-        if (age > limit) {
-            char why[256];
-            snprintf(why, sizeof why, "%s has waited %.1f s for its peers (HSDP_TIMEOUT=%g s)", f->what,
-                     (double)age / 1e9, timeout_s());
-            abort_all_locked(why);
-        }
+        if (age > limit)
+            abort_all_locked("%s has waited %.1f s for its peers (HSDP_TIMEOUT=%g s)", f->what, (double)age / 1e9,
+                             timeout_s());
     }
     for (nccl_comm *c = S.live; c && !atomic_load(&S.failed); c = c->next) {
         ncclResult_t state = ncclSuccess;
         if (c->aborted || api.ncclCommGetAsyncError(c->comm, &state) != ncclSuccess) continue;
-        if (state != ncclSuccess && state != ncclInProgress) {
-            char why[256];
-            snprintf(why, sizeof why, "NCCL reported an asynchronous error: %s", nccl_text(state, c));
-            abort_all_locked(why);
-        }
+        if (state != ncclSuccess && state != ncclInProgress)
+            abort_all_locked("NCCL reported an asynchronous error: %s", nccl_text(state, c));
     }
     pthread_mutex_unlock(&S.mu);
 }
@@ -375,14 +366,8 @@ static hsdp_status host_wait(cudaEvent_t ev, const char *what) {
         if (e == cudaSuccess) return HSDP_OK;
         if (e != cudaErrorNotReady) return cuda_fail(e, what);
         if (atomic_load(&S.failed)) return failed_status();
-        if (limit && hsdp_now_ns() - t0 > limit) {
-            char why[256];
-            snprintf(why, sizeof why, "%s has waited %g s for its peers (HSDP_TIMEOUT)", what, timeout_s());
-            pthread_mutex_lock(&S.mu);
-            abort_all_locked(why);
-            pthread_mutex_unlock(&S.mu);
-            return failed_status();
-        }
+        if (limit && hsdp_now_ns() - t0 > limit)
+            return ABORT_ALL("%s has waited %g s for its peers (HSDP_TIMEOUT)", what, timeout_s());
         nap(&us);
     }
 }
@@ -564,7 +549,6 @@ static hsdp_status fixed_source(void **share, const void *send, size_t nbytes, c
             free(s);
             return cuda_fail(e, "copying a shard to the GPU");
         }
-        s->n = nbytes;
         *share = s;
     }
     *src = s->dev;

@@ -58,7 +58,16 @@ def backends() -> dict[str, str | None]:
     """Every backend the C core registers, by name: None when it is usable here, else the
     reason it is not (what to install or build). Asking about NCCL loads its libraries
     (after importing torch) to find out whether a GPU is there."""
-    return {name: backend_reason(name) for name, _usable, _reason in _C.backends()}
+    return {name: _reason(name, usable, reason) for name, usable, reason in _C.backends()}
+
+
+def _reason(name: str, usable: bool, reason: str | None) -> str | None:
+    # NCCL built but not loaded says only that: loading it (after torch) tells whether a GPU is there
+    if name == "nccl" and not usable and _C.nccl_built():
+        from . import nccl
+
+        return nccl.unusable_reason()
+    return None if usable else reason
 
 
 def backend_reason(name: str) -> str | None:
@@ -66,11 +75,7 @@ def backend_reason(name: str) -> str | None:
     anything (torch, then its libraries)."""
     for n, usable, reason in _C.backends():
         if n == name:
-            if n == "nccl" and not usable and _C.nccl_built():
-                from . import nccl
-
-                return nccl.unusable_reason()
-            return None if usable else reason
+            return _reason(n, usable, reason)
     raise ValueError(f"unknown backend {name!r}")
 
 

@@ -98,7 +98,8 @@ def launch_info(environ: Mapping[str, str] | None = None) -> Launch:
         )
     if launched_by_mpi():
         # rank and size come from the MPI world itself when the id is exchanged
-        return Launch("mpi", -1, -1, _mpi_local_rank(env) if _mpi_local_rank(env) is not None else -1)
+        local = _mpi_local_rank(env)
+        return Launch("mpi", -1, -1, -1 if local is None else local)
     return Launch("single", 0, 1, _int_var(env, "LOCAL_RANK", 0))
 
 
