@@ -187,9 +187,10 @@ hsdp_status hsdp_set_timeout(double seconds) {
     return HSDP_OK;
 }
 
-static atomic_int agreement_off;
-void hsdp_set_agreement_check(int on) { atomic_store(&agreement_off, !on); }
-int hsdp_agreement_check(void) { return !atomic_load(&agreement_off); }
+/* Stored as mode ^ 1 so that zero-initialised means the default, on (1). */
+static atomic_int agreement_mode;
+void hsdp_set_agreement_check(int mode) { atomic_store(&agreement_mode, mode ^ 1); }
+int hsdp_agreement_check(void) { return atomic_load(&agreement_mode) ^ 1; }
 
 /* The share of a fixed chunk that is always gathered collectively (any backend). */
 static char collective_share;

@@ -162,10 +162,13 @@ enum { HSDP_DEFAULT_TIMEOUT_S = 600 };
 uint64_t hsdp_timeout_ns(void);
 hsdp_status hsdp_set_timeout(double seconds);
 
-/* Whether unit gathers that are collectives first check that every rank gathers the same
- * unit (backend_mpi.c; on by default). Off only to measure what the check costs: every rank
- * of a group must have the same setting, or their collectives no longer pair up. */
-void hsdp_set_agreement_check(int on);
+/* Whether unit gathers that are collectives check that every rank gathers the same unit
+ * (backend_mpi.c). HSDP_AGREE_ON, the default, carries the check with the gather where the
+ * group is small; HSDP_AGREE_SEPARATE always spends its own round trip first (tests of that
+ * path); HSDP_AGREE_OFF only measures what the check costs. Every rank of a group must have
+ * the same mode, or their messages no longer pair up. */
+enum { HSDP_AGREE_OFF = 0, HSDP_AGREE_ON = 1, HSDP_AGREE_SEPARATE = 2 };
+void hsdp_set_agreement_check(int mode);
 int hsdp_agreement_check(void);
 
 /* The backends, each defined in its own file. */

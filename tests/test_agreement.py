@@ -29,21 +29,32 @@ def run(scenario: str, n: int = 2, **env: str) -> dict[int, list[str]]:
                 if Path(out, f"rank{r}.txt").exists()}
 
 
-def test_two_units_of_the_same_size_raise_on_every_rank():
-    got = run("equal")
-    for r in (0, 1):
+# The tickets travel beside the data in groups of up to 8 ranks ("fused"); larger groups give
+# them their own all-gather first, forced here with "separate".
+MODES = [("fused", 2), ("fused", 3), ("separate", 2)]
+
+
+@pytest.mark.parametrize("mode,n", MODES)
+def test_two_units_of_the_same_size_raise_on_every_rank(mode, n):
+    got = run("equal", n, AGREEMENT_MODE=mode)
+    assert set(got) == set(range(n))
+    for r in range(n):
         (line,) = got[r]
-        assert line.startswith("RAISED the 2 ranks of a group do not gather the same unit, so none of them gathers"), line
+        assert line.startswith(f"RAISED the {n} ranks of a group do not gather the same unit, so none of them "
+                               "gathers"), line
         assert "rank 0 asks for unit 'blocks.0'" in line and "rank 1 asks for unit 'blocks.1'" in line, line
+        assert "rank 2 asks" not in line, line  # rank 2 asks what rank 0 asks: not repeated
 
 
-def test_units_of_different_sizes_raise_on_every_rank_not_a_truncation():
-    got = run("unequal")
-    for r in (0, 1):
+@pytest.mark.parametrize("mode,n", MODES)
+def test_units_of_different_sizes_raise_on_every_rank_not_a_truncation(mode, n):
+    got = run("unequal", n, AGREEMENT_MODE=mode)
+    assert set(got) == set(range(n))
+    for r in range(n):
         (line,) = got[r]
         assert "do not gather the same unit" in line and "MPI_ERR_TRUNCATE" not in line, line
         sizes = [int(v) for v in re.findall(r"\((\d+) bytes per rank", line)]
-        assert len(sizes) == 2 and sizes[0] != sizes[1], line
+        assert len(sizes) == n and len(set(sizes)) == 2, line  # every rank unlike rank 0 is named
 
 
 @pytest.mark.parametrize("direct", ["1", "0"])

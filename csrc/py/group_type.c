@@ -352,12 +352,21 @@ static PyObject *mod_set_timeout(PyObject *m, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
-/* _set_agreement_check(on): for the benchmark that measures the check (every rank alike). */
+/* _set_agreement_check(on): for the benchmark that measures the check and the tests of its
+ * separate round trip (every rank alike). */
 static PyObject *mod_set_agreement_check(PyObject *m, PyObject *arg) {
     (void)m;
+    if (PyUnicode_Check(arg)) {
+        if (PyUnicode_CompareWithASCIIString(arg, "separate") != 0) {
+            PyErr_Format(PyExc_ValueError, "_set_agreement_check: on is True, False or 'separate', not %R", arg);
+            return NULL;
+        }
+        hsdp_set_agreement_check(HSDP_AGREE_SEPARATE);
+        Py_RETURN_NONE;
+    }
     int on = PyObject_IsTrue(arg);
     if (on < 0) return NULL;
-    hsdp_set_agreement_check(on);
+    hsdp_set_agreement_check(on ? HSDP_AGREE_ON : HSDP_AGREE_OFF);
     Py_RETURN_NONE;
 }
 
@@ -373,7 +382,8 @@ PyMethodDef hsdp_py_backend_functions[] = {
     {"get_timeout", mod_get_timeout, METH_NOARGS, "The collective timeout in seconds (0: no limit)."},
     {"_set_agreement_check", mod_set_agreement_check, METH_O,
      "_set_agreement_check(on): whether collective unit gathers check that every rank gathers the same unit "
-     "(default on; off only to measure the check, on every rank alike)."},
+     "(default True; False only to measure the check, 'separate' to give it its own round trip; every rank "
+     "alike)."},
     {"backends", mod_backends, METH_NOARGS,
      "The registered backends: (name, usable, reason it is not usable or None) each."},
     {"finalize_backends", mod_finalize_backends, METH_NOARGS,
