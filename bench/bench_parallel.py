@@ -1,14 +1,18 @@
 """Ulysses sequence parallel: the exchange against the raw all-to-all, activation memory per
 rank against the degree, and the step time of 2 ranks against 1.
 
-- *exchange*: ``Ulysses._to_heads`` (the layout copy, ``MPI_Alltoall``, the copy back into
-  (heads, tokens) order) against the raw ``ProcessGroup.all_to_all`` of the same bytes, 2
-  ranks, q of 1-64 MiB per rank. Goal: >= 0.95 from 1 MiB.
+- *exchange*: q to head-parallel as the reference model hands it over (its norm writes it
+  into ``Ulysses.grouped``, so ``MPI_Alltoall`` sends it as it lies) against the raw
+  ``ProcessGroup.all_to_all`` of the same bytes, 2 ranks, q of 1-64 MiB per rank. Goal:
+  >= 0.95 from 1 MiB. Also timed: the strided path (a (tokens, heads) projection sent with
+  derived datatypes, what any other caller of ``Ulysses.attention`` gets), and what the
+  layout costs inside the norm (its last multiply in place against into the grouped buffer).
 - *memory*: the peak resident set a rank gains during one forward of the reference model
   (``small`` preset, 4 heads, weights whole), for the same video at Ulysses 1, 2 and 4 (4
   ranks share 2 cores here: only memory is read from that run). It should fall as 1/SP.
 - *time*: one forward at Ulysses 2 on 2 ranks against 1 rank alone, at a token count where
-  attention dominates.
+  attention dominates; and on 2 ranks, interleaved, the same forward with q, k, v written
+  grouped (the default) against strided (the path before).
 
     .venv/bin/python bench/bench_parallel.py
 """
@@ -42,15 +46,28 @@ def rank_exchange() -> None:
         d = 64
         h = 8 * sp.degree
         n = (mib << 20) // (h * d * 4)  # q of `mib` MiB: (1, h, n, d) float32
-        # as the model hands it over: a (1, n, h, d) projection seen as (1, h, n, d)
-        q = np.random.default_rng(0).standard_normal((1, n, h, d)).astype(np.float32).transpose(0, 2, 1, 3)
-        send = np.ascontiguousarray(q)
+        y = np.random.default_rng(0).standard_normal((1, n, h * d)).astype(np.float32)
+        w = np.random.default_rng(1).standard_normal(h * d).astype(np.float32)
+        # as the reference model hands q over: its norm's last step written into grouped()
+        q = sp.grouped(1, n, h, d, np.float32)
+        np.multiply(y.reshape(q.shape), w.reshape(q.shape[2:]), out=q)
+        # as a model computing (1, n, h, d) projections hands it over: seen as (1, h, n, d)
+        strided = (y * w).reshape(1, n, h, d).transpose(0, 2, 1, 3)
+        send = np.ascontiguousarray(strided)
         recv = np.empty_like(send)
-        reps = max(5, 64 // mib)
-        fns = [lambda: sp._to_heads(q), lambda: world.all_to_all(send, recv)]
+        scratch = y.copy()
+        reps = max(15, 256 // mib)
+        ours, raw = (lambda: sp._to_heads_grouped(q, d)), (lambda: world.all_to_all(send, recv))
+        fns = [ours, raw, raw, ours,  # A B B A: a call's place in the round moves its time here
+               lambda: sp._to_heads(strided),
+               # what the layout costs inside the norm: its last multiply in place vs into grouped()
+               lambda: np.multiply(scratch, w, out=scratch),
+               lambda: np.multiply(scratch.reshape(q.shape), w.reshape(q.shape[2:]), out=q)]
         interleaved(fns, 2, sync=world.barrier)
-        t_ours, t_raw = interleaved(fns, reps, sync=world.barrier)
-        rows.append({"mib": mib, "ours_s": t_ours, "raw_s": t_raw})
+        o1, r1, r2, o2, t_strided, t_inplace, t_into = interleaved(fns, reps, sync=world.barrier)
+        t_ours, t_raw = (o1 + o2) / 2, (r1 + r2) / 2
+        rows.append({"mib": mib, "ours_s": t_ours, "raw_s": t_raw, "strided_s": t_strided,
+                     "inplace_s": t_inplace, "into_s": t_into})
     if world.rank == 0:
         print("RESULT " + json.dumps(rows))
 
@@ -78,6 +95,31 @@ def rank_forward(mode: str) -> None:
         if world.rank == 0:
             print("RESULT " + json.dumps({"ranks": world.size, "gained": every.tolist()}))
         return
+    if mode == "layouts":  # the same forward with q, k, v grouped (the default) or strided, interleaved
+        from hsdp.models import dit
+        from hsdp.nn import functional as F
+
+        grouped = dit.Attention._ulysses
+
+        def strided(self, x, sp):  # (tokens, heads) projections, sent with derived datatypes
+            q = self._heads(self.norm_q(self.q(x)))
+            k = self._heads(self.norm_k(self.k(x)))
+            v = self._heads(self.v(x))
+            return sp.attention(q, k, v, F.scaled_dot_product_attention)
+
+        def run(impl):
+            def forward() -> None:
+                dit.Attention._ulysses = impl
+                model(*x)
+            return forward
+
+        # A B B A: the first forward after the barrier runs a few percent slower here
+        g1, s1, s2, g2 = interleaved([run(grouped), run(strided), run(strided), run(grouped)], 5, sync=world.barrier)
+        t_grouped, t_strided = (g1 + g2) / 2, (s1 + s2) / 2
+        dit.Attention._ulysses = grouped
+        if world.rank == 0:
+            print("RESULT " + json.dumps({"grouped_s": t_grouped, "strided_s": t_strided}))
+        return
     times = []
     for _ in range(5):
         world.barrier()
@@ -97,10 +139,14 @@ def main() -> None:
     for r in result(launch(2, __file__, "--rank-exchange")):
         ratio = r["raw_s"] / r["ours_s"]
         rows.append([r["mib"], f"{r['raw_s'] * 1e3:.2f}", f"{r['ours_s'] * 1e3:.2f}", f"{ratio:.3f}",
-                     "yes" if ratio >= 0.95 else "no"])
+                     "yes" if ratio >= 0.95 else "no", f"{r['strided_s'] * 1e3:.2f}",
+                     f"{r['raw_s'] / r['strided_s']:.3f}", f"{r['inplace_s'] * 1e3:.2f}",
+                     f"{r['into_s'] * 1e3:.2f}"])
     print(f"Ulysses exchange (q to head-parallel) vs the raw all-to-all of the same bytes, 2 ranks ({machine()}); "
-          "median ms")
-    print(table(["q MiB per rank", "raw all_to_all ms", "Ulysses exchange ms", "raw / ours", ">= 0.95"], rows))
+          "median ms. 'exchange': q as the reference model writes it (grouped); 'strided': q as a "
+          "(tokens, heads) projection; the norm's last multiply in place vs into the grouped buffer")
+    print(table(["q MiB per rank", "raw all_to_all ms", "exchange ms", "raw / exchange", ">= 0.95", "strided ms",
+                 "raw / strided", "multiply in place ms", "multiply into grouped ms"], rows))
 
     tokens = VIDEO["frames"] * (VIDEO["height"] // 2) * (VIDEO["width"] // 2)
     mem = {n: result(launch(n, __file__, "--rank-memory")) for n in (1, 2, 4)}
@@ -113,6 +159,9 @@ def main() -> None:
     t1 = result(launch(1, __file__, "--rank-time"))["seconds"]
     t2 = result(launch(2, __file__, "--rank-time"))["seconds"]
     print(f"\nOne forward, {tokens} tokens: 1 rank {t1:.3f} s, Ulysses 2 on 2 ranks {t2:.3f} s, ratio {t2 / t1:.3f}")
+    r = result(launch(2, __file__, "--rank-layouts"))
+    print(f"Ulysses 2 on 2 ranks, interleaved: q, k, v grouped {r['grouped_s']:.3f} s, strided "
+          f"{r['strided_s']:.3f} s, grouped / strided {r['grouped_s'] / r['strided_s']:.3f}")
 
 
 if __name__ == "__main__":
@@ -122,5 +171,7 @@ if __name__ == "__main__":
         rank_forward("memory")
     elif "--rank-time" in sys.argv:
         rank_forward("time")
+    elif "--rank-layouts" in sys.argv:
+        rank_forward("layouts")
     else:
         main()

@@ -41,6 +41,19 @@ def main() -> None:
         assert mine.shape == (b, h, hi - lo, d)
         # each head's attention over the whole sequence: the same products, batched alike
         assert np.array_equal(mine, whole[:, :, lo:hi]), np.abs(mine - whole[:, :, lo:hi]).max()
+        # the reference model's path: q, k, v written into grouped() buffers, sent as they lie
+        grouped = []
+        for t in (q, k, v):
+            g = sp.grouped(b, hi - lo, h, d, np.float32)
+            g[...] = t[:, :, lo:hi].transpose(0, 2, 1, 3).reshape(g.shape)
+            grouped.append(g)
+        assert np.array_equal(sp.attention_grouped(*grouped, d, F.scaled_dot_product_attention), mine)
+        try:
+            sp.attention_grouped(q, k, v, d, F.scaled_dot_product_attention)  # not grouped() views
+        except ValueError as e:
+            assert "not a head-group-major view from Ulysses.grouped" in str(e), e
+        else:
+            raise AssertionError("a (B, H, n, D) array was taken for a grouped view")
         try:
             sp.attention(q[:, :3, lo:hi].copy(), k[:, :3, lo:hi].copy(), v[:, :3, lo:hi].copy(),
                          F.scaled_dot_product_attention)

@@ -508,6 +508,28 @@ def test_linear_matches_reference():
         lin(np.zeros((2, 4)))
 
 
+def test_out_takes_the_result_or_its_last_axis_split_with_the_same_bits():
+    rng = _rng()
+    x = rng.standard_normal((2, 4, 6)).astype(np.float32)
+    w = rng.standard_normal((8, 6)).astype(np.float32)
+    b = rng.standard_normal(8).astype(np.float32)
+    g = rng.standard_normal(8).astype(np.float32)
+    for fn in (lambda out=None: F.linear(x, w, b, out=out), lambda out=None: F.linear(x, w, None, out=out),
+               lambda out=None: F.rms_norm(x @ w.T, 8, g, 1e-6, out=out)):
+        ref = fn()
+        same = np.empty_like(ref)
+        assert fn(out=same) is same and np.array_equal(same, ref)
+        # a head-group-major buffer (2 groups of 4), seen as (B, n, 2, 4): what Ulysses.grouped gives
+        buf = np.empty((2, 2, 4, 4), np.float32)
+        view = buf.transpose(1, 2, 0, 3)
+        fn(out=view)
+        assert np.array_equal(view.reshape(2, 4, 8), ref)
+        assert np.array_equal(buf[1], ref[..., 4:])
+        for bad in (np.empty((2, 4, 9), np.float32), np.empty((2, 4, 8), np.float64), np.empty((2, 4, 2, 2, 2), np.float32)):
+            with pytest.raises(ValueError, match="cannot hold a result of shape"):
+                fn(out=bad)
+
+
 def test_norms_match_reference():
     rng = _rng()
     x = rng.standard_normal((3, 7)).astype(np.float32) * 3 + 1

@@ -107,6 +107,28 @@ class Ulysses:
             self.group.all_to_all(send, recv)
         return recv.transpose(1, 3, 0, 2, 4).reshape(b, hp, p * n, d)
 
+    def grouped(self, b: int, n: int, h: int, d: int, dtype: Any) -> np.ndarray:
+        """Where a (B, n, H * D) projection is best written: a (B, n, degree, H / degree * D)
+        view of a reused (degree, B, n, H / degree * D) buffer, head group j's block being what
+        rank j receives, so the exchange sends it as it lies. A projection's last elementwise
+        step writes here as cheaply as in place (``out=`` of ``hsdp.nn.functional.linear`` and
+        ``rms_norm``)."""
+        self.check_heads(h)
+        p = self.degree
+        return self._buffer((p, b, n, h // p * d), dtype).transpose(1, 2, 0, 3)
+
+    def _to_heads_grouped(self, t: np.ndarray, d: int) -> np.ndarray:
+        # A view from grouped(): its buffer is the send as it lies, block j for rank j.
+        send = t.transpose(2, 0, 1, 3) if t.ndim == 4 else t
+        if t.ndim != 4 or t.shape[2] != self.degree or not send.flags.c_contiguous or t.shape[3] % d:
+            raise ValueError(f"Ulysses: an array of shape {t.shape} is not a head-group-major view from "
+                             f"Ulysses.grouped (degree {self.degree}, head dim {d})")
+        p, b, n, hpd = send.shape
+        hp = hpd // d
+        recv = self._buffer((p, b, n, hp, d), t.dtype)
+        self.group.all_to_all(send, recv)
+        return recv.transpose(1, 3, 0, 2, 4).reshape(b, hp, p * n, d)
+
     def _to_tokens(self, t: np.ndarray) -> np.ndarray:
         # (B, H / degree, N, D) -> (B, H, n, D), as a view of a token-major (B, n, H, D) array
         # (what the output projection reads). Block j of the send is rank j's tokens for my
@@ -131,6 +153,15 @@ class Ulysses:
         self.check_heads(q.shape[1])
         out = sdpa(self._to_heads(q), self._to_heads(k), self._to_heads(v))
         return self._to_tokens(out)
+
+    def attention_grouped(
+        self, q: np.ndarray, k: np.ndarray, v: np.ndarray, head_dim: int,
+        sdpa: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray],
+    ) -> np.ndarray:
+        """``attention`` for q, k, v written into ``grouped`` views (the reference model's
+        path): the same result, as (B, H, n, D), with no packing before the exchange."""
+        heads = [self._to_heads_grouped(t, head_dim) for t in (q, k, v)]
+        return self._to_tokens(sdpa(*heads))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -107,17 +107,32 @@ class Attention(Module):
         return t.reshape(b, n, self.num_heads, self.dim // self.num_heads).transpose(0, 2, 1, 3)
 
     def forward(self, x: np.ndarray, context: np.ndarray | None = None) -> np.ndarray:
-        src = x if context is None else context
-        q = self._heads(self.norm_q(self.q(x)))
-        k = self._heads(self.norm_k(self.k(src)))
-        v = self._heads(self.v(src))
         sp = self._hsdp_ulysses
         if context is None and sp is not None:
-            out = sp.attention(q, k, v, F.scaled_dot_product_attention)
+            out = self._ulysses(x, sp)
         else:
+            src = x if context is None else context
+            q = self._heads(self.norm_q(self.q(x)))
+            k = self._heads(self.norm_k(self.k(src)))
+            v = self._heads(self.v(src))
             out = F.scaled_dot_product_attention(q, k, v)
         b, _, n, _ = out.shape
         return self.o(out.transpose(0, 2, 1, 3).reshape(b, n, self.dim))
+
+    def _ulysses(self, x: np.ndarray, sp: Any) -> np.ndarray:
+        # q, k and v land straight in the exchange's head-group-major buffers (their last
+        # elementwise step writes there, the same bits as in place), so the all-to-all sends
+        # them as they lie: no packing pass, no strided send.
+        b, n, _ = x.shape
+        h, d = self.num_heads, self.dim // self.num_heads
+        sp.check_heads(h)
+        ql, kl = self.q(x), self.k(x)
+        q = self.norm_q(ql, out=sp.grouped(b, n, h, d, F.compute_dtype(ql, self.norm_q.weight.data)))
+        k = self.norm_k(kl, out=sp.grouped(b, n, h, d, F.compute_dtype(kl, self.norm_k.weight.data)))
+        bias = self.v.bias
+        v = self.v(x, out=sp.grouped(b, n, h, d, F.compute_dtype(x, self.v.weight.data,
+                                                                 None if bias is None else bias.data)))
+        return sp.attention_grouped(q, k, v, d, F.scaled_dot_product_attention)
 
     def extra_repr(self) -> str:
         return f"num_heads={self.num_heads}"

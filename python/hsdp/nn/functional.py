@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 
-def _compute_dtype(*arrays: np.ndarray | None) -> np.dtype:
+def compute_dtype(*arrays: np.ndarray | None) -> np.dtype:
     """float64 if every given array is float64, else float32 (NumPy has no bf16/f8 math)."""
     present = [a for a in arrays if a is not None]
     if present and all(a.dtype == np.float64 for a in present):
@@ -22,19 +22,40 @@ def _compute_dtype(*arrays: np.ndarray | None) -> np.dtype:
     return np.dtype(np.float32)
 
 
-def linear(x: Any, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
-    """``x @ weight.T + bias`` over the last axis of ``x``; weight is (out, in)."""
+def _check_out(out: np.ndarray, shape: tuple[int, ...], dtype: np.dtype, what: str) -> None:
+    """``out`` has the result's shape, or the result's with the last axis split in two: a view
+    of a head-group-major buffer (``hsdp.parallel.Ulysses.grouped``), written by a step the
+    function makes anyway, so the layout needs no pass of its own."""
+    lead = len(shape) - 1
+    if (out.dtype != dtype or out.shape[:lead] != shape[:-1] or out.ndim - lead not in (1, 2)
+            or math.prod(out.shape[lead:]) != shape[-1]):
+        raise ValueError(f"{what}: out of shape {out.shape} and dtype {out.dtype} cannot hold a result of shape "
+                         f"{shape} and dtype {dtype} (its shape, or its last axis split in two)")
+
+
+def linear(x: Any, weight: np.ndarray, bias: np.ndarray | None = None, out: np.ndarray | None = None) -> np.ndarray:
+    """``x @ weight.T + bias`` over the last axis of ``x``; weight is (out, in). ``out``: where
+    the result goes, of its shape or with its last axis split in two (see ``_check_out``)."""
     x = np.asarray(x)
     if x.ndim == 0 or weight.ndim != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"linear: input of shape {x.shape} does not match weight of shape {weight.shape}")
-    ct = _compute_dtype(x, weight, bias)
+    ct = compute_dtype(x, weight, bias)
     w = weight.astype(ct, copy=False)
     lead = x.shape[:-1]
     # One 2-D GEMM instead of a batched matmul: one BLAS call, the same kernel every time.
-    y = np.matmul(x.reshape(-1, x.shape[-1]).astype(ct, copy=False), w.T)
-    if bias is not None:
-        y += bias.astype(ct, copy=False)
-    return y.reshape(*lead, w.shape[0])
+    y = np.matmul(x.reshape(-1, x.shape[-1]).astype(ct, copy=False), w.T).reshape(*lead, w.shape[0])
+    if out is None:
+        if bias is not None:
+            y += bias.astype(ct, copy=False)
+        return y
+    # the bias added on the way into out (the same bits as in place); without one, a copy
+    _check_out(out, y.shape, ct, "linear")
+    if bias is None:
+        np.copyto(out, y.reshape(out.shape))
+    else:
+        tail = out.shape[y.ndim - 1:]  # the last axis, whole or split
+        np.add(y.reshape(out.shape), bias.astype(ct, copy=False).reshape(tail), out=out)
+    return out
 
 
 def _norm_axes(x: np.ndarray, normalized_shape: int | Sequence[int]) -> tuple[int, ...]:
@@ -54,7 +75,7 @@ def layer_norm(
     """(x - mean) / sqrt(var + eps) over the trailing ``normalized_shape`` axes (biased var)."""
     x = np.asarray(x)
     axes = _norm_axes(x, normalized_shape)
-    ct = _compute_dtype(x, weight, bias)
+    ct = compute_dtype(x, weight, bias)
     xc = x.astype(ct, copy=False)
     mean = xc.mean(axis=axes, keepdims=True)
     d = xc - mean
@@ -72,17 +93,31 @@ def rms_norm(
     normalized_shape: int | Sequence[int],
     weight: np.ndarray | None = None,
     eps: float | None = None,
+    out: np.ndarray | None = None,
 ) -> np.ndarray:
-    """x / sqrt(mean(x^2) + eps) * weight; eps None means the compute dtype's machine epsilon."""
+    """x / sqrt(mean(x^2) + eps) * weight; eps None means the compute dtype's machine epsilon.
+    ``out``: where the result goes, of its shape or with its last axis split in two."""
     x = np.asarray(x)
     axes = _norm_axes(x, normalized_shape)
-    ct = _compute_dtype(x, weight)
+    ct = compute_dtype(x, weight)
     xc = x.astype(ct, copy=False)
     e = np.finfo(ct).eps if eps is None else eps
-    y = xc / np.sqrt(np.mean(xc * xc, axis=axes, keepdims=True) + ct.type(e))
+    rms = np.sqrt(np.mean(xc * xc, axis=axes, keepdims=True) + ct.type(e))
+    if out is None:
+        y = xc / rms
+        if weight is not None:
+            y *= weight.astype(ct, copy=False)
+        return y
+    # the division writes out directly: no pass more than without out, the same bits
+    _check_out(out, xc.shape, ct, "rms_norm")
+    if out.ndim != xc.ndim and len(axes) != 1:
+        raise ValueError(f"rms_norm: out with its last axis split needs a normalized_shape of one axis, not "
+                         f"{len(axes)}")
+    tail = out.shape[xc.ndim - 1:]  # the last axis, whole or split
+    np.divide(xc.reshape(out.shape), rms.reshape(rms.shape[:-1] + (1,) * len(tail)), out=out)
     if weight is not None:
-        y *= weight.astype(ct, copy=False)
-    return y
+        out *= weight.astype(ct, copy=False).reshape(tail)
+    return out
 
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -93,7 +128,7 @@ _erf = np.frompyfunc(math.erf, 1, 1)
 def gelu(x: Any, approximate: str = "none") -> np.ndarray:
     """0.5 x (1 + erf(x / sqrt 2)); approximate="tanh": 0.5 x (1 + tanh(sqrt(2/pi)(x + 0.044715 x^3)))."""
     x = np.asarray(x)
-    ct = _compute_dtype(x)
+    ct = compute_dtype(x)
     xc = x.astype(ct, copy=False)
     if approximate == "tanh":
         inner = ct.type(_SQRT_2_OVER_PI) * (xc + ct.type(0.044715) * xc * xc * xc)
@@ -107,7 +142,7 @@ def gelu(x: Any, approximate: str = "none") -> np.ndarray:
 def sigmoid(x: Any) -> np.ndarray:
     """1 / (1 + exp(-x)) without overflow: exp is only taken of -|x|."""
     x = np.asarray(x)
-    ct = _compute_dtype(x)
+    ct = compute_dtype(x)
     xc = x.astype(ct, copy=False)
     e = np.exp(-np.abs(xc))
     return np.where(xc >= 0, ct.type(1.0) / (ct.type(1.0) + e), e / (ct.type(1.0) + e))
@@ -116,13 +151,13 @@ def sigmoid(x: Any) -> np.ndarray:
 def silu(x: Any) -> np.ndarray:
     """x * sigmoid(x)."""
     x = np.asarray(x)
-    return x.astype(_compute_dtype(x), copy=False) * sigmoid(x)
+    return x.astype(compute_dtype(x), copy=False) * sigmoid(x)
 
 
 def softmax(x: Any, axis: int = -1) -> np.ndarray:
     """exp(x - max) / sum: subtracting the max keeps exp from overflowing."""
     x = np.asarray(x)
-    xc = x.astype(_compute_dtype(x), copy=False)
+    xc = x.astype(compute_dtype(x), copy=False)
     e = np.exp(xc - xc.max(axis=axis, keepdims=True))
     e /= e.sum(axis=axis, keepdims=True)
     return e
@@ -143,7 +178,7 @@ def scaled_dot_product_attention(
     q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
     if q.ndim < 2 or k.shape[-1] != q.shape[-1] or k.shape[:-1] != v.shape[:-1]:
         raise ValueError(f"incompatible attention shapes q {q.shape}, k {k.shape}, v {v.shape}")
-    ct = _compute_dtype(q, k, v)
+    ct = compute_dtype(q, k, v)
     s = ct.type(1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
     scores = np.matmul(q.astype(ct, copy=False), np.swapaxes(k.astype(ct, copy=False), -1, -2))
     scores *= s
