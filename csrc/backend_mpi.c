@@ -25,6 +25,7 @@
 
 #include "backend.h"
 #include "exec.h"
+#include "peer_status.h"
 
 /* The worker thread every MPI call runs on. MPI is process-wide, so is its worker: created
  * with the first world group, stopped (not freed) before MPI_Finalize; the struct lives
@@ -420,27 +421,41 @@ static int peer_read(pid_t pid, void *dst, uint64_t addr, size_t n) {
 }
 
 /* ---------------------------------------------------------------- naming who did not arrive */
-/* At world start every rank learns where each world peer publishes what it waits in
- * (watch_pub). When a collective times out, the watchdog reads that of every peer of the
- * group on this host: a peer not waiting in the same collective did not arrive, and what
- * it waits in instead (if anything) is named. Peers on other hosts, or that cannot be read,
- * are listed as unknown. Read-only and best effort: it runs just before the job ends. */
+/* At world start every rank learns where each world peer publishes what it waits in: its
+ * watch_pub, read by pid on the same host, and its status card (peer_status.h), asked over
+ * TCP from other hosts. When a collective times out, the watchdog learns that of every peer
+ * of the group: a peer not waiting in the same collective did not arrive, and what it waits
+ * in instead (if anything) is named. Peers that neither can be read nor answer are listed
+ * as unknown. Best effort: it runs just before the job ends. */
 static struct {
     uint64_t pid, addr, host, pidns;
+    hsdp_status_card card;
 } *world_peers; /* owned: one per world rank; set once */
 static int world_n;
+enum { PEER_WORDS = 4 + sizeof(hsdp_status_card) / sizeof(uint64_t) };
+_Static_assert(sizeof world_peers[0] == PEER_WORDS * sizeof(uint64_t), "a peer record is plain words");
+
+/* What this rank waits in, for a peer's watchdog asking over TCP (on the answering thread). */
+static int describe_wait(char *what, size_t n) {
+    pthread_mutex_lock(&watch_mu);
+    int active = (int)atomic_load(&watch_pub.active);
+    snprintf(what, n, "%s", active ? watch_pub.what : "");
+    pthread_mutex_unlock(&watch_mu);
+    return active;
+}
 
 static void learn_world_peers(void) {
     int n = 0;
     if (world_peers || MPI_Comm_size(MPI_COMM_WORLD, &n) != MPI_SUCCESS || n < 2) return;
-    uint64_t mine[4] = {(uint64_t)getpid(), (uintptr_t)&watch_pub, host_id(), pidns_id()};
-    uint64_t *all = malloc(sizeof mine * (size_t)n); /* owned by world_peers */
+    __typeof__(world_peers[0]) mine = {(uint64_t)getpid(), (uintptr_t)&watch_pub, host_id(), pidns_id(), {0, 0, {0}}};
+    hsdp_status_serve(describe_wait, &mine.card);
+    void *all = malloc(sizeof mine * (size_t)n); /* owned by world_peers */
     if (!all) return;
-    if (MPI_Allgather(mine, 4, MPI_UINT64_T, all, 4, MPI_UINT64_T, MPI_COMM_WORLD) != MPI_SUCCESS) {
+    if (MPI_Allgather(&mine, PEER_WORDS, MPI_UINT64_T, all, PEER_WORDS, MPI_UINT64_T, MPI_COMM_WORLD) != MPI_SUCCESS) {
         free(all);
         return;
     }
-    world_peers = (void *)all;
+    world_peers = all;
     world_n = n;
 }
 
@@ -453,7 +468,9 @@ static void who_is_missing(char *out, size_t n, const char *what) {
     if (!ranks || !world_peers) return;
     uint64_t host = host_id(), pidns = pidns_id();
     size_t used = (size_t)snprintf(out, n, "; not in it:");
-    int absent = 0, unknown = 0;
+    int absent = 0, unknown = 0, asked = 0;
+    enum { ASK_MAX = 16, ASK_MS = 1000 }; /* peers asked over TCP, and how long each may take */
+    uint64_t ask_until = hsdp_now_ns() + 4000000000ull; /* the job ends soon after: 4 s for all */
     char unknowns[128] = "";
     size_t uused = 0;
     for (int i = 0; i < size && used < n; i++) {
@@ -466,6 +483,12 @@ static void who_is_missing(char *out, size_t n, const char *what) {
                        peer_read((pid_t)p->pid, &active, p->addr, sizeof active) == 0 &&
                        peer_read((pid_t)p->pid, theirs, p->addr + offsetof(__typeof__(watch_pub), what),
                                  sizeof theirs - 1) == 0;
+        if (!readable && asked < ASK_MAX && hsdp_now_ns() < ask_until) { /* another host: ask it */
+            int on = 0;
+            asked++;
+            readable = hsdp_status_ask(&p->card, ASK_MS, &on, theirs, sizeof theirs);
+            active = (uint64_t)on;
+        }
         if (!readable) {
             if (uused < sizeof unknowns)
                 uused += (size_t)snprintf(unknowns + uused, sizeof unknowns - uused, "%s%d", unknown ? ", " : "", r);
@@ -474,12 +497,12 @@ static void who_is_missing(char *out, size_t n, const char *what) {
         }
         theirs[sizeof theirs - 1] = '\0';
         if (active && strcmp(theirs, what) == 0) continue; /* waiting in the same collective: it arrived */
-        used += (size_t)snprintf(out + used, n - used, "%s rank %d (%s%.120s)", absent ? "," : "", r,
+        used += (size_t)snprintf(out + used, n - used, "%s rank %d (%s%.200s)", absent ? "," : "", r,
                                  active ? "waiting in " : "in no collective", active ? theirs : "");
         absent++;
     }
     if (!absent && used < n) used += (size_t)snprintf(out + used, n - used, " no rank on this host");
-    if (unknown && used < n) snprintf(out + used, n - used, "; unknown (other hosts, or not readable): %s", unknowns);
+    if (unknown && used < n) snprintf(out + used, n - used, "; unknown (did not answer, or not asked): %s", unknowns);
 }
 
 /* After the first (collective) gather of a chunk: exchange, probe, agree. Collective over g. */
@@ -654,7 +677,7 @@ static hsdp_status agreed_gather(hsdp_group *g, const char *label, const void *s
     MPI_Comm comm = comm_of(g);
     unsigned char *out = recv;
     int m = 0, rc = MPI_SUCCESS;
-    watch_begin("MPI_Isend/MPI_Irecv (gathering, the agreement beside the data)", g, nbytes * (size_t)n);
+    watch_begin("MPI_Isend/MPI_Irecv (a gather, tickets beside the data)", g, nbytes * (size_t)n);
     for (int j = 0; j < n && rc == MPI_SUCCESS; j++) {
         if (j == me) continue;
         rc = MPI_Irecv(&all[j], (int)sizeof *all, MPI_BYTE, j, TAG_TICKET, comm, &req[m++]);
@@ -959,6 +982,7 @@ static hsdp_status mpi_finalize(void) {
      * idle for good first. */
     hsdp_exec_stop(mpi_worker);
     watch_stop_thread();
+    hsdp_status_stop();
     int rc = MPI_Finalize();
     flush_graves(0, 1); /* MPI_Finalize is collective: no peer reads any more */
     return rc == MPI_SUCCESS ? HSDP_OK : mpi_fail(rc, "MPI_Finalize");

@@ -1,7 +1,8 @@
 """Ranks across hosts over TCP: two network namespaces joined by veth (root and `ip netns`;
 skipped with the reason elsewhere), Open MPI with the TCP transport only. The ranks see
 different hosts, so every gather is an MPI_Allgather over the link, and the sharded model
-equals the unsharded one exactly."""
+equals the unsharded one exactly; and a stalled rank on the other host is named by the
+watchdog, which asks it over TCP what it waits in."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -34,3 +36,24 @@ def test_two_hosts_over_tcp_shard_exactly():
     assert [r["rank"] for r in rows] == [0, 1], proc.stdout
     assert rows[0]["host"] != rows[1]["host"] == "hsdp-b"
     assert all(r["exact"] and r["paths"] == ["collective"] for r in rows), rows
+
+
+@pytest.mark.skipif(WHY is not None, reason=f"two network namespaces: {WHY}")
+def test_a_stalled_peer_on_another_host_is_named():
+    """Rank 1 (on host hsdp-b) stalls before the first forward. Rank 0's watchdog cannot read
+    it by pid; it asks it over TCP and names it, in no collective, instead of "unknown"."""
+    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+           "OMPI_MCA_mpi_yield_when_idle": "1", "HSDP_TIMEOUT": "2"}
+    with netns.two_hosts() as prefix:
+        t0 = time.monotonic()
+        proc = subprocess.run([*prefix, "--wdir", str(ROOT), sys.executable, "-m", "hsdp._rank",
+                               "tests/timeout_worker.py", "forward"], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=120)
+        took = time.monotonic() - t0
+    assert proc.returncode != 0
+    line = next((l for l in proc.stderr.splitlines() if "has waited more than 2 s (HSDP_TIMEOUT)" in l), None)
+    assert line is not None, proc.stderr
+    assert "rank 0:" in line and "not in it: rank 1 (in no collective)" in line, line
+    assert "unknown" not in line, line
+    assert took < 2 + 10 + 10, took  # the timeout, plus start-up, plus the launcher's teardown
+    print(f"job ended {took:.1f} s after launch")

@@ -1,6 +1,7 @@
 /* test_core.c - the core without Python: mesh arithmetic, flat layout, a unit's life on the
  * world-of-one backend (found by name in the registry), the S-rank write path through
- * simulated shard groups, and the worker thread the MPI backend runs on. */
+ * simulated shard groups, the worker thread the MPI backend runs on, and the status answer
+ * a rank gives its peers' watchdogs over TCP. */
 #define _POSIX_C_SOURCE 200809L /* fileno */
 #include <stdint.h>
 #include <stdio.h>
@@ -10,6 +11,7 @@
 #include "../backend.h"
 #include "../exec.h"
 #include "../hsdp.h"
+#include "../peer_status.h"
 #include "check.h"
 
 static void test_mesh(void) {
@@ -298,7 +300,40 @@ static void test_unit_read(void) {
     fclose(f);
 }
 
+static int waiting;
+static int describe(char *what, size_t n) {
+    snprintf(what, n, "%s", waiting ? "MPI_Barrier of 0 bytes over a group of 2 ranks" : "");
+    return waiting;
+}
+
+/* Serve, then ask this very process: the answer follows what it waits in; a wrong cookie,
+ * a closed port and no card get no answer, each within its time limit. */
+static void test_peer_status(void) {
+    hsdp_status_card card, again;
+    hsdp_status_serve(describe, &card);
+    CHECK(card.cookie != 0 && card.port > 0 && card.port < 65536 && card.addr[0] != 0);
+    hsdp_status_serve(describe, &again); /* once per process: the same card */
+    CHECK(again.cookie == card.cookie && again.port == card.port);
+    char what[320] = "x";
+    int active = -1;
+    CHECK(hsdp_status_ask(&card, 2000, &active, what, sizeof what) == 1 && active == 0 && what[0] == '\0');
+    waiting = 1;
+    CHECK(hsdp_status_ask(&card, 2000, &active, what, sizeof what) == 1 && active == 1 &&
+          strcmp(what, "MPI_Barrier of 0 bytes over a group of 2 ranks") == 0);
+    char small[8];
+    CHECK(hsdp_status_ask(&card, 2000, &active, small, sizeof small) == 1 && strcmp(small, "MPI_Bar") == 0);
+    hsdp_status_card wrong = card;
+    wrong.cookie ^= 1;
+    CHECK(hsdp_status_ask(&wrong, 2000, &active, what, sizeof what) == 0);
+    hsdp_status_card none = {0, 0, {0}};
+    CHECK(hsdp_status_ask(&none, 2000, &active, what, sizeof what) == 0);
+    hsdp_status_stop();
+    hsdp_status_stop(); /* idempotent */
+    CHECK(hsdp_status_ask(&card, 500, &active, what, sizeof what) == 0); /* nobody listens now */
+}
+
 int main(void) {
+    test_peer_status();
     test_registry();
     test_exec();
     test_mesh();
