@@ -450,7 +450,11 @@ static void learn_world_peers(void) {
     __typeof__(world_peers[0]) mine = {(uint64_t)getpid(), (uintptr_t)&watch_pub, host_id(), pidns_id(), {0, 0, {0}}};
     hsdp_status_serve(describe_wait, &mine.card);
     void *all = malloc(sizeof mine * (size_t)n); /* owned by world_peers */
-    if (!all) return;
+    if (!all) { /* the others are in the all-gather below: leaving would hang them */
+        fprintf(stderr, "hsdp: rank %d: out of memory for the %d ranks' watchdog records; ending the job\n",
+                watch_rank, n);
+        MPI_Abort(MPI_COMM_WORLD, 1);
+    }
     if (MPI_Allgather(&mine, PEER_WORDS, MPI_UINT64_T, all, PEER_WORDS, MPI_UINT64_T, MPI_COMM_WORLD) != MPI_SUCCESS) {
         free(all);
         return;
@@ -501,7 +505,7 @@ static void who_is_missing(char *out, size_t n, const char *what) {
                                  active ? "waiting in " : "in no collective", active ? theirs : "");
         absent++;
     }
-    if (!absent && used < n) used += (size_t)snprintf(out + used, n - used, " no rank on this host");
+    if (!absent && used < n) used += (size_t)snprintf(out + used, n - used, " none of the ranks read or asked");
     if (unknown && used < n) snprintf(out + used, n - used, "; unknown (did not answer, or not asked): %s", unknowns);
 }
 
@@ -665,28 +669,42 @@ static hsdp_status agree(hsdp_group *g, const char *label, size_t nbytes) {
 }
 
 /* The gather with the tickets beside the data, in one exchange (groups of up to FUSED_RANKS). */
+static int error_class(int rc) {
+    int cls = rc;
+    return MPI_Error_class(rc, &cls) == MPI_SUCCESS ? cls : rc;
+}
+
 static hsdp_status agreed_gather(hsdp_group *g, const char *label, const void *send, void *recv, size_t nbytes) {
     REQUIRE_LIVE();
     int count, owned, n = g->size, me = g->rank;
     MPI_Datatype type;
-    hsdp_status st = byte_count(nbytes, &count, &type, &owned);
-    if (st != HSDP_OK) return st;
     ticket all[FUSED_RANKS];
     all[me] = make_ticket(g, label, nbytes);
+    /* A size MPI cannot carry still takes part, with no data: were it a mismatch, the peers
+     * must still see this rank's ticket, not wait for it until the watchdog fires. */
+    char size_error[256] = "";
+    if (byte_count(nbytes, &count, &type, &owned) != HSDP_OK) {
+        snprintf(size_error, sizeof size_error, "%s", hsdp_last_error());
+        count = 0, type = MPI_BYTE, owned = 0;
+    }
     MPI_Request req[4 * (FUSED_RANKS - 1)];
     MPI_Comm comm = comm_of(g);
     unsigned char *out = recv;
-    int m = 0, rc = MPI_SUCCESS;
+    int m = 0, rc = MPI_SUCCESS; /* req[0..m) were posted: ticket receives at the even k < 2 (n - 1) */
     watch_begin("MPI_Isend/MPI_Irecv (a gather, tickets beside the data)", g, nbytes * (size_t)n);
     for (int j = 0; j < n && rc == MPI_SUCCESS; j++) {
         if (j == me) continue;
-        rc = MPI_Irecv(&all[j], (int)sizeof *all, MPI_BYTE, j, TAG_TICKET, comm, &req[m++]);
-        if (rc == MPI_SUCCESS) rc = MPI_Irecv(out + (size_t)j * nbytes, count, type, j, TAG_CHUNK, comm, &req[m++]);
+        if ((rc = MPI_Irecv(&all[j], (int)sizeof *all, MPI_BYTE, j, TAG_TICKET, comm, &req[m])) != MPI_SUCCESS) break;
+        m++;
+        if ((rc = MPI_Irecv(out + (size_t)j * nbytes, count, type, j, TAG_CHUNK, comm, &req[m])) != MPI_SUCCESS) break;
+        m++;
     }
     for (int d = 1; d < n && rc == MPI_SUCCESS; d++) { /* peers in ring order spread the load */
         int j = (me + d) % n;
-        rc = MPI_Isend(&all[me], (int)sizeof *all, MPI_BYTE, j, TAG_TICKET, comm, &req[m++]);
-        if (rc == MPI_SUCCESS) rc = MPI_Isend(send, count, type, j, TAG_CHUNK, comm, &req[m++]);
+        if ((rc = MPI_Isend(&all[me], (int)sizeof *all, MPI_BYTE, j, TAG_TICKET, comm, &req[m])) != MPI_SUCCESS) break;
+        m++;
+        if ((rc = MPI_Isend(send, count, type, j, TAG_CHUNK, comm, &req[m])) != MPI_SUCCESS) break;
+        m++;
     }
     /* After an error Open MPI's MPI_Waitall returns with the rest still pending (the standard
      * allows it: MPI_ERR_PENDING); every request must end before its buffer can, so those
@@ -695,9 +713,10 @@ static hsdp_status agreed_gather(hsdp_group *g, const char *label, const void *s
     MPI_Status stat[4 * (FUSED_RANKS - 1)];
     int failed = rc, tickets_ok = rc == MPI_SUCCESS;
     int wrc = MPI_Waitall(m, req, stat);
+    int in_status = wrc != MPI_SUCCESS && error_class(wrc) == MPI_ERR_IN_STATUS;
     for (int k = 0; wrc != MPI_SUCCESS && k < m; k++) {
-        int e = wrc == MPI_ERR_IN_STATUS ? stat[k].MPI_ERROR : wrc;
-        if (e == MPI_ERR_PENDING || wrc != MPI_ERR_IN_STATUS) e = MPI_Wait(&req[k], MPI_STATUS_IGNORE);
+        int e = in_status ? stat[k].MPI_ERROR : wrc;
+        if (!in_status || error_class(e) == MPI_ERR_PENDING) e = MPI_Wait(&req[k], MPI_STATUS_IGNORE);
         if (e == MPI_SUCCESS) continue;
         if (failed == MPI_SUCCESS) failed = e;
         if (k < 2 * (n - 1) && k % 2 == 0) tickets_ok = 0; /* a ticket's receive */
@@ -707,9 +726,10 @@ static hsdp_status agreed_gather(hsdp_group *g, const char *label, const void *s
     /* A ticket cannot truncate (every one is 64 bytes), so after any other error the tickets
      * still say whether the ranks asked for different units, which is the error to report. */
     if (tickets_ok) {
-        st = check_tickets(g, all);
+        hsdp_status st = check_tickets(g, all);
         if (st != HSDP_OK) return st;
     }
+    if (size_error[0]) return hsdp_fail(HSDP_EINVAL, "%s", size_error);
     if (failed != MPI_SUCCESS) return mpi_fail(failed, "MPI_Isend/MPI_Irecv (gathering)");
     /* The rank's own chunk last: MPI progresses (over TCP, say) only inside MPI calls, and a
      * copy while the messages are in flight would stall them. */

@@ -5,12 +5,12 @@
 
 #include <arpa/inet.h>
 #include <errno.h>
-#include <fcntl.h>
 #include <ifaddrs.h>
 #include <net/if.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
@@ -39,12 +39,18 @@ static void set_io_timeout(int fd, int ms) {
     setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
 }
 
-/* Reads exactly n bytes, or fewer at EOF/timeout: how many. */
-static size_t read_full(int fd, void *buf, size_t n) {
+/* Reads up to n bytes until EOF or the deadline (ms on now_ms's clock): how many. */
+static size_t read_until(int fd, void *buf, size_t n, int64_t deadline) {
     size_t got = 0;
     while (got < n) {
-        ssize_t r = recv(fd, (char *)buf + got, n - got, 0);
-        if (r < 0 && errno == EINTR) continue;
+        int left = (int)(deadline - now_ms());
+        struct pollfd p = {.fd = fd, .events = POLLIN};
+        if (left <= 0) break;
+        int ready = poll(&p, 1, left);
+        if (ready < 0 && errno == EINTR) continue;
+        if (ready <= 0) break;
+        ssize_t r = recv(fd, (char *)buf + got, n - got, MSG_DONTWAIT);
+        if (r < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
         if (r <= 0) break;
         got += (size_t)r;
     }
@@ -54,7 +60,8 @@ static size_t read_full(int fd, void *buf, size_t n) {
 static void answer(int fd) {
     set_io_timeout(fd, SERVE_IO_MS);
     uint64_t cookie = 0;
-    if (read_full(fd, &cookie, sizeof cookie) != sizeof cookie || cookie != my_cookie) return; /* not the job's */
+    if (read_until(fd, &cookie, sizeof cookie, now_ms() + SERVE_IO_MS) != sizeof cookie || cookie != my_cookie)
+        return; /* not the job's */
     char reply[ANSWER_MAX];
     reply[0] = describe_fn(reply + 1, sizeof reply - 1) ? 'A' : 'I'; /* active, idle */
     size_t len = 1 + strnlen(reply + 1, sizeof reply - 1);
@@ -71,7 +78,9 @@ static void *serve(void *arg) {
     while (!atomic_load(&stop_serving)) {
         struct pollfd p = {.fd = listen_fd, .events = POLLIN};
         if (poll(&p, 1, POLL_MS) <= 0) continue;
-        int fd = accept(listen_fd, NULL, NULL);
+        /* The listening socket is non-blocking: a connection gone before accept must not
+         * block this thread, which hsdp_status_stop joins. The accepted one blocks. */
+        int fd = accept4(listen_fd, NULL, NULL, SOCK_CLOEXEC);
         if (fd < 0) continue;
         answer(fd);
         close(fd);
@@ -109,11 +118,11 @@ void hsdp_status_serve(hsdp_status_describe describe, hsdp_status_card *card) {
     }
     uint64_t cookie = 0;
     if (getrandom(&cookie, sizeof cookie, 0) != (ssize_t)sizeof cookie || !cookie) return;
-    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (fd < 0) return;
     struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_ANY), .sin_port = 0};
     socklen_t len = sizeof a;
-    if (bind(fd, (struct sockaddr *)&a, sizeof a) != 0 || listen(fd, 16) != 0 ||
+    if (bind(fd, (struct sockaddr *)&a, sizeof a) != 0 || listen(fd, SOMAXCONN) != 0 ||
         getsockname(fd, (struct sockaddr *)&a, &len) != 0) {
         close(fd);
         return;
@@ -122,7 +131,13 @@ void hsdp_status_serve(hsdp_status_describe describe, hsdp_status_card *card) {
     my_cookie = cookie;
     describe_fn = describe;
     atomic_store(&stop_serving, 0);
-    if (pthread_create(&serve_thread, NULL, serve, NULL) != 0) {
+    /* Signals are the application's: the answering thread takes none of them. */
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    int made = pthread_create(&serve_thread, NULL, serve, NULL);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (made != 0) {
         close(fd);
         listen_fd = -1;
         return;
@@ -142,7 +157,7 @@ void hsdp_status_stop(void) {
     atomic_store(&serving, 0);
 }
 
-/* A connected socket to addr:port within ms, or -1. */
+/* A connected (non-blocking) socket to addr:port within ms, or -1. */
 static int connect_within(uint32_t addr, uint16_t port, int ms) {
     int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (fd < 0) return -1;
@@ -157,27 +172,24 @@ static int connect_within(uint32_t addr, uint16_t port, int ms) {
             return -1;
         }
     }
-    int flags = fcntl(fd, F_GETFL);
-    if (flags < 0 || fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0) {
-        close(fd);
-        return -1;
-    }
-    return fd;
+    return fd; /* still non-blocking: the reads poll against the deadline */
 }
 
 int hsdp_status_ask(const hsdp_status_card *peer, int timeout_ms, int *active, char *what, size_t n) {
     if (!peer->cookie || !peer->port || peer->port > 65535 || n == 0) return 0;
+    int naddr = 0;
+    while (naddr < HSDP_STATUS_ADDRS && peer->addr[naddr]) naddr++;
     int64_t deadline = now_ms() + timeout_ms;
-    for (int i = 0; i < HSDP_STATUS_ADDRS && peer->addr[i]; i++) {
-        int left = (int)(deadline - now_ms());
-        if (left <= 0) break;
-        int fd = connect_within((uint32_t)peer->addr[i], (uint16_t)peer->port, left);
+    for (int i = 0; i < naddr; i++) {
+        /* each address its share of what is left: one that drops SYNs cannot take it all */
+        int64_t now = now_ms(), until = now + (deadline - now) / (naddr - i);
+        if (until <= now) break;
+        int fd = connect_within((uint32_t)peer->addr[i], (uint16_t)peer->port, (int)(until - now));
         if (fd < 0) continue;
-        set_io_timeout(fd, left);
         char reply[ANSWER_MAX];
         size_t got = 0;
-        if (send(fd, &peer->cookie, sizeof peer->cookie, MSG_NOSIGNAL) == (ssize_t)sizeof peer->cookie)
-            got = read_full(fd, reply, sizeof reply - 1);
+        if (send(fd, &peer->cookie, sizeof peer->cookie, MSG_NOSIGNAL | MSG_DONTWAIT) == (ssize_t)sizeof peer->cookie)
+            got = read_until(fd, reply, sizeof reply - 1, until);
         close(fd);
         if (got == 0 || (reply[0] != 'A' && reply[0] != 'I')) continue; /* someone else's port */
         reply[got] = '\0';

@@ -525,9 +525,22 @@ def test_out_takes_the_result_or_its_last_axis_split_with_the_same_bits():
         fn(out=view)
         assert np.array_equal(view.reshape(2, 4, 8), ref)
         assert np.array_equal(buf[1], ref[..., 4:])
+        # or asked for by dtype, from inside the op
+        asked = []
+        got = fn(out=lambda dt: asked.append(dt) or np.empty(ref.shape, dt))
+        assert asked == [np.float32] and np.array_equal(got, ref)
         for bad in (np.empty((2, 4, 9), np.float32), np.empty((2, 4, 8), np.float64), np.empty((2, 4, 2, 2, 2), np.float32)):
             with pytest.raises(ValueError, match="cannot hold a result of shape"):
                 fn(out=bad)
+        with pytest.raises(TypeError, match="out must be a NumPy array"):
+            fn(out=[0.0] * 8)
+    # a norm over two axes, with a weight of both, into an out of the result's shape
+    x2 = rng.standard_normal((3, 4, 5)).astype(np.float32)
+    w2 = rng.standard_normal((4, 5)).astype(np.float32)
+    ref = F.rms_norm(x2, (4, 5), w2, 1e-6)
+    assert np.array_equal(F.rms_norm(x2, (4, 5), w2, 1e-6, out=np.empty_like(ref)), ref)
+    with pytest.raises(ValueError, match="normalized_shape of one axis"):
+        F.rms_norm(x2, (4, 5), w2, 1e-6, out=np.empty((3, 4, 5, 1), np.float32))
 
 
 def test_norms_match_reference():

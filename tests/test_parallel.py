@@ -3,6 +3,7 @@ and the refusals. The example's combined modes end to end are in test_launch.py.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from mpirun import run_ranks
@@ -27,6 +28,18 @@ def test_a_world_of_one_has_no_groups_and_refuses_other_models():
         parallel.apply_sequence_parallel(object(), None)
     model = models.make_model("tiny")
     assert parallel.apply_sequence_parallel(model, None) is model
+
+
+def test_grouped_buffers_are_reused_only_once_no_view_is_alive():
+    sp = parallel.Ulysses(init_process_group("single"))
+    a = sp.grouped(1, 4, 2, 3, np.float32)
+    b = sp.grouped(1, 4, 2, 3, np.float32)  # a is alive: another buffer
+    assert not np.shares_memory(a, b)
+    where = a.__array_interface__["data"][0]
+    del a
+    c = sp.grouped(1, 4, 2, 3, np.float32)  # a's buffer is free again
+    assert c.__array_interface__["data"][0] == where and not np.shares_memory(b, c)
+    assert sp.grouped(1, 4, 2, 3, np.float64).dtype == np.float64
 
 
 def test_ring_attention_and_a_mismatched_world_are_refused():

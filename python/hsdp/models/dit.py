@@ -123,15 +123,18 @@ class Attention(Module):
         # q, k and v land straight in the exchange's head-group-major buffers (their last
         # elementwise step writes there, the same bits as in place), so the all-to-all sends
         # them as they lie: no packing pass, no strided send.
+        # The buffers are asked for by dtype from inside each op: the weights that decide it
+        # may be gathered only when the module is called (a module that is its own unit).
         b, n, _ = x.shape
         h, d = self.num_heads, self.dim // self.num_heads
         sp.check_heads(h)
-        ql, kl = self.q(x), self.k(x)
-        q = self.norm_q(ql, out=sp.grouped(b, n, h, d, F.compute_dtype(ql, self.norm_q.weight.data)))
-        k = self.norm_k(kl, out=sp.grouped(b, n, h, d, F.compute_dtype(kl, self.norm_k.weight.data)))
-        bias = self.v.bias
-        v = self.v(x, out=sp.grouped(b, n, h, d, F.compute_dtype(x, self.v.weight.data,
-                                                                 None if bias is None else bias.data)))
+
+        def grouped(dtype: Any) -> np.ndarray:
+            return sp.grouped(b, n, h, d, dtype)
+
+        q = self.norm_q(self.q(x), out=grouped)
+        k = self.norm_k(self.k(x), out=grouped)
+        v = self.v(x, out=grouped)
         return sp.attention_grouped(q, k, v, d, F.scaled_dot_product_attention)
 
     def extra_repr(self) -> str:

@@ -1,15 +1,16 @@
 """Stateless NumPy ops with torch.nn.functional's names and argument order.
 
 Everything computes in float32 (float64 only when every floating input is float64), returns a
-fresh array, and keeps no reference to its inputs: the sharding engine frees parameter arrays
+fresh array (or fills the ``out=`` given to linear and rms_norm), and keeps no reference to
+its inputs: the sharding engine frees parameter arrays
 as soon as a unit's forward returns. All ops are deterministic for a given input.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Union
 
 import numpy as np
 
@@ -22,20 +23,32 @@ def compute_dtype(*arrays: np.ndarray | None) -> np.dtype:
     return np.dtype(np.float32)
 
 
-def _check_out(out: np.ndarray, shape: tuple[int, ...], dtype: np.dtype, what: str) -> None:
-    """``out`` has the result's shape, or the result's with the last axis split in two: a view
-    of a head-group-major buffer (``hsdp.parallel.Ulysses.grouped``), written by a step the
-    function makes anyway, so the layout needs no pass of its own."""
+Out = Union[np.ndarray, Callable[[np.dtype], np.ndarray], None]
+
+
+def _out_array(out: Out, shape: tuple[int, ...], dtype: np.dtype, what: str) -> np.ndarray:
+    """``out``, or what it returns given the result's dtype (so that a caller need not read
+    weights a hook has not gathered yet to know it). It has the result's shape, or the
+    result's with the last axis split in two: a view of a head-group-major buffer
+    (``hsdp.parallel.Ulysses.grouped``), written by a step the function makes anyway, so the
+    layout needs no pass of its own."""
+    if callable(out):
+        out = out(dtype)
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"{what}: out must be a NumPy array or a function of the dtype returning one, not "
+                        f"{type(out).__name__}")
     lead = len(shape) - 1
     if (out.dtype != dtype or out.shape[:lead] != shape[:-1] or out.ndim - lead not in (1, 2)
             or math.prod(out.shape[lead:]) != shape[-1]):
         raise ValueError(f"{what}: out of shape {out.shape} and dtype {out.dtype} cannot hold a result of shape "
                          f"{shape} and dtype {dtype} (its shape, or its last axis split in two)")
+    return out
 
 
-def linear(x: Any, weight: np.ndarray, bias: np.ndarray | None = None, out: np.ndarray | None = None) -> np.ndarray:
+def linear(x: Any, weight: np.ndarray, bias: np.ndarray | None = None, out: Out = None) -> np.ndarray:
     """``x @ weight.T + bias`` over the last axis of ``x``; weight is (out, in). ``out``: where
-    the result goes, of its shape or with its last axis split in two (see ``_check_out``)."""
+    the result goes, of its shape or with its last axis split in two, or a function of the
+    result's dtype returning it (see ``_out_array``)."""
     x = np.asarray(x)
     if x.ndim == 0 or weight.ndim != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"linear: input of shape {x.shape} does not match weight of shape {weight.shape}")
@@ -49,7 +62,7 @@ def linear(x: Any, weight: np.ndarray, bias: np.ndarray | None = None, out: np.n
             y += bias.astype(ct, copy=False)
         return y
     # the bias added on the way into out (the same bits as in place); without one, a copy
-    _check_out(out, y.shape, ct, "linear")
+    out = _out_array(out, y.shape, ct, "linear")
     if bias is None:
         np.copyto(out, y.reshape(out.shape))
     else:
@@ -93,10 +106,10 @@ def rms_norm(
     normalized_shape: int | Sequence[int],
     weight: np.ndarray | None = None,
     eps: float | None = None,
-    out: np.ndarray | None = None,
+    out: Out = None,
 ) -> np.ndarray:
     """x / sqrt(mean(x^2) + eps) * weight; eps None means the compute dtype's machine epsilon.
-    ``out``: where the result goes, of its shape or with its last axis split in two."""
+    ``out``: where the result goes, as for ``linear``."""
     x = np.asarray(x)
     axes = _norm_axes(x, normalized_shape)
     ct = compute_dtype(x, weight)
@@ -109,14 +122,15 @@ def rms_norm(
             y *= weight.astype(ct, copy=False)
         return y
     # the division writes out directly: no pass more than without out, the same bits
-    _check_out(out, xc.shape, ct, "rms_norm")
+    out = _out_array(out, xc.shape, ct, "rms_norm")
     if out.ndim != xc.ndim and len(axes) != 1:
         raise ValueError(f"rms_norm: out with its last axis split needs a normalized_shape of one axis, not "
                          f"{len(axes)}")
     tail = out.shape[xc.ndim - 1:]  # the last axis, whole or split
     np.divide(xc.reshape(out.shape), rms.reshape(rms.shape[:-1] + (1,) * len(tail)), out=out)
     if weight is not None:
-        out *= weight.astype(ct, copy=False).reshape(tail)
+        w = weight.astype(ct, copy=False)
+        out *= w if out.ndim == xc.ndim else w.reshape(tail)  # broadcast as without out
     return out
 
 

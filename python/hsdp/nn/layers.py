@@ -33,7 +33,7 @@ class Linear(Module):
         # Registered as None when absent, as torch does, so the name is still a parameter slot.
         self.register_parameter("bias", Parameter._filled((self.out_features,), dtype, 0.0) if bias else None)
 
-    def forward(self, x: Any, out: np.ndarray | None = None) -> np.ndarray:
+    def forward(self, x: Any, out: F.Out = None) -> np.ndarray:
         b = self.bias
         return F.linear(x, self.weight.data, None if b is None else b.data, out=out)
 
@@ -78,7 +78,7 @@ class RMSNorm(Module):
         self.eps = float(eps)
         self.weight = Parameter._filled((self.dim,), dtype, 1.0)
 
-    def forward(self, x: Any, out: np.ndarray | None = None) -> np.ndarray:
+    def forward(self, x: Any, out: F.Out = None) -> np.ndarray:
         return F.rms_norm(x, self.dim, self.weight.data, self.eps, out=out)
 
     def extra_repr(self) -> str:
