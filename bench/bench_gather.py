@@ -144,29 +144,27 @@ def rank_agreement() -> None:
         unit.unshard()
         unit.reshard()
 
-    def unchecked() -> None:  # the same gather with the check off (on every rank, in step)
-        _C._set_agreement_check(False)
-        ours()
-        _C._set_agreement_check(True)
+    def with_check(mode: object):  # the same gather in another mode (on every rank, in step)
+        def gather() -> None:
+            _C._set_agreement_check(mode)
+            ours()
+            _C._set_agreement_check(True)
+        return gather
 
-    def separate() -> None:  # the tickets in their own all-gather first (groups of more than 8 ranks)
-        _C._set_agreement_check("separate")
-        ours()
-        _C._set_agreement_check(True)
-
-    fns = [ours, unchecked, lambda: group.all_gather(send, recv), lambda: group.all_gather(ticket, tickets),
-           separate]
+    # off: a plain MPI_Allgather; "separate": the tickets' own all-gather first (groups of more than 8)
+    fns = [ours, with_check(False), lambda: group.all_gather(send, recv), lambda: group.all_gather(ticket, tickets),
+           with_check("separate")]
     interleaved(fns, 5, sync=world.barrier)
-    ours, off, raw, check, sep = interleaved(fns, 1000, sync=world.barrier, stat=list)
+    t_ours, t_off, t_raw, t_check, t_sep = interleaved(fns, 1000, sync=world.barrier, stat=list)
     assert unit.gather_path == "collective", unit.gather_path
     if world.rank == 0:
         med = statistics.median
         # the cost as the median of each repetition's own ratio: neighbours in time share the
         # machine's state, which drifts between runs more than the check costs
-        print("RESULT " + json.dumps({"ranks": world.size, "ours_s": med(ours), "off_s": med(off), "raw_s": med(raw),
-                                      "check_s": med(check),
-                                      "cost": med([a / b for a, b in zip(ours, off)]) - 1,
-                                      "separate_cost": med([a / b for a, b in zip(sep, off)]) - 1}))
+        print("RESULT " + json.dumps({"ranks": world.size, "ours_s": med(t_ours), "off_s": med(t_off),
+                                      "raw_s": med(t_raw), "check_s": med(t_check),
+                                      "cost": med([a / b for a, b in zip(t_ours, t_off)]) - 1,
+                                      "separate_cost": med([a / b for a, b in zip(t_sep, t_off)]) - 1}))
 
 
 def main() -> None:

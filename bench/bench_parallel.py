@@ -48,7 +48,7 @@ def rank_exchange() -> None:
         n = (mib << 20) // (h * d * 4)  # q of `mib` MiB: (1, h, n, d) float32
         y = np.random.default_rng(0).standard_normal((1, n, h * d)).astype(np.float32)
         w = np.random.default_rng(1).standard_normal(h * d).astype(np.float32)
-        # as the reference model hands q over: its norm's last step written into grouped()
+        # as the reference model hands q over: written by its norm into grouped() (here a multiply)
         q = sp.grouped(1, n, h, d, np.float32)
         np.multiply(y.reshape(q.shape), w.reshape(q.shape[2:]), out=q)
         # as a model computing (1, n, h, d) projections hands it over: seen as (1, h, n, d)

@@ -668,12 +668,12 @@ static hsdp_status agree(hsdp_group *g, const char *label, size_t nbytes) {
     return st;
 }
 
-/* The gather with the tickets beside the data, in one exchange (groups of up to FUSED_RANKS). */
 static int error_class(int rc) {
     int cls = rc;
     return MPI_Error_class(rc, &cls) == MPI_SUCCESS ? cls : rc;
 }
 
+/* The gather with the tickets beside the data, in one exchange (groups of up to FUSED_RANKS). */
 static hsdp_status agreed_gather(hsdp_group *g, const char *label, const void *send, void *recv, size_t nbytes) {
     REQUIRE_LIVE();
     int count, owned, n = g->size, me = g->rank;

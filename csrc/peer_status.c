@@ -33,12 +33,6 @@ static int64_t now_ms(void) {
     return (int64_t)t.tv_sec * 1000 + t.tv_nsec / 1000000;
 }
 
-static void set_io_timeout(int fd, int ms) {
-    struct timeval tv = {ms / 1000, (ms % 1000) * 1000};
-    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
-}
-
 /* Reads up to n bytes until EOF or the deadline (ms on now_ms's clock): how many. */
 static size_t read_until(int fd, void *buf, size_t n, int64_t deadline) {
     size_t got = 0;
@@ -58,7 +52,8 @@ static size_t read_until(int fd, void *buf, size_t n, int64_t deadline) {
 }
 
 static void answer(int fd) {
-    set_io_timeout(fd, SERVE_IO_MS);
+    struct timeval send_limit = {0, SERVE_IO_MS * 1000}; /* reads poll; the reply's send is bounded here */
+    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &send_limit, sizeof send_limit);
     uint64_t cookie = 0;
     if (read_until(fd, &cookie, sizeof cookie, now_ms() + SERVE_IO_MS) != sizeof cookie || cookie != my_cookie)
         return; /* not the job's */
@@ -105,15 +100,20 @@ static void local_addrs(uint64_t *out) {
     out[k] = INADDR_LOOPBACK;
 }
 
+/* The card of the socket being served. */
+static void fill_card(hsdp_status_card *card) {
+    struct sockaddr_in a;
+    socklen_t len = sizeof a;
+    if (getsockname(listen_fd, (struct sockaddr *)&a, &len) != 0) return;
+    card->cookie = my_cookie;
+    card->port = ntohs(a.sin_port);
+    local_addrs(card->addr);
+}
+
 void hsdp_status_serve(hsdp_status_describe describe, hsdp_status_card *card) {
     memset(card, 0, sizeof *card);
     if (atomic_load(&serving)) {
-        struct sockaddr_in a;
-        socklen_t len = sizeof a;
-        if (getsockname(listen_fd, (struct sockaddr *)&a, &len) != 0) return;
-        card->cookie = my_cookie;
-        card->port = ntohs(a.sin_port);
-        local_addrs(card->addr);
+        fill_card(card);
         return;
     }
     uint64_t cookie = 0;
@@ -121,9 +121,7 @@ void hsdp_status_serve(hsdp_status_describe describe, hsdp_status_card *card) {
     int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (fd < 0) return;
     struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_ANY), .sin_port = 0};
-    socklen_t len = sizeof a;
-    if (bind(fd, (struct sockaddr *)&a, sizeof a) != 0 || listen(fd, SOMAXCONN) != 0 ||
-        getsockname(fd, (struct sockaddr *)&a, &len) != 0) {
+    if (bind(fd, (struct sockaddr *)&a, sizeof a) != 0 || listen(fd, SOMAXCONN) != 0) {
         close(fd);
         return;
     }
@@ -143,9 +141,7 @@ void hsdp_status_serve(hsdp_status_describe describe, hsdp_status_card *card) {
         return;
     }
     atomic_store(&serving, 1);
-    card->cookie = cookie;
-    card->port = ntohs(a.sin_port);
-    local_addrs(card->addr);
+    fill_card(card);
 }
 
 void hsdp_status_stop(void) {

@@ -34,12 +34,17 @@ def run(scenario: str, n: int = 2, **env: str) -> dict[int, list[str]]:
 MODES = [("fused", 2), ("fused", 3), ("separate", 2)]
 
 
+def one_line_per_rank(scenario: str, mode: str, n: int) -> list[str]:
+    """Each rank's one report line: every rank must have written exactly one."""
+    got = run(scenario, n, AGREEMENT_MODE=mode)
+    assert set(got) == set(range(n))
+    assert all(len(got[r]) == 1 for r in range(n)), got
+    return [got[r][0] for r in range(n)]
+
+
 @pytest.mark.parametrize("mode,n", MODES)
 def test_two_units_of_the_same_size_raise_on_every_rank(mode, n):
-    got = run("equal", n, AGREEMENT_MODE=mode)
-    assert set(got) == set(range(n))
-    for r in range(n):
-        (line,) = got[r]
+    for line in one_line_per_rank("equal", mode, n):
         assert line.startswith(f"RAISED the {n} ranks of a group do not gather the same unit, so none of them "
                                "gathers"), line
         assert "rank 0 asks for unit 'blocks.0'" in line and "rank 1 asks for unit 'blocks.1'" in line, line
@@ -48,10 +53,7 @@ def test_two_units_of_the_same_size_raise_on_every_rank(mode, n):
 
 @pytest.mark.parametrize("mode,n", MODES)
 def test_units_of_different_sizes_raise_on_every_rank_not_a_truncation(mode, n):
-    got = run("unequal", n, AGREEMENT_MODE=mode)
-    assert set(got) == set(range(n))
-    for r in range(n):
-        (line,) = got[r]
+    for line in one_line_per_rank("unequal", mode, n):
         assert "do not gather the same unit" in line and "MPI_ERR_TRUNCATE" not in line, line
         sizes = [int(v) for v in re.findall(r"\((\d+) bytes per rank", line)]
         assert len(sizes) == n and len(set(sizes)) == 2, line  # every rank unlike rank 0 is named

@@ -86,9 +86,9 @@ class Ulysses:
         return np.ascontiguousarray(recv.transpose(1, 0, 2, 3).reshape(b, self.degree * n, c))
 
     def _buffer(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        """A receive buffer of this shape, reused once nothing else refers to it (a result
-        still in use keeps its buffer through its views' .base): a fresh array per exchange
-        would be allocated and faulted in each time, costing more than the transfer."""
+        """A send or receive buffer of this shape, reused once nothing else refers to it (a
+        result still in use keeps its buffer through its views' .base): a fresh array per
+        exchange would be allocated and faulted in each time, costing more than the transfer."""
         key = (shape, np.dtype(dtype).str)
         kept = self._buffers.setdefault(key, [])
         for buf in kept:
@@ -109,23 +109,34 @@ class Ulysses:
         b, h, n, d = t.shape
         p = self.degree
         hp, item = h // p, t.itemsize
-        recv = self._buffer((p, b, n, hp, d), t.dtype)
         tokens = t.transpose(0, 2, 1, 3)
-        if tokens.flags.c_contiguous:
-            block = b * n * hp * d * item
-            self.group.all_to_all_blocks(tokens, (hp * d * item, hp * d * item, ((b * n, h * d * item),)),
-                                         recv, (block, block, ()))
-        else:  # any other layout: one packing copy first
-            send = np.ascontiguousarray(tokens.reshape(b, n, p, hp, d).transpose(2, 0, 1, 3, 4))
-            self.group.all_to_all(send, recv)
+        if not tokens.flags.c_contiguous:  # any other layout: one packing copy into the grouped one
+            grouped = tokens.reshape(b, n, p, hp * d).transpose(2, 0, 1, 3)
+            return self._exchange_grouped(np.ascontiguousarray(grouped), d)
+        recv = self._buffer((p, b, n, hp, d), t.dtype)
+        block = b * n * hp * d * item
+        self.group.all_to_all_blocks(tokens, (hp * d * item, hp * d * item, ((b * n, h * d * item),)),
+                                     recv, (block, block, ()))
+        return self._as_heads(recv)
+
+    def _as_heads(self, recv: np.ndarray) -> np.ndarray:
+        # recv (degree, B, n, H / degree, D), block i being rank i's tokens -> (B, H / degree, N, D)
+        p, b, n, hp, d = recv.shape
         return recv.transpose(1, 3, 0, 2, 4).reshape(b, hp, p * n, d)
+
+    def _exchange_grouped(self, send: np.ndarray, d: int) -> np.ndarray:
+        # send (degree, B, n, H / degree * D), contiguous: block j goes to rank j as it lies
+        p, b, n, hpd = send.shape
+        recv = self._buffer((p, b, n, hpd // d, d), send.dtype)
+        self.group.all_to_all(send, recv)
+        return self._as_heads(recv)
 
     def grouped(self, b: int, n: int, h: int, d: int, dtype: Any) -> np.ndarray:
         """Where a (B, n, H * D) projection is best written: a (B, n, degree, H / degree * D)
         view of a reused (degree, B, n, H / degree * D) buffer, head group j's block being what
-        rank j receives, so the exchange sends it as it lies. A projection's last elementwise
-        step writes here as cheaply as in place (``out=`` of ``hsdp.nn.functional.linear`` and
-        ``rms_norm``)."""
+        rank j receives, so the exchange sends it as it lies. A projection writes here in a
+        pass it makes anyway (``out=`` of ``hsdp.nn.functional.linear`` and ``rms_norm``):
+        its division or bias add, reading each token's row in head-group parts."""
         self.check_heads(h)
         p = self.degree
         return self._buffer((p, b, n, h // p * d), dtype).transpose(1, 2, 0, 3)
@@ -136,11 +147,7 @@ class Ulysses:
         if t.ndim != 4 or t.shape[2] != self.degree or not send.flags.c_contiguous or t.shape[3] % d:
             raise ValueError(f"Ulysses: an array of shape {t.shape} is not a head-group-major view from "
                              f"Ulysses.grouped (degree {self.degree}, head dim {d})")
-        p, b, n, hpd = send.shape
-        hp = hpd // d
-        recv = self._buffer((p, b, n, hp, d), t.dtype)
-        self.group.all_to_all(send, recv)
-        return recv.transpose(1, 3, 0, 2, 4).reshape(b, hp, p * n, d)
+        return self._exchange_grouped(send, d)
 
     def _to_tokens(self, t: np.ndarray) -> np.ndarray:
         # (B, H / degree, N, D) -> (B, H, n, D), as a view of a token-major (B, n, H, D) array

@@ -2,8 +2,8 @@
 
 Everything computes in float32 (float64 only when every floating input is float64), returns a
 fresh array (or fills the ``out=`` given to linear and rms_norm), and keeps no reference to
-its inputs: the sharding engine frees parameter arrays
-as soon as a unit's forward returns. All ops are deterministic for a given input.
+its inputs: the sharding engine frees parameter arrays as soon as a unit's forward returns.
+All ops are deterministic for a given input.
 """
 
 from __future__ import annotations
