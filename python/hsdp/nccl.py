@@ -9,7 +9,8 @@
   broadcast under ``mpiexec``, through torch's ``TCPStore`` under ``torchrun`` (the agent's
   store when torchrun serves one, else a store rank 0 serves at MASTER_ADDR:MASTER_PORT,
   or the default store of an initialised ``torch.distributed``). The id never goes over a
-  socket of hsdp's (its only one is the MPI backend's watchdog status port, design.md).
+  socket of hsdp's own code (its only one is the MPI backend's watchdog status port,
+  design.md).
   The device is LOCAL_RANK.
 """
 
