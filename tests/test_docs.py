@@ -23,6 +23,7 @@ import re
 import signal
 import subprocess
 import sys
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,7 +44,7 @@ HSDP_TIMEOUT_S = "60"
 _MARKER = re.compile(r"<!--\s*doctest")
 _FRAGMENT = "<!-- doctest: fragment -->"
 _RANKS = re.compile(r"<!-- doctest: ranks=([1-9][0-9]*) -->")
-_FENCE_PY = re.compile(r"^```python\s*$")
+_FENCE_PY = re.compile(r"^\s*```python\s*$")  # indented too: a block in a list item
 
 
 @dataclass(frozen=True)
@@ -65,12 +66,13 @@ def _blocks(path: Path) -> list[Block]:
     while i < len(lines):
         if _FENCE_PY.match(lines[i]):
             end = i + 1
-            while end < len(lines) and not lines[end].startswith("```"):
+            while end < len(lines) and not lines[end].lstrip().startswith("```"):
                 end += 1
             if end == len(lines):
                 raise AssertionError(f"{path.relative_to(ROOT)}:{i + 1}: ```python block never closed")
             marker = lines[i - 1].strip() if i > 0 else ""
-            found.append(Block(path, i + 1, marker, "\n".join(lines[i + 1 : end]) + "\n"))
+            code = textwrap.dedent("\n".join(lines[i + 1 : end]) + "\n")
+            found.append(Block(path, i + 1, marker, code))
             i = end
         i += 1
     return found
