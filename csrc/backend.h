@@ -1,7 +1,8 @@
 /* backend.h - the collective backend table. Each backend is an existing engine (MPI, NCCL) or
- * the dependency-free world of one; hsdp never does its own networking. A backend is one
- * const table of functions, registered in backend.c and found by name. A group is a set of
- * ranks with a backend-specific handle; every collective takes one.
+ * the dependency-free world of one; every collective goes through one of them (the only
+ * socket hsdp's own code opens is the MPI backend's watchdog status port, peer_status.h).
+ * A backend is one const table of functions, registered in backend.c and found by name.
+ * A group is a set of ranks with a backend-specific handle; every collective takes one.
  *
  * Required slots: world, all_gather, broadcast, barrier, all_to_all, split, free.
  * Optional slots (NULL when absent):

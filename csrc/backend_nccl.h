@@ -3,7 +3,8 @@
  * paths the caller chooses (Python passes the copies torch has loaded: a dlopen by soname
  * before torch is imported would pick another NCCL and break torch). The unique id that
  * joins the ranks is made on rank 0 and carried to the others by the caller (an MPI
- * broadcast, or torch's TCPStore): hsdp does no networking of its own. */
+ * broadcast, or torch's TCPStore), never over a socket of hsdp's own code (its only one is the
+ * MPI backend's watchdog status port, peer_status.h). */
 #ifndef HSDP_BACKEND_NCCL_H
 #define HSDP_BACKEND_NCCL_H
 

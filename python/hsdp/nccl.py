@@ -8,8 +8,10 @@
 - **Joining.** Rank 0 makes the NCCL unique id (128 bytes) and the others receive it: by MPI
   broadcast under ``mpiexec``, through torch's ``TCPStore`` under ``torchrun`` (the agent's
   store when torchrun serves one, else a store rank 0 serves at MASTER_ADDR:MASTER_PORT,
-  or the default store of an initialised ``torch.distributed``). hsdp does no networking of
-  its own. The device is LOCAL_RANK.
+  or the default store of an initialised ``torch.distributed``). The id never goes over a
+  socket of hsdp's own code (its only one is the MPI backend's watchdog status port,
+  design.md).
+  The device is LOCAL_RANK.
 """
 
 from __future__ import annotations
