@@ -278,7 +278,8 @@ static hsdp_status nccl_done(nccl_comm *c, hsdp_ncclResult_t rc, const char *wha
             return ABORT_ALL("%s did not complete within %g s (HSDP_TIMEOUT)", what, timeout_s());
         nap(&us);
     }
-    if (rc != hsdp_ncclSuccess) return hsdp_fail(HSDP_ECOMM, "%s failed: NCCL error %d (%s)", what, (int)rc, nccl_text(rc, c));
+    if (rc != hsdp_ncclSuccess)
+        return hsdp_fail(HSDP_ECOMM, "%s failed: NCCL error %d (%s)", what, (int)rc, nccl_text(rc, c));
     return HSDP_OK;
 }
 
@@ -431,7 +432,8 @@ static hsdp_status enqueue(nccl_comm *c, op_kind op, int size, const void *send,
         rc = api.ncclGroupStart();
         for (int p = 0; rc == hsdp_ncclSuccess && p < size; p++) {
             rc = api.ncclSend((const char *)send + (size_t)p * nbytes, nbytes, hsdp_ncclUint8, p, c->comm, S.comm);
-            if (rc == hsdp_ncclSuccess) rc = api.ncclRecv((char *)recv + (size_t)p * nbytes, nbytes, hsdp_ncclUint8, p, c->comm, S.comm);
+            if (rc == hsdp_ncclSuccess)
+                rc = api.ncclRecv((char *)recv + (size_t)p * nbytes, nbytes, hsdp_ncclUint8, p, c->comm, S.comm);
         }
         hsdp_ncclResult_t end = api.ncclGroupEnd();
         return nccl_done(c, rc != hsdp_ncclSuccess ? rc : end, "the all-to-all's grouped ncclSend/ncclRecv");
@@ -761,7 +763,8 @@ static hsdp_status start_process_state(int device) {
     if (!S.comm) {
         int least = 0, greatest = 0;
         CUDA_TRY(api.cudaDeviceGetStreamPriorityRange(&least, &greatest), "cudaDeviceGetStreamPriorityRange");
-        CUDA_TRY(api.cudaStreamCreateWithPriority(&S.comm, hsdp_cudaStreamNonBlocking, greatest), "creating the gather stream");
+        CUDA_TRY(api.cudaStreamCreateWithPriority(&S.comm, hsdp_cudaStreamNonBlocking, greatest),
+                 "creating the gather stream");
         CUDA_TRY(api.cudaEventCreateWithFlags(&S.released, hsdp_cudaEventDisableTiming), "creating the release event");
         CUDA_TRY(api.cudaEventCreateWithFlags(&S.ready, hsdp_cudaEventDisableTiming), "creating the ordering event");
     }
@@ -794,7 +797,8 @@ static hsdp_status nccl_world(hsdp_group **out, int *we_init) {
         st = join_done(comm, api.ncclCommInitRankConfig(&comm, S.boot.size, id, S.boot.rank, &cfg), what);
     } else { /* before 2.14: blocking, so not bounded by the timeout */
         hsdp_ncclResult_t rc = api.ncclCommInitRank(&comm, S.boot.size, id, S.boot.rank);
-        st = rc == hsdp_ncclSuccess ? HSDP_OK : hsdp_fail(HSDP_ECOMM, "%s failed: %s", what, api.ncclGetErrorString(rc));
+        st = rc == hsdp_ncclSuccess ? HSDP_OK
+                                    : hsdp_fail(HSDP_ECOMM, "%s failed: %s", what, api.ncclGetErrorString(rc));
     }
     if (st != HSDP_OK) return st;
     st = comm_wrap(comm, S.boot.rank, S.boot.size, out);

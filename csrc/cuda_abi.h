@@ -141,8 +141,8 @@ typedef hsdp_ncclResult_t (*hsdp_ncclAllReduce_fn)(const void *sendbuff, void *r
 typedef hsdp_ncclResult_t (*hsdp_ncclAlltoAll_fn)(const void *sendbuff, void *recvbuff, size_t count,
                                                   hsdp_ncclDataType_t datatype, hsdp_ncclComm_t comm,
                                                   hsdp_cudaStream_t stream);
-typedef hsdp_ncclResult_t (*hsdp_ncclSend_fn)(const void *sendbuff, size_t count, hsdp_ncclDataType_t datatype, int peer,
-                                              hsdp_ncclComm_t comm, hsdp_cudaStream_t stream);
+typedef hsdp_ncclResult_t (*hsdp_ncclSend_fn)(const void *sendbuff, size_t count, hsdp_ncclDataType_t datatype,
+                                              int peer, hsdp_ncclComm_t comm, hsdp_cudaStream_t stream);
 typedef hsdp_ncclResult_t (*hsdp_ncclRecv_fn)(void *recvbuff, size_t count, hsdp_ncclDataType_t datatype, int peer,
                                               hsdp_ncclComm_t comm, hsdp_cudaStream_t stream);
 typedef hsdp_ncclResult_t (*hsdp_ncclGroupStart_fn)(void);

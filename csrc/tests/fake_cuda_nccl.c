@@ -107,7 +107,9 @@ hsdp_cudaError_t cudaEventRecord(hsdp_cudaEvent_t e, hsdp_cudaStream_t s) {
     ((fake_event *)e)->pending = stall && *stall == '1';
     return hsdp_cudaSuccess;
 }
-hsdp_cudaError_t cudaEventQuery(hsdp_cudaEvent_t e) { return ((fake_event *)e)->pending ? hsdp_cudaErrorNotReady : hsdp_cudaSuccess; }
+hsdp_cudaError_t cudaEventQuery(hsdp_cudaEvent_t e) {
+    return ((fake_event *)e)->pending ? hsdp_cudaErrorNotReady : hsdp_cudaSuccess;
+}
 const char *cudaGetErrorString(hsdp_cudaError_t e) { return e == hsdp_cudaSuccess ? "no error" : "fake CUDA error"; }
 
 /* ---------------------------------------------------------------- a world of one */
@@ -138,9 +140,11 @@ hsdp_ncclResult_t ncclCommInitRank(hsdp_ncclComm_t *c, int n, hsdp_ncclUniqueId 
     (void)id;
     return new_comm(c, n, rank);
 }
-hsdp_ncclResult_t ncclCommInitRankConfig(hsdp_ncclComm_t *c, int n, hsdp_ncclUniqueId id, int rank, hsdp_ncclConfig_t *cfg) {
+hsdp_ncclResult_t ncclCommInitRankConfig(hsdp_ncclComm_t *c, int n, hsdp_ncclUniqueId id, int rank,
+                                         hsdp_ncclConfig_t *cfg) {
     (void)id;
-    if (!cfg || cfg->magic != HSDP_NCCL_API_MAGIC || cfg->version < 21400) return hsdp_ncclInvalidArgument; /* as NCCL */
+    /* what NCCL checks first: a config made by its initializer, of a version it reads */
+    if (!cfg || cfg->magic != HSDP_NCCL_API_MAGIC || cfg->version < 21400) return hsdp_ncclInvalidArgument;
     hsdp_ncclResult_t rc = new_comm(c, n, rank);
     return rc == hsdp_ncclSuccess && cfg && !cfg->blocking ? hsdp_ncclInProgress : rc; /* done by the next poll */
 }
@@ -174,40 +178,44 @@ const char *ncclGetLastError(hsdp_ncclComm_t c) {
 static size_t nbytes(size_t count, hsdp_ncclDataType_t t) { return count * (t == hsdp_ncclFloat32 ? 4 : 1); }
 static hsdp_ncclResult_t need_device(const void *p) { return !p || find(p) ? hsdp_ncclSuccess : hsdp_ncclInvalidUsage; }
 
-hsdp_ncclResult_t ncclAllGather(const void *s, void *r, size_t count, hsdp_ncclDataType_t t, hsdp_ncclComm_t c, hsdp_cudaStream_t st) {
+hsdp_ncclResult_t ncclAllGather(const void *s, void *r, size_t count, hsdp_ncclDataType_t t, hsdp_ncclComm_t c,
+                                hsdp_cudaStream_t st) {
     (void)c, (void)st;
     if (need_device(s) || need_device(r)) return hsdp_ncclInvalidUsage; /* NCCL cannot read host memory */
     memmove(r, s, nbytes(count, t));
     return hsdp_ncclSuccess;
 }
-hsdp_ncclResult_t ncclBroadcast(const void *s, void *r, size_t count, hsdp_ncclDataType_t t, int root, hsdp_ncclComm_t c,
-                           hsdp_cudaStream_t st) {
+hsdp_ncclResult_t ncclBroadcast(const void *s, void *r, size_t count, hsdp_ncclDataType_t t, int root,
+                                hsdp_ncclComm_t c, hsdp_cudaStream_t st) {
     (void)c, (void)st;
     if (root != 0 || need_device(s) || need_device(r)) return hsdp_ncclInvalidUsage;
     memmove(r, s, nbytes(count, t));
     return hsdp_ncclSuccess;
 }
-hsdp_ncclResult_t ncclAllReduce(const void *s, void *r, size_t count, hsdp_ncclDataType_t t, hsdp_ncclRedOp_t op, hsdp_ncclComm_t c,
-                           hsdp_cudaStream_t st) {
+hsdp_ncclResult_t ncclAllReduce(const void *s, void *r, size_t count, hsdp_ncclDataType_t t, hsdp_ncclRedOp_t op,
+                                hsdp_ncclComm_t c, hsdp_cudaStream_t st) {
     (void)op, (void)c, (void)st;
     if (need_device(s) || need_device(r)) return hsdp_ncclInvalidUsage;
     memmove(r, s, nbytes(count, t));
     return hsdp_ncclSuccess;
 }
-hsdp_ncclResult_t ncclAlltoAll(const void *s, void *r, size_t count, hsdp_ncclDataType_t t, hsdp_ncclComm_t c, hsdp_cudaStream_t st) {
+hsdp_ncclResult_t ncclAlltoAll(const void *s, void *r, size_t count, hsdp_ncclDataType_t t, hsdp_ncclComm_t c,
+                               hsdp_cudaStream_t st) {
     (void)c, (void)st;
     if (need_device(s) || need_device(r)) return hsdp_ncclInvalidUsage;
     memmove(r, s, nbytes(count, t));
     return hsdp_ncclSuccess;
 }
-hsdp_ncclResult_t ncclSend(const void *s, size_t count, hsdp_ncclDataType_t t, int peer, hsdp_ncclComm_t c, hsdp_cudaStream_t st) {
+hsdp_ncclResult_t ncclSend(const void *s, size_t count, hsdp_ncclDataType_t t, int peer, hsdp_ncclComm_t c,
+                           hsdp_cudaStream_t st) {
     (void)st;
     if (peer != 0 || need_device(s)) return hsdp_ncclInvalidUsage;
     ((fake_comm *)c)->sent = s;
     ((fake_comm *)c)->sent_n = nbytes(count, t);
     return hsdp_ncclSuccess;
 }
-hsdp_ncclResult_t ncclRecv(void *r, size_t count, hsdp_ncclDataType_t t, int peer, hsdp_ncclComm_t c, hsdp_cudaStream_t st) {
+hsdp_ncclResult_t ncclRecv(void *r, size_t count, hsdp_ncclDataType_t t, int peer, hsdp_ncclComm_t c,
+                           hsdp_cudaStream_t st) {
     (void)st;
     fake_comm *fc = (fake_comm *)c;
     if (peer != 0 || need_device(r) || !fc->sent || fc->sent_n != nbytes(count, t)) return hsdp_ncclInvalidUsage;

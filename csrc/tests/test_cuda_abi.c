@@ -16,9 +16,10 @@
 
 #define SAME(a, b) _Static_assert((long long)(a) == (long long)(b), #a " is " #b)
 #define SAME_TYPE(a, b) _Static_assert(__builtin_types_compatible_p(a, b), #a " and " #b " are the same type")
-#define SAME_FIELD(ours, real, field)                                                                       \
+#define SAME_FIELD(ours, real, field)                                                                \
     _Static_assert(offsetof(ours, field) == offsetof(real, field), #ours "." #field " is where " #real "'s is"); \
-    _Static_assert(sizeof(((ours *)0)->field) == sizeof(((real *)0)->field), #ours "." #field " is as wide as " #real "'s")
+    _Static_assert(sizeof(((ours *)0)->field) == sizeof(((real *)0)->field),                                  \
+                   #ours "." #field " is as wide as " #real "'s")
 /* the real prototype has exactly our function-pointer type */
 #define SAME_FN(name) SAME_TYPE(__typeof__(&name), hsdp_##name##_fn)
 
