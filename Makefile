@@ -90,7 +90,7 @@ $(TESTBIN)/fake_cuda_nccl.so: csrc/tests/fake_cuda_nccl.c csrc/cuda_abi.h
 # Skipped, saying so, where there are none.
 cuda-abi-check: | venv
 	@mkdir -p $(TESTBIN)
-	@found="$$($(PY) csrc/cuda_headers.py --all)"; \
+	@found="$$($(PY) csrc/cuda_headers.py)"; \
 	if [ -z "$$found" ]; then \
 	  echo "test_cuda_abi: SKIPPED: no nccl.h and cuda_runtime_api.h found (HSDP_CUDA_HOME, torch's nvidia wheels,"; \
 	  echo "  /usr/local/cuda), so csrc/cuda_abi.h was not compared with the real headers"; \

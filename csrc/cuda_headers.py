@@ -5,8 +5,8 @@ own declarations of the few types, values and functions it uses. This finds the 
 for the one check that compares the two (csrc/tests/test_cuda_abi.c, run by ``make ctest``):
 in ``HSDP_CUDA_HOME/include``, then in the nvidia wheels torch brings
 (``nvidia/nccl/include``, ``nvidia/cu13/include`` or ``nvidia/cuda_runtime/include``), then
-in ``/usr/local/cuda/include``. As a script it prints the compiler flags (nothing when a
-header is missing).
+in ``/usr/local/cuda/include``. As a script it prints the compiler flags of each installation
+found, one line each (nothing when there is none).
 """
 
 from __future__ import annotations
@@ -43,11 +43,6 @@ def _first(candidates: list[tuple[Path, Path]]) -> list[str] | None:
     return list(dict.fromkeys([str(nccl), str(runtime)]))
 
 
-def include_dirs() -> list[str] | None:
-    """The directories holding nccl.h and cuda_runtime_api.h, or None when either is missing."""
-    return _first([c for group in _candidates() for c in group])
-
-
 def all_include_dirs() -> list[list[str]]:
     """Every installation of the two headers found (HSDP_CUDA_HOME, torch's nvidia wheels,
     /usr/local/cuda), each as its include directories; the check runs against each."""
@@ -55,10 +50,6 @@ def all_include_dirs() -> list[list[str]]:
     return list({tuple(f): f for f in found if f}.values())
 
 
-if __name__ == "__main__":
-    if sys.argv[1:] == ["--all"]:  # one line of flags per installation
-        for dirs in all_include_dirs():
-            print(" ".join(f"-isystem {d}" for d in dirs))
-    else:
-        found = include_dirs()
-        print(" ".join(f"-isystem {d}" for d in found) if found else "")
+if __name__ == "__main__":  # one line of compiler flags per installation
+    for dirs in all_include_dirs():
+        print(" ".join(f"-isystem {d}" for d in dirs))
