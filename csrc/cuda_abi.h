@@ -1,9 +1,10 @@
 /* cuda_abi.h - the part of NCCL's and the CUDA runtime's binary interface the NCCL backend
  * uses, declared here so that every build compiles the backend: no nccl.h or
  * cuda_runtime_api.h is needed (nor a CUDA toolkit), since both libraries are opened at run
- * time and called through the function pointers typed below. Both ABIs are stable: these
- * entry points, values and layouts have not changed across NCCL 2.x and CUDA runtime 11-13
- * (vLLM's pynccl binds NCCL the same way, without headers).
+ * time and called through the function pointers typed below. Both ABIs are stable and
+ * versioned: these entry points and values keep their signatures and numbers across NCCL 2.x
+ * and CUDA runtime 11-13, and the two structs that grow do so at their end, which the
+ * declarations below allow for (vLLM's pynccl binds NCCL the same way, without headers).
  *
  * Every name is ours (hsdp_ prefixed), so this header can sit next to the real ones: that is
  * what csrc/tests/test_cuda_abi.c does, asserting at compile time that each value, layout
