@@ -3,9 +3,10 @@
 The MPI backend is compiled in when an MPI compiler wrapper is found (``mpicc``, or the one
 named by ``HSDP_MPICC``); without one the package still builds and ``import hsdp`` works,
 and asking for MPI says what to install. ``HSDP_WERROR=1`` turns warnings into errors (CI).
-``HSDP_NO_MPI=1`` forces a build without MPI. The NCCL backend is compiled in when the NCCL
-and CUDA runtime headers are found (csrc/cuda_headers.py: torch's nvidia wheels, or
-``HSDP_CUDA_HOME``); it links nothing, and opens both libraries at run time.
+``HSDP_NO_MPI=1`` forces a build without MPI. The NCCL backend is in every build: it needs
+no CUDA toolkit and no NCCL or CUDA header (csrc/cuda_abi.h declares what it uses), links
+nothing, and opens both libraries at run time, so a machine without a GPU fails only when
+NCCL is asked for. ``HSDP_NO_NCCL=1`` forces a build without it.
 """
 
 from __future__ import annotations
@@ -38,10 +39,11 @@ def sources(path: Path = HERE / "csrc" / "sources.mk") -> dict[str, list[str]]:
 
 
 def variant(compile_args: list[str]) -> str:
-    """A name for the build's flags, so builds with and without MPI or NCCL keep their object
-    files apart (setuptools would otherwise reuse objects compiled with the other flags)."""
+    """A name for the build's flags, so builds with and without MPI (or, forced off, NCCL) keep
+    their object files apart (setuptools would otherwise reuse objects compiled with the other
+    flags)."""
     name = "mpi" if "-DHSDP_HAVE_MPI" in compile_args else "nompi"
-    return name + ("-nccl" if "-DHSDP_HAVE_NCCL" in compile_args else "")
+    return name + ("-nonccl" if "-DHSDP_NO_NCCL" in compile_args else "")
 
 
 class VariantBuildExt(build_ext):
@@ -87,18 +89,11 @@ def mpi_flags() -> tuple[list[str], list[str]]:
 
 
 def nccl_flags() -> list[str]:
-    """-DHSDP_HAVE_NCCL and the header directories, or [] (a build without the NCCL backend)."""
-    sys.path.insert(0, str(HERE / "csrc"))
-    try:
-        from cuda_headers import include_dirs
-    finally:
-        sys.path.pop(0)
-    dirs = include_dirs()
-    if dirs is None:
-        print("hsdp: no NCCL/CUDA headers found; building without the NCCL backend", file=sys.stderr)
-        return []
-    # -isystem: the toolkit's headers are not ours to keep warning-free
-    return ["-DHSDP_HAVE_NCCL", *(f for d in dirs for f in ("-isystem", d))]
+    """[] (the NCCL backend is built), or -DHSDP_NO_NCCL when HSDP_NO_NCCL=1 forces it off."""
+    if os.environ.get("HSDP_NO_NCCL") == "1":
+        print("hsdp: HSDP_NO_NCCL=1: building without the NCCL backend", file=sys.stderr)
+        return ["-DHSDP_NO_NCCL"]
+    return []
 
 
 SRC = sources()

@@ -2,8 +2,9 @@
  *
  * Nothing here is linked against CUDA or NCCL: both libraries are opened at run time
  * (hsdp_nccl_load), so one build serves CPU-only and GPU machines, and a machine without a
- * GPU gets a clear error instead of a failed import. The headers are needed at build time
- * only, for the types (setup.py finds them in the nvidia wheels torch brings).
+ * GPU gets a clear error instead of a failed import. No CUDA or NCCL header is needed
+ * either: the types, values and function types used are declared in cuda_abi.h (checked
+ * against the real headers by csrc/tests/test_cuda_abi.c), so every build has this backend.
  *
  * Streams. Every collective runs on one side stream of high priority. A started gather
  * records an event there, and its wait makes the compute stream wait on that event: the
@@ -37,11 +38,11 @@
 #include "backend.h"
 #include "backend_nccl.h"
 
-#ifndef HSDP_HAVE_NCCL
-/* ---------------------------------------------------------------- built without the headers */
+#ifdef HSDP_NO_NCCL
+/* ---------------------------------------------------------------- built with HSDP_NO_NCCL=1 */
 static const char not_built[] =
-    "this hsdp was built without the NCCL backend (no NCCL/CUDA headers were found at build time: install "
-    "torch's CUDA wheels, or set HSDP_CUDA_HOME to a CUDA toolkit with nccl.h, and reinstall hsdp)";
+    "this hsdp was built without the NCCL backend (HSDP_NO_NCCL=1 at build time); reinstall hsdp without "
+    "HSDP_NO_NCCL to have it";
 
 int hsdp_nccl_built(void) { return 0; }
 hsdp_status hsdp_nccl_load(const char *nccl_path, const char *cudart_path) {
@@ -74,8 +75,7 @@ static hsdp_status nccl_world(hsdp_group **out, int *we_init) {
 const hsdp_backend hsdp_backend_nccl = {.name = "nccl", .usable = nccl_usable, .world = nccl_world};
 
 #else
-#include <cuda_runtime_api.h>
-#include <nccl.h>
+#include "cuda_abi.h"
 
 /* ---------------------------------------------------------------- the two libraries */
 #define NCCL_REQUIRED(X)                                                                                     \
@@ -91,7 +91,7 @@ const hsdp_backend hsdp_backend_nccl = {.name = "nccl", .usable = nccl_usable, .
     X(cudaStreamWaitEvent) X(cudaStreamSynchronize) X(cudaEventCreateWithFlags) X(cudaEventDestroy)         \
     X(cudaEventRecord) X(cudaEventQuery) X(cudaPointerGetAttributes) X(cudaGetErrorString)
 
-#define DECLARE(name) __typeof__(&name) name;
+#define DECLARE(name) hsdp_##name##_fn name;
 static struct {
     void *nccl, *cudart; /* dlopen handles, owned here (kept open for the process) */
     int loaded, version;
@@ -117,7 +117,7 @@ hsdp_status hsdp_nccl_load(const char *nccl_path, const char *cudart_path) {
         return hsdp_fail(HSDP_EINVAL, "the NCCL backend needs the paths of libnccl and libcudart");
     const char *missing = NULL, *in = NULL;
     int n = 0;
-    cudaError_t ce;
+    hsdp_cudaError_t ce;
     api.nccl = dlopen(nccl_path, RTLD_NOW | RTLD_LOCAL);
     if (!api.nccl) {
         hsdp_fail(HSDP_EUNSUPPORTED, "could not open the NCCL library '%s': %s", nccl_path, dlerror());
@@ -143,8 +143,8 @@ hsdp_status hsdp_nccl_load(const char *nccl_path, const char *cudart_path) {
     }
     /* On a machine with no GPU the runtime says so here (35: the driver is missing or too old). */
     ce = api.cudaGetDeviceCount(&n);
-    if (ce != cudaSuccess || n <= 0) {
-        if (ce != cudaSuccess)
+    if (ce != hsdp_cudaSuccess || n <= 0) {
+        if (ce != hsdp_cudaSuccess)
             hsdp_fail(HSDP_EUNSUPPORTED, "no usable GPU for the NCCL backend: cudaGetDeviceCount failed with CUDA error "
                       "%d (%s); use backend 'mpi' for CPU ranks", (int)ce, api.cudaGetErrorString(ce));
         else
@@ -153,7 +153,7 @@ hsdp_status hsdp_nccl_load(const char *nccl_path, const char *cudart_path) {
                       getenv("CUDA_VISIBLE_DEVICES") ? getenv("CUDA_VISIBLE_DEVICES") : "(unset)");
         goto fail;
     }
-    if (api.ncclGetVersion(&api.version) != ncclSuccess) {
+    if (api.ncclGetVersion(&api.version) != hsdp_ncclSuccess) {
         hsdp_fail(HSDP_EUNSUPPORTED, "ncclGetVersion failed in '%s'", nccl_path);
         goto fail;
     }
@@ -172,7 +172,7 @@ fail:
 
 /* ---------------------------------------------------------------- process state */
 typedef struct nccl_comm {
-    ncclComm_t comm;
+    hsdp_ncclComm_t comm;
     int aborted;
     struct nccl_comm *next; /* the live list, under S.mu */
 } nccl_comm;
@@ -185,7 +185,7 @@ typedef struct {
 
 enum { RING = 256 }; /* collectives in flight that the watchdog watches */
 typedef struct {
-    cudaEvent_t ev; /* created once, reused once retired */
+    hsdp_cudaEvent_t ev; /* created once, reused once retired */
     uint64_t t0;
     char what[160];
 } flight;
@@ -194,8 +194,8 @@ static struct {
     pthread_mutex_t mu;    /* the ring, the live list, the scratch buffer */
     pthread_mutex_t issue; /* one thread at a time enqueues NCCL work, in program order */
     int world_up, device;
-    cudaStream_t comm, compute;
-    cudaEvent_t released, ready;
+    hsdp_cudaStream_t comm, compute;
+    hsdp_cudaEvent_t released, ready;
     int have_released;
     void *scratch; /* device staging for host buffers; owned here, freed at finalize */
     size_t scratch_n;
@@ -213,22 +213,22 @@ static struct {
     } boot;
 } S = {.mu = PTHREAD_MUTEX_INITIALIZER, .issue = PTHREAD_MUTEX_INITIALIZER};
 
-void hsdp_nccl_set_compute_stream(void *stream) { S.compute = (cudaStream_t)stream; }
+void hsdp_nccl_set_compute_stream(void *stream) { S.compute = (hsdp_cudaStream_t)stream; }
 void *hsdp_nccl_comm_stream(void) { return (void *)S.comm; }
 int hsdp_nccl_device(void) { return S.device; }
 
-static const char *nccl_text(ncclResult_t rc, nccl_comm *c) {
+static const char *nccl_text(hsdp_ncclResult_t rc, nccl_comm *c) {
     const char *last = c && api.ncclGetLastError ? api.ncclGetLastError(c->comm) : NULL;
     return last && *last ? last : api.ncclGetErrorString(rc);
 }
 
-static hsdp_status cuda_fail(cudaError_t e, const char *what) {
+static hsdp_status cuda_fail(hsdp_cudaError_t e, const char *what) {
     return hsdp_fail(HSDP_ECOMM, "%s failed: CUDA error %d (%s)", what, (int)e, api.cudaGetErrorString(e));
 }
 #define CUDA_TRY(call, what)                                                                                  \
     do {                                                                                                      \
-        cudaError_t e_ = (call);                                                                              \
-        if (e_ != cudaSuccess) return cuda_fail(e_, what);                                                    \
+        hsdp_cudaError_t e_ = (call);                                                                              \
+        if (e_ != hsdp_cudaSuccess) return cuda_fail(e_, what);                                                    \
     } while (0)
 
 static hsdp_status failed_status(void) {
@@ -264,21 +264,22 @@ static void nap(unsigned *us) {
     if (*us < 1000) *us *= 2;
 }
 
-/* An NCCL call's result on a non-blocking communicator: ncclInProgress is polled until the
+/* An NCCL call's result on a non-blocking communicator: hsdp_ncclInProgress is polled until the
  * call is done, within the timeout. */
-static hsdp_status nccl_done(nccl_comm *c, ncclResult_t rc, const char *what) {
+static hsdp_status nccl_done(nccl_comm *c, hsdp_ncclResult_t rc, const char *what) {
     uint64_t t0 = hsdp_now_ns(), limit = hsdp_timeout_ns();
     unsigned us = 10;
-    while (rc == ncclInProgress) {
-        ncclResult_t state = ncclSuccess;
+    while (rc == hsdp_ncclInProgress) {
+        hsdp_ncclResult_t state = hsdp_ncclSuccess;
         api.ncclCommGetAsyncError(c->comm, &state);
         rc = state;
-        if (rc != ncclInProgress) break;
+        if (rc != hsdp_ncclInProgress) break;
         if (limit && hsdp_now_ns() - t0 > limit)
             return ABORT_ALL("%s did not complete within %g s (HSDP_TIMEOUT)", what, timeout_s());
         nap(&us);
     }
-    if (rc != ncclSuccess) return hsdp_fail(HSDP_ECOMM, "%s failed: NCCL error %d (%s)", what, (int)rc, nccl_text(rc, c));
+    if (rc != hsdp_ncclSuccess)
+        return hsdp_fail(HSDP_ECOMM, "%s failed: NCCL error %d (%s)", what, (int)rc, nccl_text(rc, c));
     return HSDP_OK;
 }
 
@@ -286,9 +287,9 @@ static hsdp_status nccl_done(nccl_comm *c, ncclResult_t rc, const char *what) {
 static void retire_locked(void) {
     while (S.count) {
         flight *f = &S.ring[S.head];
-        cudaError_t e = api.cudaEventQuery(f->ev);
-        if (e == cudaErrorNotReady) return;
-        if (e != cudaSuccess)
+        hsdp_cudaError_t e = api.cudaEventQuery(f->ev);
+        if (e == hsdp_cudaErrorNotReady) return;
+        if (e != hsdp_cudaSuccess)
             abort_all_locked("%s failed on the GPU: CUDA error %d (%s)", f->what, (int)e, api.cudaGetErrorString(e));
         S.head = (S.head + 1) % RING;
         S.count--;
@@ -307,9 +308,9 @@ static void watch_once(void) {
                              timeout_s());
     }
     for (nccl_comm *c = S.live; c && !atomic_load(&S.failed); c = c->next) {
-        ncclResult_t state = ncclSuccess;
-        if (c->aborted || api.ncclCommGetAsyncError(c->comm, &state) != ncclSuccess) continue;
-        if (state != ncclSuccess && state != ncclInProgress)
+        hsdp_ncclResult_t state = hsdp_ncclSuccess;
+        if (c->aborted || api.ncclCommGetAsyncError(c->comm, &state) != hsdp_ncclSuccess) continue;
+        if (state != hsdp_ncclSuccess && state != hsdp_ncclInProgress)
             abort_all_locked("NCCL reported an asynchronous error: %s", nccl_text(state, c));
     }
     pthread_mutex_unlock(&S.mu);
@@ -327,7 +328,7 @@ static void *watchdog(void *arg) {
 
 /* Records the end of the collective just enqueued on the side stream, in the ring the
  * watchdog watches; *ev gets its event. A full ring waits for the oldest to finish. */
-static hsdp_status track(const char *what, cudaEvent_t *ev) {
+static hsdp_status track(const char *what, hsdp_cudaEvent_t *ev) {
     pthread_mutex_lock(&S.mu);
     unsigned us = 10;
     for (;;) {
@@ -342,10 +343,10 @@ static hsdp_status track(const char *what, cudaEvent_t *ev) {
         pthread_mutex_lock(&S.mu);
     }
     flight *f = &S.ring[(S.head + S.count) % RING];
-    cudaError_t e = cudaSuccess;
-    if (!f->ev) e = api.cudaEventCreateWithFlags(&f->ev, cudaEventDisableTiming);
-    if (e == cudaSuccess) e = api.cudaEventRecord(f->ev, S.comm);
-    if (e != cudaSuccess) {
+    hsdp_cudaError_t e = hsdp_cudaSuccess;
+    if (!f->ev) e = api.cudaEventCreateWithFlags(&f->ev, hsdp_cudaEventDisableTiming);
+    if (e == hsdp_cudaSuccess) e = api.cudaEventRecord(f->ev, S.comm);
+    if (e != hsdp_cudaSuccess) {
         pthread_mutex_unlock(&S.mu);
         return cuda_fail(e, "recording a collective's event");
     }
@@ -358,13 +359,13 @@ static hsdp_status track(const char *what, cudaEvent_t *ev) {
 }
 
 /* Blocks the host until ev has happened, within the timeout (host buffers need it). */
-static hsdp_status host_wait(cudaEvent_t ev, const char *what) {
+static hsdp_status host_wait(hsdp_cudaEvent_t ev, const char *what) {
     uint64_t t0 = hsdp_now_ns(), limit = hsdp_timeout_ns();
     unsigned us = 5;
     for (;;) {
-        cudaError_t e = api.cudaEventQuery(ev);
-        if (e == cudaSuccess) return HSDP_OK;
-        if (e != cudaErrorNotReady) return cuda_fail(e, what);
+        hsdp_cudaError_t e = api.cudaEventQuery(ev);
+        if (e == hsdp_cudaSuccess) return HSDP_OK;
+        if (e != hsdp_cudaErrorNotReady) return cuda_fail(e, what);
         if (atomic_load(&S.failed)) return failed_status();
         if (limit && hsdp_now_ns() - t0 > limit)
             return ABORT_ALL("%s has waited %g s for its peers (HSDP_TIMEOUT)", what, timeout_s());
@@ -382,16 +383,16 @@ static hsdp_status begin(void) {
 
 static int on_device(const void *p) {
     if (!p) return 1; /* nothing to stage */
-    struct cudaPointerAttributes a;
-    if (api.cudaPointerGetAttributes(&a, p) != cudaSuccess) return 0;
-    return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged;
+    hsdp_cudaPointerAttributes a;
+    if (api.cudaPointerGetAttributes(&a, p) != hsdp_cudaSuccess) return 0;
+    return a.type == hsdp_cudaMemoryTypeDevice || a.type == hsdp_cudaMemoryTypeManaged;
 }
 
 /* A device buffer of at least n bytes for staging host memory (S.issue held). */
 static hsdp_status scratch(size_t n, void **out) {
     if (n > S.scratch_n) {
         if (S.scratch) {
-            cudaEvent_t ev = NULL;
+            hsdp_cudaEvent_t ev = NULL;
             hsdp_status st = track("the collectives using the staging buffer", &ev);
             if (st == HSDP_OK) st = host_wait(ev, "the collectives using the staging buffer");
             if (st != HSDP_OK) return st;
@@ -412,29 +413,30 @@ typedef enum { OP_GATHER, OP_BCAST, OP_ALLTOALL, OP_BARRIER } op_kind;
 /* Enqueues one collective on device buffers (S.issue held). */
 static hsdp_status enqueue(nccl_comm *c, op_kind op, int size, const void *send, void *recv, size_t nbytes,
                            int root) {
-    ncclResult_t rc = ncclSuccess;
+    hsdp_ncclResult_t rc = hsdp_ncclSuccess;
     switch (op) {
     case OP_GATHER:
-        rc = api.ncclAllGather(send, recv, nbytes, ncclUint8, c->comm, S.comm);
+        rc = api.ncclAllGather(send, recv, nbytes, hsdp_ncclUint8, c->comm, S.comm);
         return nccl_done(c, rc, "ncclAllGather");
     case OP_BCAST:
-        rc = api.ncclBroadcast(recv, recv, nbytes, ncclUint8, root, c->comm, S.comm);
+        rc = api.ncclBroadcast(recv, recv, nbytes, hsdp_ncclUint8, root, c->comm, S.comm);
         return nccl_done(c, rc, "ncclBroadcast");
     case OP_BARRIER:
-        rc = api.ncclAllReduce(recv, recv, 1, ncclFloat32, ncclSum, c->comm, S.comm);
+        rc = api.ncclAllReduce(recv, recv, 1, hsdp_ncclFloat32, hsdp_ncclSum, c->comm, S.comm);
         return nccl_done(c, rc, "the barrier's ncclAllReduce");
     case OP_ALLTOALL:
         if (api.ncclAlltoAll) {
-            rc = api.ncclAlltoAll(send, recv, nbytes, ncclUint8, c->comm, S.comm);
+            rc = api.ncclAlltoAll(send, recv, nbytes, hsdp_ncclUint8, c->comm, S.comm);
             return nccl_done(c, rc, "ncclAlltoAll");
         }
         rc = api.ncclGroupStart();
-        for (int p = 0; rc == ncclSuccess && p < size; p++) {
-            rc = api.ncclSend((const char *)send + (size_t)p * nbytes, nbytes, ncclUint8, p, c->comm, S.comm);
-            if (rc == ncclSuccess) rc = api.ncclRecv((char *)recv + (size_t)p * nbytes, nbytes, ncclUint8, p, c->comm, S.comm);
+        for (int p = 0; rc == hsdp_ncclSuccess && p < size; p++) {
+            rc = api.ncclSend((const char *)send + (size_t)p * nbytes, nbytes, hsdp_ncclUint8, p, c->comm, S.comm);
+            if (rc == hsdp_ncclSuccess)
+                rc = api.ncclRecv((char *)recv + (size_t)p * nbytes, nbytes, hsdp_ncclUint8, p, c->comm, S.comm);
         }
-        ncclResult_t end = api.ncclGroupEnd();
-        return nccl_done(c, rc != ncclSuccess ? rc : end, "the all-to-all's grouped ncclSend/ncclRecv");
+        hsdp_ncclResult_t end = api.ncclGroupEnd();
+        return nccl_done(c, rc != hsdp_ncclSuccess ? rc : end, "the all-to-all's grouped ncclSend/ncclRecv");
     }
     return hsdp_fail(HSDP_EINVAL, "unknown collective");
 }
@@ -455,9 +457,9 @@ static hsdp_status run_sync(hsdp_group *g, op_kind op, const void *send, void *r
     void *r = recv;
     if (st == HSDP_OK && direct) {
         /* the caller's device buffers were written on the compute stream: read them after */
-        cudaError_t e = api.cudaEventRecord(S.ready, S.compute);
-        if (e == cudaSuccess) e = api.cudaStreamWaitEvent(S.comm, S.ready, 0);
-        if (e != cudaSuccess) st = cuda_fail(e, "ordering a collective after the compute stream");
+        hsdp_cudaError_t e = api.cudaEventRecord(S.ready, S.compute);
+        if (e == hsdp_cudaSuccess) e = api.cudaStreamWaitEvent(S.comm, S.ready, 0);
+        if (e != hsdp_cudaSuccess) st = cuda_fail(e, "ordering a collective after the compute stream");
     }
     if (st == HSDP_OK && !direct) {
         /* recv first, then (all-to-all) send, each 64-byte aligned */
@@ -467,24 +469,24 @@ static hsdp_status run_sync(hsdp_group *g, op_kind op, const void *send, void *r
             r = base;
             if (op == OP_GATHER) s = (char *)base + (size_t)g->rank * nbytes; /* in place */
             if (op == OP_ALLTOALL) s = (char *)base + off;
-            cudaError_t e = cudaSuccess;
+            hsdp_cudaError_t e = hsdp_cudaSuccess;
             if (op == OP_BCAST && nbytes)
-                e = api.cudaMemcpyAsync(r, recv, nbytes, cudaMemcpyDefault, S.comm);
+                e = api.cudaMemcpyAsync(r, recv, nbytes, hsdp_cudaMemcpyDefault, S.comm);
             else if (send_n && send)
-                e = api.cudaMemcpyAsync((void *)s, send, send_n, cudaMemcpyDefault, S.comm);
-            if (e != cudaSuccess) st = cuda_fail(e, "staging host memory on the device");
+                e = api.cudaMemcpyAsync((void *)s, send, send_n, hsdp_cudaMemcpyDefault, S.comm);
+            if (e != hsdp_cudaSuccess) st = cuda_fail(e, "staging host memory on the device");
         }
     }
     if (st == HSDP_OK) st = enqueue(c, op, g->size, s, r, nbytes, root);
     if (st == HSDP_OK && !direct && op != OP_BARRIER && recv_n) {
-        cudaError_t e = api.cudaMemcpyAsync(recv, r, recv_n, cudaMemcpyDefault, S.comm);
-        if (e != cudaSuccess) st = cuda_fail(e, "copying a collective's result to host memory");
+        hsdp_cudaError_t e = api.cudaMemcpyAsync(recv, r, recv_n, hsdp_cudaMemcpyDefault, S.comm);
+        if (e != hsdp_cudaSuccess) st = cuda_fail(e, "copying a collective's result to host memory");
     }
-    cudaEvent_t ev = NULL;
+    hsdp_cudaEvent_t ev = NULL;
     if (st == HSDP_OK) st = track(what, &ev);
     if (st == HSDP_OK && direct) {
-        cudaError_t e = api.cudaStreamWaitEvent(S.compute, ev, 0);
-        if (e != cudaSuccess) st = cuda_fail(e, "ordering the compute stream after a collective");
+        hsdp_cudaError_t e = api.cudaStreamWaitEvent(S.compute, ev, 0);
+        if (e != hsdp_cudaSuccess) st = cuda_fail(e, "ordering the compute stream after a collective");
     }
     /* a staged collective must finish before the staging buffer is reused */
     if (st == HSDP_OK && !direct) st = host_wait(ev, what);
@@ -531,8 +533,8 @@ static hsdp_status in_place(const void *src, void *recv, size_t nbytes, int rank
     /* NCCL's in-place form (send = recv + rank * chunk) skips its own copy of this rank's
      * chunk; the one copy is ours, on the side stream, device to device */
     char *mine = (char *)recv + (size_t)rank * nbytes;
-    cudaError_t e = api.cudaMemcpyAsync(mine, src, nbytes, cudaMemcpyDefault, S.comm);
-    if (e != cudaSuccess) return cuda_fail(e, "copying a shard into its gather buffer");
+    hsdp_cudaError_t e = api.cudaMemcpyAsync(mine, src, nbytes, hsdp_cudaMemcpyDefault, S.comm);
+    if (e != hsdp_cudaSuccess) return cuda_fail(e, "copying a shard into its gather buffer");
     *send = mine;
     return HSDP_OK;
 }
@@ -542,9 +544,9 @@ static hsdp_status fixed_source(void **share, const void *send, size_t nbytes, c
     if (!s) {
         s = calloc(1, sizeof *s); /* owned by the unit through *share; freed by share_free */
         if (!s) return hsdp_fail(HSDP_ENOMEM, "could not allocate a shard's device record");
-        cudaError_t e = api.cudaMalloc(&s->dev, nbytes);
-        if (e == cudaSuccess) e = api.cudaMemcpyAsync(s->dev, send, nbytes, cudaMemcpyDefault, S.comm);
-        if (e != cudaSuccess) {
+        hsdp_cudaError_t e = api.cudaMalloc(&s->dev, nbytes);
+        if (e == hsdp_cudaSuccess) e = api.cudaMemcpyAsync(s->dev, send, nbytes, hsdp_cudaMemcpyDefault, S.comm);
+        if (e != hsdp_cudaSuccess) {
             if (s->dev) api.cudaFree(s->dev);
             free(s);
             return cuda_fail(e, "copying a shard to the GPU");
@@ -570,11 +572,11 @@ static hsdp_status nccl_gather_fixed(hsdp_group *g, void **share, const void *se
     if (st == HSDP_OK) st = fixed_source(share, send, nbytes, &src);
     if (st == HSDP_OK) st = in_place(src, recv, nbytes, g->rank, &src);
     if (st == HSDP_OK) st = enqueue(g->impl, OP_GATHER, g->size, src, recv, nbytes, 0);
-    cudaEvent_t ev = NULL;
+    hsdp_cudaEvent_t ev = NULL;
     if (st == HSDP_OK) st = track(what, &ev);
     if (st == HSDP_OK) {
-        cudaError_t e = api.cudaStreamWaitEvent(S.compute, ev, 0);
-        if (e != cudaSuccess) st = cuda_fail(e, "ordering the compute stream after a gather");
+        hsdp_cudaError_t e = api.cudaStreamWaitEvent(S.compute, ev, 0);
+        if (e != hsdp_cudaSuccess) st = cuda_fail(e, "ordering the compute stream after a gather");
     }
     pthread_mutex_unlock(&S.issue);
     return st;
@@ -598,7 +600,7 @@ static const char *nccl_share_kind(const void *share) {
 
 /* The request's own state: the event its wait makes the compute stream wait on. */
 typedef struct {
-    cudaEvent_t ev;
+    hsdp_cudaEvent_t ev;
 } nccl_task;
 _Static_assert(sizeof(nccl_task) <= HSDP_REQ_STATE_BYTES, "nccl_task must fit in hsdp_req.state");
 
@@ -636,8 +638,8 @@ static void nccl_gather_wait(hsdp_req *r) {
         st = failed_status();
     } else if (t->ev) {
         /* the compute stream waits; the host does not */
-        cudaError_t e = api.cudaStreamWaitEvent(S.compute, t->ev, 0);
-        if (e != cudaSuccess) st = cuda_fail(e, "ordering the compute stream after a gather");
+        hsdp_cudaError_t e = api.cudaStreamWaitEvent(S.compute, t->ev, 0);
+        if (e != hsdp_cudaSuccess) st = cuda_fail(e, "ordering the compute stream after a gather");
     }
     r->end_ns = hsdp_now_ns();
     r->status = st;
@@ -652,7 +654,7 @@ static int nccl_overlaps(const hsdp_group *g) {
 static void *nccl_buffer_alloc(size_t nbytes, hsdp_device device) {
     void *p = NULL;
     if (device != HSDP_DEVICE_CUDA || !api.loaded) return NULL;
-    return api.cudaMalloc(&p, nbytes ? nbytes : 1) == cudaSuccess ? p : NULL;
+    return api.cudaMalloc(&p, nbytes ? nbytes : 1) == hsdp_cudaSuccess ? p : NULL;
 }
 
 static void nccl_buffer_free(void *p, size_t nbytes, hsdp_device device) {
@@ -662,11 +664,11 @@ static void nccl_buffer_free(void *p, size_t nbytes, hsdp_device device) {
 
 static void nccl_buffers_released(hsdp_device device) {
     if (device != HSDP_DEVICE_CUDA || !S.world_up) return;
-    if (api.cudaEventRecord(S.released, S.compute) == cudaSuccess) S.have_released = 1;
+    if (api.cudaEventRecord(S.released, S.compute) == hsdp_cudaSuccess) S.have_released = 1;
 }
 
 /* ---------------------------------------------------------------- communicators */
-static hsdp_status comm_wrap(ncclComm_t comm, int rank, int size, hsdp_group **out) {
+static hsdp_status comm_wrap(hsdp_ncclComm_t comm, int rank, int size, hsdp_group **out) {
     nccl_comm *c = calloc(1, sizeof *c); /* owned by the group; freed by nccl_free */
     hsdp_group *g = malloc(sizeof *g);   /* owned by the caller; hsdp_group_free */
     if (!c || !g) {
@@ -686,23 +688,23 @@ static hsdp_status comm_wrap(ncclComm_t comm, int rank, int size, hsdp_group **o
 }
 
 /* Non-blocking communicators, so that joining can be timed out. */
-static ncclConfig_t comm_config(void) {
-    ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+static hsdp_ncclConfig_t comm_config(void) {
+    hsdp_ncclConfig_t cfg = HSDP_NCCL_CONFIG_INITIALIZER;
     cfg.blocking = 0;
     return cfg;
 }
 
-static hsdp_status join_done(ncclComm_t comm, ncclResult_t rc, const char *what) {
+static hsdp_status join_done(hsdp_ncclComm_t comm, hsdp_ncclResult_t rc, const char *what) {
     nccl_comm tmp = {.comm = comm};
-    if (rc != ncclSuccess && rc != ncclInProgress)
+    if (rc != hsdp_ncclSuccess && rc != hsdp_ncclInProgress)
         return hsdp_fail(HSDP_ECOMM, "%s failed: NCCL error %d (%s)", what, (int)rc, api.ncclGetErrorString(rc));
     uint64_t t0 = hsdp_now_ns(), limit = hsdp_timeout_ns();
     unsigned us = 50;
     for (;;) {
-        ncclResult_t state = ncclSuccess;
+        hsdp_ncclResult_t state = hsdp_ncclSuccess;
         api.ncclCommGetAsyncError(comm, &state);
-        if (state == ncclSuccess) return HSDP_OK;
-        if (state != ncclInProgress) {
+        if (state == hsdp_ncclSuccess) return HSDP_OK;
+        if (state != hsdp_ncclInProgress) {
             hsdp_status st = hsdp_fail(HSDP_ECOMM, "%s failed: NCCL error %d (%s)", what, (int)state,
                                        nccl_text(state, &tmp));
             api.ncclCommAbort(comm);
@@ -719,10 +721,10 @@ static hsdp_status join_done(ncclComm_t comm, ncclResult_t rc, const char *what)
 
 hsdp_status hsdp_nccl_unique_id(unsigned char out[HSDP_NCCL_ID_BYTES]) {
     if (!api.loaded) return hsdp_fail(HSDP_ESTATE, "the NCCL library is not loaded yet");
-    ncclUniqueId id;
+    hsdp_ncclUniqueId id;
     _Static_assert(sizeof id == HSDP_NCCL_ID_BYTES, "ncclUniqueId is 128 bytes");
-    ncclResult_t rc = api.ncclGetUniqueId(&id);
-    if (rc != ncclSuccess)
+    hsdp_ncclResult_t rc = api.ncclGetUniqueId(&id);
+    if (rc != hsdp_ncclSuccess)
         return hsdp_fail(HSDP_ECOMM, "ncclGetUniqueId failed: NCCL error %d (%s)", (int)rc, api.ncclGetErrorString(rc));
     memcpy(out, &id, sizeof id);
     return HSDP_OK;
@@ -761,9 +763,10 @@ static hsdp_status start_process_state(int device) {
     if (!S.comm) {
         int least = 0, greatest = 0;
         CUDA_TRY(api.cudaDeviceGetStreamPriorityRange(&least, &greatest), "cudaDeviceGetStreamPriorityRange");
-        CUDA_TRY(api.cudaStreamCreateWithPriority(&S.comm, cudaStreamNonBlocking, greatest), "creating the gather stream");
-        CUDA_TRY(api.cudaEventCreateWithFlags(&S.released, cudaEventDisableTiming), "creating the release event");
-        CUDA_TRY(api.cudaEventCreateWithFlags(&S.ready, cudaEventDisableTiming), "creating the ordering event");
+        CUDA_TRY(api.cudaStreamCreateWithPriority(&S.comm, hsdp_cudaStreamNonBlocking, greatest),
+                 "creating the gather stream");
+        CUDA_TRY(api.cudaEventCreateWithFlags(&S.released, hsdp_cudaEventDisableTiming), "creating the release event");
+        CUDA_TRY(api.cudaEventCreateWithFlags(&S.ready, hsdp_cudaEventDisableTiming), "creating the ordering event");
     }
     if (!S.watchdog_on) {
         atomic_store(&S.stop, 0);
@@ -784,17 +787,18 @@ static hsdp_status nccl_world(hsdp_group **out, int *we_init) {
     S.boot.set = 0; /* an id joins one world */
     hsdp_status st = start_process_state(S.boot.device);
     if (st != HSDP_OK) return st;
-    ncclUniqueId id;
+    hsdp_ncclUniqueId id;
     memcpy(&id, S.boot.id, sizeof id);
-    ncclComm_t comm = NULL;
+    hsdp_ncclComm_t comm = NULL;
     char what[128];
     snprintf(what, sizeof what, "joining the NCCL world of %d ranks as rank %d", S.boot.size, S.boot.rank);
     if (api.ncclCommInitRankConfig) {
-        ncclConfig_t cfg = comm_config();
+        hsdp_ncclConfig_t cfg = comm_config();
         st = join_done(comm, api.ncclCommInitRankConfig(&comm, S.boot.size, id, S.boot.rank, &cfg), what);
     } else { /* before 2.14: blocking, so not bounded by the timeout */
-        ncclResult_t rc = api.ncclCommInitRank(&comm, S.boot.size, id, S.boot.rank);
-        st = rc == ncclSuccess ? HSDP_OK : hsdp_fail(HSDP_ECOMM, "%s failed: %s", what, api.ncclGetErrorString(rc));
+        hsdp_ncclResult_t rc = api.ncclCommInitRank(&comm, S.boot.size, id, S.boot.rank);
+        st = rc == hsdp_ncclSuccess ? HSDP_OK
+                                    : hsdp_fail(HSDP_ECOMM, "%s failed: %s", what, api.ncclGetErrorString(rc));
     }
     if (st != HSDP_OK) return st;
     st = comm_wrap(comm, S.boot.rank, S.boot.size, out);
@@ -809,8 +813,8 @@ static hsdp_status nccl_split(hsdp_group *g, int color, int key, hsdp_group **ou
                          api.version);
     if (atomic_load(&S.failed)) return failed_status();
     nccl_comm *c = g->impl;
-    ncclComm_t comm = NULL;
-    ncclConfig_t cfg = comm_config();
+    hsdp_ncclComm_t comm = NULL;
+    hsdp_ncclConfig_t cfg = comm_config();
     char what[96];
     snprintf(what, sizeof what, "ncclCommSplit (color %d, key %d)", color, key);
     pthread_mutex_lock(&S.issue);
@@ -818,7 +822,7 @@ static hsdp_status nccl_split(hsdp_group *g, int color, int key, hsdp_group **ou
     pthread_mutex_unlock(&S.issue);
     if (st != HSDP_OK) return st;
     int rank = -1, size = -1;
-    if (api.ncclCommUserRank(comm, &rank) != ncclSuccess || api.ncclCommCount(comm, &size) != ncclSuccess) {
+    if (api.ncclCommUserRank(comm, &rank) != hsdp_ncclSuccess || api.ncclCommCount(comm, &size) != hsdp_ncclSuccess) {
         api.ncclCommAbort(comm);
         return hsdp_fail(HSDP_ECOMM, "could not read the rank and size of a split NCCL communicator");
     }
@@ -832,7 +836,7 @@ static void nccl_free(hsdp_group *g) {
     nccl_comm *c = g->impl;
     if (c) {
         if (!atomic_load(&S.failed) && S.comm) {
-            cudaEvent_t ev = NULL;
+            hsdp_cudaEvent_t ev = NULL;
             pthread_mutex_lock(&S.issue);
             if (track("the last collectives of a group being freed", &ev) == HSDP_OK)
                 (void)host_wait(ev, "the last collectives of a group being freed");

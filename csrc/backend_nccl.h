@@ -12,7 +12,8 @@
 
 enum { HSDP_NCCL_ID_BYTES = 128 };
 
-/* 1 when this build has the NCCL backend (compiled against the NCCL and CUDA headers). */
+/* 1 when this build has the NCCL backend: every build, unless built with HSDP_NO_NCCL=1 (it needs
+ * no CUDA or NCCL header: see cuda_abi.h). */
 int hsdp_nccl_built(void);
 /* Opens both libraries and resolves every symbol, then checks for a GPU. On any failure
  * nothing stays open and the message says what is missing. Loading twice is a no-op. */

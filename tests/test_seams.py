@@ -52,8 +52,8 @@ def buffer_behind(arr):
 
 
 def test_c_registry_lists_backends_in_order():
-    """_C.backends(): single, mpi, nccl in registry order; single usable; nccl built (make build finds
-    the headers in torch's nvidia wheels) but not usable until hsdp.nccl loads its libraries."""
+    """_C.backends(): single, mpi, nccl in registry order; single usable; nccl built (every build
+    has it: csrc/cuda_abi.h) but not usable until hsdp.nccl loads its libraries."""
     assert _C.nccl_built()
     rows = _C.backends()
     assert isinstance(rows, tuple) and all(isinstance(r, tuple) and len(r) == 3 for r in rows)

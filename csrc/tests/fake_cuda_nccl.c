@@ -2,6 +2,8 @@
  * memory and a world of one rank, so that the NCCL backend's own logic (loading, joining,
  * the side stream's ordering, staging, shares, the watchdog) runs under ASan on a machine
  * without a GPU. Built as a shared library and passed as both libraries to test_nccl.
+ * Written against cuda_abi.h, the declarations the backend uses (no CUDA headers needed);
+ * the end of this file asserts that each function here has the type the backend calls it by.
  *
  * Controls, by environment: FAKE_NCCL_VERSION (default 23007); FAKE_STALL=1 makes every
  * event recorded from then on never complete (a peer that never arrives). */
@@ -10,8 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include <cuda_runtime_api.h>
-#include <nccl.h>
+#include "cuda_abi.h"
 
 /* ---------------------------------------------------------------- device memory: a list */
 typedef struct block {
@@ -27,87 +28,89 @@ static block *find(const void *p) {
     return NULL;
 }
 
-cudaError_t cudaGetDeviceCount(int *n) {
+hsdp_cudaError_t cudaGetDeviceCount(int *n) {
     *n = 1;
-    return cudaSuccess;
+    return hsdp_cudaSuccess;
 }
-cudaError_t cudaSetDevice(int d) { return d == 0 ? cudaSuccess : cudaErrorInvalidDevice; }
-cudaError_t cudaMalloc(void **p, size_t n) {
+hsdp_cudaError_t cudaSetDevice(int d) { return d == 0 ? hsdp_cudaSuccess : hsdp_cudaErrorInvalidDevice; }
+hsdp_cudaError_t cudaMalloc(void **p, size_t n) {
     block *b = malloc(sizeof *b);
-    if (!b) return cudaErrorMemoryAllocation;
+    if (!b) return hsdp_cudaErrorMemoryAllocation;
     b->p = calloc(1, n ? n : 1);
     b->n = n;
     b->next = blocks;
     blocks = b;
     *p = b->p;
-    return b->p ? cudaSuccess : cudaErrorMemoryAllocation;
+    return b->p ? hsdp_cudaSuccess : hsdp_cudaErrorMemoryAllocation;
 }
-cudaError_t cudaFree(void *p) {
+hsdp_cudaError_t cudaFree(void *p) {
     for (block **b = &blocks; *b; b = &(*b)->next)
         if ((*b)->p == p) {
             block *dead = *b;
             *b = dead->next;
             free(dead->p);
             free(dead);
-            return cudaSuccess;
+            return hsdp_cudaSuccess;
         }
-    return p ? cudaErrorInvalidValue : cudaSuccess;
+    return p ? hsdp_cudaErrorInvalidValue : hsdp_cudaSuccess;
 }
-cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, enum cudaMemcpyKind k, cudaStream_t s) {
+hsdp_cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, hsdp_cudaMemcpyKind k, hsdp_cudaStream_t s) {
     (void)k, (void)s;
     memmove(dst, src, n);
-    return cudaSuccess;
+    return hsdp_cudaSuccess;
 }
-cudaError_t cudaPointerGetAttributes(struct cudaPointerAttributes *a, const void *p) {
+hsdp_cudaError_t cudaPointerGetAttributes(hsdp_cudaPointerAttributes *a, const void *p) {
     memset(a, 0, sizeof *a);
-    a->type = find(p) ? cudaMemoryTypeDevice : cudaMemoryTypeUnregistered;
-    return cudaSuccess;
+    a->type = find(p) ? hsdp_cudaMemoryTypeDevice : hsdp_cudaMemoryTypeUnregistered;
+    return hsdp_cudaSuccess;
 }
 
 /* ---------------------------------------------------------------- streams and events */
 static int stream_tokens[64], nstreams;
-cudaError_t cudaDeviceGetStreamPriorityRange(int *least, int *greatest) {
+hsdp_cudaError_t cudaDeviceGetStreamPriorityRange(int *least, int *greatest) {
     *least = 0, *greatest = -1;
-    return cudaSuccess;
+    return hsdp_cudaSuccess;
 }
-cudaError_t cudaStreamCreateWithPriority(cudaStream_t *s, unsigned flags, int prio) {
+hsdp_cudaError_t cudaStreamCreateWithPriority(hsdp_cudaStream_t *s, unsigned flags, int prio) {
     (void)flags, (void)prio;
-    *s = (cudaStream_t)&stream_tokens[nstreams++ % 64];
-    return cudaSuccess;
+    *s = (hsdp_cudaStream_t)&stream_tokens[nstreams++ % 64];
+    return hsdp_cudaSuccess;
 }
-cudaError_t cudaStreamDestroy(cudaStream_t s) {
+hsdp_cudaError_t cudaStreamDestroy(hsdp_cudaStream_t s) {
     (void)s;
-    return cudaSuccess;
+    return hsdp_cudaSuccess;
 }
-cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned flags) {
+hsdp_cudaError_t cudaStreamWaitEvent(hsdp_cudaStream_t s, hsdp_cudaEvent_t e, unsigned flags) {
     (void)s, (void)e, (void)flags;
-    return cudaSuccess;
+    return hsdp_cudaSuccess;
 }
-cudaError_t cudaStreamSynchronize(cudaStream_t s) {
+hsdp_cudaError_t cudaStreamSynchronize(hsdp_cudaStream_t s) {
     (void)s;
-    return cudaSuccess;
+    return hsdp_cudaSuccess;
 }
 
 typedef struct {
     int pending; /* never completes (FAKE_STALL) */
 } fake_event;
-cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned flags) {
+hsdp_cudaError_t cudaEventCreateWithFlags(hsdp_cudaEvent_t *e, unsigned flags) {
     (void)flags;
-    *e = (cudaEvent_t)calloc(1, sizeof(fake_event));
-    return *e ? cudaSuccess : cudaErrorMemoryAllocation;
+    *e = (hsdp_cudaEvent_t)calloc(1, sizeof(fake_event));
+    return *e ? hsdp_cudaSuccess : hsdp_cudaErrorMemoryAllocation;
 }
-cudaError_t cudaEventDestroy(cudaEvent_t e) {
+hsdp_cudaError_t cudaEventDestroy(hsdp_cudaEvent_t e) {
     free(e);
-    return cudaSuccess;
+    return hsdp_cudaSuccess;
 }
-cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
+hsdp_cudaError_t cudaEventRecord(hsdp_cudaEvent_t e, hsdp_cudaStream_t s) {
     (void)s;
     const char *stall = getenv("FAKE_STALL");
     ((fake_event *)e)->pending = stall && *stall == '1';
-    return cudaSuccess;
+    return hsdp_cudaSuccess;
 }
-cudaError_t cudaEventQuery(cudaEvent_t e) { return ((fake_event *)e)->pending ? cudaErrorNotReady : cudaSuccess; }
-const char *cudaGetErrorString(cudaError_t e) { return e == cudaSuccess ? "no error" : "fake CUDA error"; }
+hsdp_cudaError_t cudaEventQuery(hsdp_cudaEvent_t e) {
+    return ((fake_event *)e)->pending ? hsdp_cudaErrorNotReady : hsdp_cudaSuccess;
+}
+const char *cudaGetErrorString(hsdp_cudaError_t e) { return e == hsdp_cudaSuccess ? "no error" : "fake CUDA error"; }
 
 /* ---------------------------------------------------------------- a world of one */
 typedef struct {
@@ -116,102 +119,147 @@ typedef struct {
     size_t sent_n;
 } fake_comm;
 
-ncclResult_t ncclGetVersion(int *v) {
+hsdp_ncclResult_t ncclGetVersion(int *v) {
     const char *s = getenv("FAKE_NCCL_VERSION");
     *v = s ? atoi(s) : 23007;
-    return ncclSuccess;
+    return hsdp_ncclSuccess;
 }
-ncclResult_t ncclGetUniqueId(ncclUniqueId *id) {
+hsdp_ncclResult_t ncclGetUniqueId(hsdp_ncclUniqueId *id) {
     for (size_t i = 0; i < sizeof id->internal; i++) id->internal[i] = (char)(i * 7 + 1);
-    return ncclSuccess;
+    return hsdp_ncclSuccess;
 }
-static ncclResult_t new_comm(ncclComm_t *out, int n, int rank) {
-    if (n != 1 || rank != 0) return ncclInvalidArgument; /* one process: a world of one */
+static hsdp_ncclResult_t new_comm(hsdp_ncclComm_t *out, int n, int rank) {
+    if (n != 1 || rank != 0) return hsdp_ncclInvalidArgument; /* one process: a world of one */
     fake_comm *c = calloc(1, sizeof *c);
-    if (!c) return ncclSystemError;
+    if (!c) return hsdp_ncclSystemError;
     c->size = 1;
-    *out = (ncclComm_t)c;
-    return ncclSuccess;
+    *out = (hsdp_ncclComm_t)c;
+    return hsdp_ncclSuccess;
 }
-ncclResult_t ncclCommInitRank(ncclComm_t *c, int n, ncclUniqueId id, int rank) {
+hsdp_ncclResult_t ncclCommInitRank(hsdp_ncclComm_t *c, int n, hsdp_ncclUniqueId id, int rank) {
     (void)id;
     return new_comm(c, n, rank);
 }
-ncclResult_t ncclCommInitRankConfig(ncclComm_t *c, int n, ncclUniqueId id, int rank, ncclConfig_t *cfg) {
-    (void)id, (void)cfg;
-    ncclResult_t rc = new_comm(c, n, rank);
-    return rc == ncclSuccess && cfg && !cfg->blocking ? ncclInProgress : rc; /* done by the next poll */
+hsdp_ncclResult_t ncclCommInitRankConfig(hsdp_ncclComm_t *c, int n, hsdp_ncclUniqueId id, int rank,
+                                         hsdp_ncclConfig_t *cfg) {
+    (void)id;
+    /* what NCCL checks first: a config made by its initializer, of a version it reads */
+    if (!cfg || cfg->magic != HSDP_NCCL_API_MAGIC || cfg->version < 21400) return hsdp_ncclInvalidArgument;
+    hsdp_ncclResult_t rc = new_comm(c, n, rank);
+    return rc == hsdp_ncclSuccess && cfg && !cfg->blocking ? hsdp_ncclInProgress : rc; /* done by the next poll */
 }
-ncclResult_t ncclCommSplit(ncclComm_t c, int color, int key, ncclComm_t *out, ncclConfig_t *cfg) {
+hsdp_ncclResult_t ncclCommSplit(hsdp_ncclComm_t c, int color, int key, hsdp_ncclComm_t *out, hsdp_ncclConfig_t *cfg) {
     (void)c, (void)color, (void)key, (void)cfg;
     return new_comm(out, 1, 0);
 }
-ncclResult_t ncclCommUserRank(const ncclComm_t c, int *r) {
+hsdp_ncclResult_t ncclCommUserRank(const hsdp_ncclComm_t c, int *r) {
     *r = ((fake_comm *)c)->rank;
-    return ncclSuccess;
+    return hsdp_ncclSuccess;
 }
-ncclResult_t ncclCommCount(const ncclComm_t c, int *n) {
+hsdp_ncclResult_t ncclCommCount(const hsdp_ncclComm_t c, int *n) {
     *n = ((fake_comm *)c)->size;
-    return ncclSuccess;
+    return hsdp_ncclSuccess;
 }
-ncclResult_t ncclCommGetAsyncError(ncclComm_t c, ncclResult_t *e) {
+hsdp_ncclResult_t ncclCommGetAsyncError(hsdp_ncclComm_t c, hsdp_ncclResult_t *e) {
     (void)c;
-    *e = ncclSuccess;
-    return ncclSuccess;
+    *e = hsdp_ncclSuccess;
+    return hsdp_ncclSuccess;
 }
-ncclResult_t ncclCommAbort(ncclComm_t c) {
+hsdp_ncclResult_t ncclCommAbort(hsdp_ncclComm_t c) {
     free(c);
-    return ncclSuccess;
+    return hsdp_ncclSuccess;
 }
-const char *ncclGetErrorString(ncclResult_t r) { return r == ncclSuccess ? "no error" : "fake NCCL error"; }
-const char *ncclGetLastError(ncclComm_t c) {
+const char *ncclGetErrorString(hsdp_ncclResult_t r) { return r == hsdp_ncclSuccess ? "no error" : "fake NCCL error"; }
+const char *ncclGetLastError(hsdp_ncclComm_t c) {
     (void)c;
     return "";
 }
 
-static size_t nbytes(size_t count, ncclDataType_t t) { return count * (t == ncclFloat32 ? 4 : 1); }
-static ncclResult_t need_device(const void *p) { return !p || find(p) ? ncclSuccess : ncclInvalidUsage; }
+static size_t nbytes(size_t count, hsdp_ncclDataType_t t) { return count * (t == hsdp_ncclFloat32 ? 4 : 1); }
+static hsdp_ncclResult_t need_device(const void *p) { return !p || find(p) ? hsdp_ncclSuccess : hsdp_ncclInvalidUsage; }
 
-ncclResult_t ncclAllGather(const void *s, void *r, size_t count, ncclDataType_t t, ncclComm_t c, cudaStream_t st) {
+hsdp_ncclResult_t ncclAllGather(const void *s, void *r, size_t count, hsdp_ncclDataType_t t, hsdp_ncclComm_t c,
+                                hsdp_cudaStream_t st) {
     (void)c, (void)st;
-    if (need_device(s) || need_device(r)) return ncclInvalidUsage; /* NCCL cannot read host memory */
+    if (need_device(s) || need_device(r)) return hsdp_ncclInvalidUsage; /* NCCL cannot read host memory */
     memmove(r, s, nbytes(count, t));
-    return ncclSuccess;
+    return hsdp_ncclSuccess;
 }
-ncclResult_t ncclBroadcast(const void *s, void *r, size_t count, ncclDataType_t t, int root, ncclComm_t c,
-                           cudaStream_t st) {
+hsdp_ncclResult_t ncclBroadcast(const void *s, void *r, size_t count, hsdp_ncclDataType_t t, int root,
+                                hsdp_ncclComm_t c, hsdp_cudaStream_t st) {
     (void)c, (void)st;
-    if (root != 0 || need_device(s) || need_device(r)) return ncclInvalidUsage;
+    if (root != 0 || need_device(s) || need_device(r)) return hsdp_ncclInvalidUsage;
     memmove(r, s, nbytes(count, t));
-    return ncclSuccess;
+    return hsdp_ncclSuccess;
 }
-ncclResult_t ncclAllReduce(const void *s, void *r, size_t count, ncclDataType_t t, ncclRedOp_t op, ncclComm_t c,
-                           cudaStream_t st) {
+hsdp_ncclResult_t ncclAllReduce(const void *s, void *r, size_t count, hsdp_ncclDataType_t t, hsdp_ncclRedOp_t op,
+                                hsdp_ncclComm_t c, hsdp_cudaStream_t st) {
     (void)op, (void)c, (void)st;
-    if (need_device(s) || need_device(r)) return ncclInvalidUsage;
+    if (need_device(s) || need_device(r)) return hsdp_ncclInvalidUsage;
     memmove(r, s, nbytes(count, t));
-    return ncclSuccess;
+    return hsdp_ncclSuccess;
 }
-ncclResult_t ncclAlltoAll(const void *s, void *r, size_t count, ncclDataType_t t, ncclComm_t c, cudaStream_t st) {
+hsdp_ncclResult_t ncclAlltoAll(const void *s, void *r, size_t count, hsdp_ncclDataType_t t, hsdp_ncclComm_t c,
+                               hsdp_cudaStream_t st) {
     (void)c, (void)st;
-    if (need_device(s) || need_device(r)) return ncclInvalidUsage;
+    if (need_device(s) || need_device(r)) return hsdp_ncclInvalidUsage;
     memmove(r, s, nbytes(count, t));
-    return ncclSuccess;
+    return hsdp_ncclSuccess;
 }
-ncclResult_t ncclSend(const void *s, size_t count, ncclDataType_t t, int peer, ncclComm_t c, cudaStream_t st) {
+hsdp_ncclResult_t ncclSend(const void *s, size_t count, hsdp_ncclDataType_t t, int peer, hsdp_ncclComm_t c,
+                           hsdp_cudaStream_t st) {
     (void)st;
-    if (peer != 0 || need_device(s)) return ncclInvalidUsage;
+    if (peer != 0 || need_device(s)) return hsdp_ncclInvalidUsage;
     ((fake_comm *)c)->sent = s;
     ((fake_comm *)c)->sent_n = nbytes(count, t);
-    return ncclSuccess;
+    return hsdp_ncclSuccess;
 }
-ncclResult_t ncclRecv(void *r, size_t count, ncclDataType_t t, int peer, ncclComm_t c, cudaStream_t st) {
+hsdp_ncclResult_t ncclRecv(void *r, size_t count, hsdp_ncclDataType_t t, int peer, hsdp_ncclComm_t c,
+                           hsdp_cudaStream_t st) {
     (void)st;
     fake_comm *fc = (fake_comm *)c;
-    if (peer != 0 || need_device(r) || !fc->sent || fc->sent_n != nbytes(count, t)) return ncclInvalidUsage;
+    if (peer != 0 || need_device(r) || !fc->sent || fc->sent_n != nbytes(count, t)) return hsdp_ncclInvalidUsage;
     memmove(r, fc->sent, fc->sent_n);
     fc->sent = NULL;
-    return ncclSuccess;
+    return hsdp_ncclSuccess;
 }
-ncclResult_t ncclGroupStart(void) { return ncclSuccess; }
-ncclResult_t ncclGroupEnd(void) { return ncclSuccess; }
+hsdp_ncclResult_t ncclGroupStart(void) { return hsdp_ncclSuccess; }
+hsdp_ncclResult_t ncclGroupEnd(void) { return hsdp_ncclSuccess; }
+
+/* ---------------------------------------------------------------- the backend's view of these */
+#define SAME_FN(name) _Static_assert(__builtin_types_compatible_p(__typeof__(&name), hsdp_##name##_fn), #name)
+SAME_FN(cudaGetDeviceCount);
+SAME_FN(cudaSetDevice);
+SAME_FN(cudaMalloc);
+SAME_FN(cudaFree);
+SAME_FN(cudaMemcpyAsync);
+SAME_FN(cudaPointerGetAttributes);
+SAME_FN(cudaDeviceGetStreamPriorityRange);
+SAME_FN(cudaStreamCreateWithPriority);
+SAME_FN(cudaStreamDestroy);
+SAME_FN(cudaStreamWaitEvent);
+SAME_FN(cudaStreamSynchronize);
+SAME_FN(cudaEventCreateWithFlags);
+SAME_FN(cudaEventDestroy);
+SAME_FN(cudaEventRecord);
+SAME_FN(cudaEventQuery);
+SAME_FN(cudaGetErrorString);
+SAME_FN(ncclGetVersion);
+SAME_FN(ncclGetUniqueId);
+SAME_FN(ncclCommInitRank);
+SAME_FN(ncclCommInitRankConfig);
+SAME_FN(ncclCommSplit);
+SAME_FN(ncclCommUserRank);
+SAME_FN(ncclCommCount);
+SAME_FN(ncclCommGetAsyncError);
+SAME_FN(ncclCommAbort);
+SAME_FN(ncclGetErrorString);
+SAME_FN(ncclGetLastError);
+SAME_FN(ncclAllGather);
+SAME_FN(ncclBroadcast);
+SAME_FN(ncclAllReduce);
+SAME_FN(ncclAlltoAll);
+SAME_FN(ncclSend);
+SAME_FN(ncclRecv);
+SAME_FN(ncclGroupStart);
+SAME_FN(ncclGroupEnd);

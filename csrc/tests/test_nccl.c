@@ -1,10 +1,16 @@
-/* test_nccl.c - the NCCL backend without a GPU.
- *   test_nccl LIBNCCL LIBCUDART [FAKE]
- * With the real libraries: built, libraries that are not there are named, a machine with no
- * GPU is said to have none (and nothing stays loaded), and the world refuses before the
- * bootstrap. With FAKE (fake_cuda_nccl.so: one "GPU" of host memory, a world of one), the
- * backend's own logic runs: joining, splits, unit gathers from the shard's device copy,
- * staging of host buffers, both all-to-all forms, and the watchdog's timeout. */
+/* test_nccl.c - the NCCL backend without a GPU, in one of two modes (one process each, since
+ * a process loads its NCCL once):
+ *   test_nccl LIBNCCL LIBCUDART   the real libraries: libraries that are not there are named,
+ *                                 and a machine with no GPU is said to have none (nothing stays
+ *                                 loaded); with a GPU, the library loads.
+ *   test_nccl --fake FAKE         fake_cuda_nccl.so (one "GPU" of host memory, a world of one)
+ *                                 as both libraries: the backend's own logic runs, whether or
+ *                                 not the machine has a GPU: joining, splits, unit gathers from
+ *                                 the shard's device copy, staging of host buffers, both
+ *                                 all-to-all forms, and the watchdog's timeout.
+ * Both modes first check what holds before any loading: built, registered, unusable and
+ * saying why, refusing the unique id and bad bootstraps, and naming what fails to load.
+ * Neither needs a CUDA or NCCL header. */
 #define _POSIX_C_SOURCE 200809L /* setenv */
 #include <stdio.h>
 #include <stdlib.h>
@@ -107,11 +113,8 @@ static void fake_world(const char *fake) {
     CHECK(hsdp_backend_finalize("nccl") == HSDP_OK);
 }
 
-int main(int argc, char **argv) {
-    if (argc != 3 && argc != 4) {
-        fprintf(stderr, "usage: %s LIBNCCL LIBCUDART [FAKE]\n", argv[0]);
-        return 2;
-    }
+/* Before any loading, with LIBS as the (nccl, cudart) pair that loads in this mode. */
+static void unloaded(const char *nccl, const char *cudart) {
     CHECK(hsdp_nccl_built());
     CHECK(!hsdp_nccl_loaded() && hsdp_nccl_version() == 0);
 
@@ -124,24 +127,27 @@ int main(int argc, char **argv) {
     CHECK(strstr(hsdp_last_error(), "built but its libraries are not loaded") != NULL);
 
     /* a path that is not there is named; nothing is left loaded */
-    CHECK(hsdp_nccl_load("/nonexistent/libnccl.so.2", argv[2]) == HSDP_EUNSUPPORTED);
+    CHECK(hsdp_nccl_load("/nonexistent/libnccl.so.2", cudart) == HSDP_EUNSUPPORTED);
     CHECK(strstr(hsdp_last_error(), "could not open the NCCL library '/nonexistent/libnccl.so.2'") != NULL);
-    CHECK(hsdp_nccl_load(argv[1], "/nonexistent/libcudart.so") == HSDP_EUNSUPPORTED);
+    CHECK(hsdp_nccl_load(nccl, "/nonexistent/libcudart.so") == HSDP_EUNSUPPORTED);
     CHECK(strstr(hsdp_last_error(), "could not open the CUDA runtime '/nonexistent/libcudart.so'") != NULL);
     CHECK(!hsdp_nccl_loaded());
-    /* a library that is no NCCL: its missing symbol is named */
-    CHECK(hsdp_nccl_load(argv[2], argv[2]) == HSDP_EUNSUPPORTED);
-    CHECK(strstr(hsdp_last_error(), "has no symbol ncclGetVersion") != NULL);
-    CHECK(hsdp_nccl_load("", argv[2]) == HSDP_EINVAL);
+    /* a library that is no NCCL (the C library's libm): its missing symbol is named */
+    CHECK(hsdp_nccl_load("libm.so.6", cudart) == HSDP_EUNSUPPORTED);
+    CHECK(strstr(hsdp_last_error(), "'libm.so.6' has no symbol ncclGetVersion") != NULL);
+    CHECK(hsdp_nccl_load("", cudart) == HSDP_EINVAL);
+    CHECK(!hsdp_nccl_loaded());
 
     unsigned char id[HSDP_NCCL_ID_BYTES] = {0};
     CHECK(hsdp_nccl_unique_id(id) == HSDP_ESTATE);
     CHECK(hsdp_nccl_set_bootstrap(id, 2, 2, 0) == HSDP_EINVAL);
     CHECK(strstr(hsdp_last_error(), "rank 2 is outside a world of 2") != NULL);
     CHECK(hsdp_nccl_set_bootstrap(id, 0, 1, -1) == HSDP_EINVAL);
+}
 
-    /* the real libraries: on a machine without a GPU, the runtime's own error, nothing loaded */
-    hsdp_status st = hsdp_nccl_load(argv[1], argv[2]);
+/* The real libraries: on a machine without a GPU, the runtime's own error, nothing loaded. */
+static void real_libraries(const char *nccl, const char *cudart) {
+    hsdp_status st = hsdp_nccl_load(nccl, cudart);
     if (st == HSDP_OK) {
         printf("test_nccl: a GPU is present: NCCL %d loaded\n", hsdp_nccl_version());
         CHECK(hsdp_nccl_version() >= 21800);
@@ -151,6 +157,19 @@ int main(int argc, char **argv) {
         CHECK(!hsdp_nccl_loaded() && hsdp_nccl_version() == 0);
         printf("test_nccl: no GPU: %s\n", hsdp_last_error());
     }
-    if (argc > 3 && !hsdp_nccl_loaded()) fake_world(argv[3]);
+}
+
+int main(int argc, char **argv) {
+    if (argc != 3 || !*argv[1] || !*argv[2]) {
+        fprintf(stderr, "usage: %s LIBNCCL LIBCUDART | %s --fake FAKE_CUDA_NCCL\n", argv[0], argv[0]);
+        return 2;
+    }
+    int fake = strcmp(argv[1], "--fake") == 0;
+    const char *nccl = fake ? argv[2] : argv[1], *cudart = argv[2];
+    unloaded(nccl, cudart);
+    if (fake)
+        fake_world(argv[2]);
+    else
+        real_libraries(nccl, cudart);
     return check_report();
 }

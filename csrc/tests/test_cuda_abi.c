@@ -1,0 +1,154 @@
+/* test_cuda_abi.c - csrc/cuda_abi.h against the real nccl.h and cuda_runtime_api.h.
+ *
+ * The backend is compiled against cuda_abi.h alone; this translation unit includes both it
+ * and the real headers, and asserts at compile time that every value, struct layout and
+ * function type the backend uses is the real one. It compiling is the test; running it
+ * prints the header versions it was checked against. `make ctest` builds it when the
+ * headers are found (csrc/cuda_headers.py: torch's nvidia wheels, HSDP_CUDA_HOME or
+ * /usr/local/cuda) and says so when they are not. */
+#include <stddef.h>
+#include <stdio.h>
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include "cuda_abi.h"
+
+#define SAME(a, b) _Static_assert((long long)(a) == (long long)(b), #a " is " #b)
+#define SAME_TYPE(a, b) _Static_assert(__builtin_types_compatible_p(a, b), #a " and " #b " are the same type")
+#define SAME_FIELD(ours, real, field)                                                                \
+    _Static_assert(offsetof(ours, field) == offsetof(real, field), #ours "." #field " is where " #real "'s is"); \
+    _Static_assert(sizeof(((ours *)0)->field) == sizeof(((real *)0)->field),                                  \
+                   #ours "." #field " is as wide as " #real "'s")
+/* the real prototype has exactly our function-pointer type */
+#define SAME_FN(name) SAME_TYPE(__typeof__(&name), hsdp_##name##_fn)
+
+/* ---------------------------------------------------------------- CUDA runtime */
+SAME_TYPE(cudaError_t, hsdp_cudaError_t);
+SAME_TYPE(enum cudaMemcpyKind, hsdp_cudaMemcpyKind);
+SAME_TYPE(enum cudaMemoryType, hsdp_cudaMemoryType);
+SAME_TYPE(cudaStream_t, hsdp_cudaStream_t);
+SAME_TYPE(cudaEvent_t, hsdp_cudaEvent_t);
+SAME(cudaSuccess, hsdp_cudaSuccess);
+SAME(cudaErrorInvalidValue, hsdp_cudaErrorInvalidValue);
+SAME(cudaErrorMemoryAllocation, hsdp_cudaErrorMemoryAllocation);
+SAME(cudaErrorInvalidDevice, hsdp_cudaErrorInvalidDevice);
+SAME(cudaErrorNotReady, hsdp_cudaErrorNotReady);
+SAME(cudaMemcpyDefault, hsdp_cudaMemcpyDefault);
+SAME(cudaMemoryTypeUnregistered, hsdp_cudaMemoryTypeUnregistered);
+SAME(cudaMemoryTypeHost, hsdp_cudaMemoryTypeHost);
+SAME(cudaMemoryTypeDevice, hsdp_cudaMemoryTypeDevice);
+SAME(cudaMemoryTypeManaged, hsdp_cudaMemoryTypeManaged);
+SAME(cudaStreamNonBlocking, hsdp_cudaStreamNonBlocking);
+SAME(cudaEventDisableTiming, hsdp_cudaEventDisableTiming);
+
+/* the runtime writes its whole struct: ours holds it, with the fields where the runtime puts them */
+SAME_FIELD(hsdp_cudaPointerAttributes, struct cudaPointerAttributes, type);
+SAME_FIELD(hsdp_cudaPointerAttributes, struct cudaPointerAttributes, device);
+SAME_FIELD(hsdp_cudaPointerAttributes, struct cudaPointerAttributes, devicePointer);
+SAME_FIELD(hsdp_cudaPointerAttributes, struct cudaPointerAttributes, hostPointer);
+_Static_assert(sizeof(hsdp_cudaPointerAttributes) >= sizeof(struct cudaPointerAttributes),
+               "hsdp_cudaPointerAttributes holds all the runtime writes");
+_Static_assert(_Alignof(hsdp_cudaPointerAttributes) >= _Alignof(struct cudaPointerAttributes),
+               "hsdp_cudaPointerAttributes is aligned as the runtime's");
+
+/* The runtime header renames some entry points to per-thread-stream variants when
+ * CUDA_API_PER_THREAD_DEFAULT_STREAM is set; the backend resolves the plain names. */
+#ifdef CUDA_API_PER_THREAD_DEFAULT_STREAM
+#error "check against the default-stream (plain) entry points: unset CUDA_API_PER_THREAD_DEFAULT_STREAM"
+#endif
+SAME_FN(cudaGetDeviceCount);
+SAME_FN(cudaSetDevice);
+SAME_FN(cudaMalloc);
+SAME_FN(cudaFree);
+SAME_FN(cudaMemcpyAsync);
+SAME_FN(cudaStreamCreateWithPriority);
+SAME_FN(cudaDeviceGetStreamPriorityRange);
+SAME_FN(cudaStreamDestroy);
+SAME_FN(cudaStreamWaitEvent);
+SAME_FN(cudaStreamSynchronize);
+SAME_FN(cudaEventCreateWithFlags);
+SAME_FN(cudaEventDestroy);
+SAME_FN(cudaEventRecord);
+SAME_FN(cudaEventQuery);
+SAME_FN(cudaGetErrorString);
+/* with the real struct in place of ours, the prototype is the real one ... */
+HSDP_CUDA_STRUCT_FNS(real_, struct cudaPointerAttributes)
+SAME_TYPE(__typeof__(&cudaPointerGetAttributes), real_cudaPointerGetAttributes_fn);
+/* ... and ours differs from it in that struct only */
+_Static_assert(!__builtin_types_compatible_p(__typeof__(&cudaPointerGetAttributes), hsdp_cudaPointerGetAttributes_fn),
+               "the check above tests something");
+
+/* ---------------------------------------------------------------- NCCL */
+SAME_TYPE(ncclResult_t, hsdp_ncclResult_t);
+SAME_TYPE(ncclDataType_t, hsdp_ncclDataType_t);
+SAME_TYPE(ncclRedOp_t, hsdp_ncclRedOp_t);
+SAME_TYPE(ncclComm_t, hsdp_ncclComm_t);
+SAME(ncclSuccess, hsdp_ncclSuccess);
+SAME(ncclSystemError, hsdp_ncclSystemError);
+SAME(ncclInvalidArgument, hsdp_ncclInvalidArgument);
+SAME(ncclInvalidUsage, hsdp_ncclInvalidUsage);
+SAME(ncclInProgress, hsdp_ncclInProgress);
+SAME(ncclUint8, hsdp_ncclUint8);
+SAME(ncclFloat32, hsdp_ncclFloat32);
+SAME(ncclSum, hsdp_ncclSum);
+
+SAME(NCCL_UNIQUE_ID_BYTES, HSDP_NCCL_UNIQUE_ID_BYTES);
+SAME(sizeof(ncclUniqueId), sizeof(hsdp_ncclUniqueId));
+SAME(_Alignof(ncclUniqueId), _Alignof(hsdp_ncclUniqueId));
+SAME_FIELD(hsdp_ncclUniqueId, ncclUniqueId, internal);
+
+/* our config is a prefix of the real one: each field where NCCL reads it */
+#ifdef NCCL_API_MAGIC /* before 2.29 the initializer spells it out; main() compares the two */
+SAME(NCCL_API_MAGIC, HSDP_NCCL_API_MAGIC);
+#endif
+SAME(NCCL_CONFIG_UNDEF_INT, HSDP_NCCL_CONFIG_UNDEF_INT);
+SAME(NCCL_VERSION(2, 18, 0), HSDP_NCCL_CONFIG_VERSION);
+_Static_assert(NCCL_VERSION_CODE >= HSDP_NCCL_CONFIG_VERSION, "the real header has every field we declare");
+SAME_FIELD(hsdp_ncclConfig_t, ncclConfig_t, size);
+SAME_FIELD(hsdp_ncclConfig_t, ncclConfig_t, magic);
+SAME_FIELD(hsdp_ncclConfig_t, ncclConfig_t, version);
+SAME_FIELD(hsdp_ncclConfig_t, ncclConfig_t, blocking);
+SAME_FIELD(hsdp_ncclConfig_t, ncclConfig_t, cgaClusterSize);
+SAME_FIELD(hsdp_ncclConfig_t, ncclConfig_t, minCTAs);
+SAME_FIELD(hsdp_ncclConfig_t, ncclConfig_t, maxCTAs);
+SAME_FIELD(hsdp_ncclConfig_t, ncclConfig_t, netName);
+SAME_FIELD(hsdp_ncclConfig_t, ncclConfig_t, splitShare);
+_Static_assert(sizeof(hsdp_ncclConfig_t) <= sizeof(ncclConfig_t), "our config is a prefix of the real one");
+
+SAME_FN(ncclGetVersion);
+SAME_FN(ncclAllGather);
+SAME_FN(ncclBroadcast);
+SAME_FN(ncclAllReduce);
+SAME_FN(ncclAlltoAll);
+SAME_FN(ncclSend);
+SAME_FN(ncclRecv);
+/* nccl.h declares these two with `()`, which C11 reads as "unspecified parameters": only the
+ * return type is compared for them */
+SAME_FN(ncclGroupStart);
+SAME_FN(ncclGroupEnd);
+SAME_FN(ncclCommGetAsyncError);
+SAME_FN(ncclCommAbort);
+SAME_FN(ncclCommUserRank);
+SAME_FN(ncclCommCount);
+SAME_FN(ncclGetErrorString);
+SAME_FN(ncclGetLastError);
+HSDP_NCCL_STRUCT_FNS(real_, ncclUniqueId, ncclConfig_t)
+SAME_TYPE(__typeof__(&ncclGetUniqueId), real_ncclGetUniqueId_fn);
+SAME_TYPE(__typeof__(&ncclCommInitRank), real_ncclCommInitRank_fn);
+SAME_TYPE(__typeof__(&ncclCommInitRankConfig), real_ncclCommInitRankConfig_fn);
+SAME_TYPE(__typeof__(&ncclCommSplit), real_ncclCommSplit_fn);
+_Static_assert(!__builtin_types_compatible_p(__typeof__(&ncclCommSplit), hsdp_ncclCommSplit_fn),
+               "the checks above test something");
+
+int main(void) {
+    /* what NCCL_CONFIG_INITIALIZER gives the fields we declare, ours gives too */
+    ncclConfig_t real = NCCL_CONFIG_INITIALIZER;
+    hsdp_ncclConfig_t ours = HSDP_NCCL_CONFIG_INITIALIZER;
+    int ok = ours.magic == real.magic && ours.blocking == real.blocking && ours.cgaClusterSize == real.cgaClusterSize &&
+             ours.minCTAs == real.minCTAs && ours.maxCTAs == real.maxCTAs && ours.netName == real.netName &&
+             ours.splitShare == real.splitShare && ours.size == offsetof(ncclConfig_t, splitShare) + sizeof(int);
+    printf("test_cuda_abi: cuda_abi.h matches nccl.h %d.%d.%d and cuda_runtime_api.h %d: %s\n", NCCL_MAJOR, NCCL_MINOR,
+           NCCL_PATCH, CUDART_VERSION, ok ? "ok" : "the config initializers differ");
+    return ok ? 0 : 1;
+}
