@@ -132,7 +132,10 @@ def test_process_group_and_mesh():
     assert m.size() == 1 and m.get_group("shard").size == 1 and m.get_local_rank("replicate") == 0
     with pytest.raises(ValueError, match=r"\(1, 2\).*world size is 1"):
         hsdp.init_device_mesh("cpu", (1, 2))
-    with pytest.raises(NotImplementedError, match="NCCL"):
+    # no GPU here: RuntimeError, as torch raises; NCCL not built or installed: NotImplementedError
+    reason = hsdp.distributed.backend_reason("nccl")
+    no_gpu = reason is not None and reason.startswith("no usable GPU for the NCCL backend")
+    with pytest.raises(RuntimeError if no_gpu else NotImplementedError, match="NCCL"):
         hsdp.init_device_mesh("cuda", (1, 1))
     with pytest.raises(NotImplementedError, match="NCCL"):
         hsdp._C.ProcessGroup("nccl")
@@ -336,6 +339,50 @@ def test_missing_shard_conditions(conds):
     with pytest.raises(ValueError, match="NoConds declares no _hsdp_shard_conditions"):
         hsdp.apply_hsdp_to_model(model, cfg())
     assert_unchanged(model, snap)
+
+
+def test_shard_conditions_that_are_a_bare_function_are_a_type_error_naming_them():
+    """A function where a list of them belongs: a TypeError naming the attribute (or the
+    argument), the type and the fix, before anything changes."""
+    model = models.make_model("tiny", seed=0)
+    model._hsdp_shard_conditions = models.is_block
+    snap = snapshot(model)
+    fix = re.escape("got a function (") + ".*" + re.escape("); wrap it in a list: [is_block]")
+    with pytest.raises(TypeError, match="VideoDiT._hsdp_shard_conditions must be a list of callables .*" + fix):
+        hsdp.apply_hsdp_to_model(model, cfg())
+    with pytest.raises(TypeError, match="^hsdp_shard_conditions must be a list of callables .*" + fix):
+        hsdp.shard_model(model, hsdp_shard_conditions=models.is_block)
+    with pytest.raises(TypeError, match=re.escape("got a str ('blocks.0'); wrap it in a list")):
+        hsdp.shard_model(model, hsdp_shard_conditions="blocks.0")
+    assert_unchanged(model, snap)
+
+
+def test_a_module_list_selected_as_a_unit_is_refused_naming_it():
+    """A ModuleList is never called, so a unit on it would never gather: refused, naming it."""
+    class WholeList(models.VideoDiT):
+        _hsdp_shard_conditions = [lambda name, m: name == "blocks"]
+
+    model = WholeList(TINY)
+    models.init_weights(model, 0)
+    snap = snapshot(model)
+    with pytest.raises(ValueError, match=r"'blocks' \(ModuleList\) cannot be an HSDP unit.*e\.g\. 'blocks\.0'"):
+        hsdp.apply_hsdp_to_model(model, cfg())
+    assert_unchanged(model, snap)
+
+
+def test_a_parallel_config_where_an_hsdp_config_belongs_says_to_convert_it(tmp_path):
+    """DiffusionParallelConfig holds the degrees; the sharding calls take its to_hsdp_config()."""
+    model = models.make_model("tiny", seed=0)
+    snap = snapshot(model)
+    par = hsdp.DiffusionParallelConfig(use_hsdp=True, hsdp_shard_size=1)
+    msg = r"HSDPInferenceConfig, got DiffusionParallelConfig; pass parallel_config\.to_hsdp_config\(\)"
+    for call in (lambda: hsdp.apply_hsdp_to_model(model, par), lambda: hsdp.prepare_hsdp_shard_context(model, par),
+                 lambda: hsdp.load_model_sharded(model, tmp_path / "none.safetensors", par)):
+        with pytest.raises(TypeError, match=msg):
+            call()
+    assert_unchanged(model, snap)
+    hsdp.apply_hsdp_to_model(model, par.to_hsdp_config())  # as the message says
+    assert len(hsdp.get_units(model)) == TINY.num_layers + 1
 
 
 def test_ignored_modules_need_target_device():

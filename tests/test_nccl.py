@@ -94,7 +94,8 @@ errors = []
 for call in (lambda: hsdp.distributed.init_process_group("nccl"), lambda: hsdp.init_device_mesh("cuda", (1, 1))):
     try:
         call()
-    except NotImplementedError as exc:
+    except RuntimeError as exc:  # no GPU: a RuntimeError as torch raises, not NotImplementedError
+        assert type(exc) is RuntimeError, repr(exc)
         errors.append(str(exc))
 assert len(errors) == 2, errors
 print("ERR", errors[0])
@@ -105,7 +106,8 @@ torch.manual_seed(0)
 model = WanTransformer3DModel(**cfg).eval()
 try:
     hsdp.apply_hsdp_to_model(model, hsdp.HSDPInferenceConfig(enabled=True), target_device="cuda")
-except NotImplementedError as exc:
+except RuntimeError as exc:
+    assert type(exc) is RuntimeError, repr(exc)
     print("ERR2", exc)
 assert not hasattr(model.blocks[0], "_hsdp_unit") and model.blocks[0].attn1.to_q.weight.shape == (16, 16)
 # torch still works, and so does hsdp on the CPU
@@ -122,14 +124,14 @@ print("WORLD", hsdp.distributed.get_world_group().backend, "EXACT", bool(torch.e
 @pytest.mark.skipif(not NO_GPU, reason="this machine has a GPU")
 def test_no_gpu_is_a_clear_error_and_torch_still_works():
     """init_process_group('nccl'), init_device_mesh('cuda') and target_device='cuda' each raise
-    at once, naming cudaGetDeviceCount's error; nothing stays loaded, the model is untouched,
+    RuntimeError at once, naming cudaGetDeviceCount's error; nothing stays loaded, the model is untouched,
     and afterwards torch and hsdp on the CPU (a world of one) still work, exactly."""
     proc = subprocess.run([sys.executable, "-c", _NO_GPU_SCRIPT], cwd=ROOT, env=_clean_env(), capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert re.search(r"ERR no usable GPU for the NCCL backend: cudaGetDeviceCount failed with CUDA error \d+ \(",
                      proc.stdout), proc.stdout
-    assert "ERR2 no usable GPU for the NCCL backend" in proc.stdout
+    assert "ERR2 target_device 'cuda' needs a GPU: no usable GPU for the NCCL backend" in proc.stdout
     assert "WORLD single EXACT True" in proc.stdout
 
 

@@ -6,6 +6,7 @@ tests/torch_worker.py."""
 from __future__ import annotations
 
 import gc
+import re
 import subprocess
 import sys
 
@@ -15,7 +16,7 @@ import torch
 import hsdp
 from hsdp.distributed import init_process_group
 from mpirun import run_ranks
-from torch_models import MODELS, is_wan_block, make_wan, reference, run, wan_inputs
+from torch_models import MODELS, is_linear, is_time_embedder, is_wan_block, make_wan, reference, run, wan_inputs
 
 init_process_group("single")
 
@@ -51,9 +52,12 @@ def test_parity_with_the_unsharded_model(kind, param_dtype, depth):
 
 @pytest.mark.parametrize("mesh", [(1, 2), (2, 2), (1, 4)])
 def test_parity_across_ranks(mesh):
-    """On real MPI ranks: Wan and Flux, float32 and bfloat16, equal the unsharded model."""
+    """On real MPI ranks: Wan and Flux, float32 and bfloat16, equal the unsharded model (and on
+    1x2, Wan with units inside its _keep_in_fp32_modules)."""
     r, s = mesh
     specs = ["wan:float32", "wan:bfloat16", "flux:float32", "flux:bfloat16"]
+    if mesh == (1, 2):  # units inside diffusers' _keep_in_fp32_modules (float32 in a bfloat16 model)
+        specs.append("wan-kept:bfloat16")
     out = run_ranks(r * s, "tests/torch_worker.py", str(r), str(s), *specs, timeout=300).stdout
     assert out.count("ok") == r * s * len(specs), out
 
@@ -156,14 +160,82 @@ def test_conditions_on_the_class_and_a_model_without_conditions():
 
 
 def test_gpu_target_device_on_a_cpu_world_is_refused():
-    """target_device='cuda' on a world already running on a CPU backend names both; the model is
-    untouched. (A fresh process gets the NCCL backend's own error: tests/test_nccl.py.)"""
+    """target_device='cuda' on a world already running on a CPU backend: with no GPU, a
+    RuntimeError saying so with the CUDA runtime's error (not advice to start NCCL, which
+    would fail next); with one, a ValueError naming both backends. The model is untouched.
+    (A fresh process: tests/test_nccl.py.)"""
     model = make_wan(0)
     model._hsdp_shard_conditions = [is_wan_block]
     world = hsdp.distributed.init_process_group()
-    with pytest.raises(ValueError, match=f"needs the NCCL process group, but this one runs on '{world.backend}'"):
-        hsdp.apply_hsdp_to_model(model, hsdp.HSDPInferenceConfig(enabled=True), target_device="cuda")
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match=f"needs the NCCL process group, but this one runs on '{world.backend}'"):
+            hsdp.apply_hsdp_to_model(model, hsdp.HSDPInferenceConfig(enabled=True), target_device="cuda")
+    else:
+        with pytest.raises(RuntimeError, match=r"target_device 'cuda' needs a GPU: no usable GPU for the NCCL "
+                                               r"backend: cudaGetDeviceCount failed with CUDA error \d+ \(") as e:
+            hsdp.apply_hsdp_to_model(model, hsdp.HSDPInferenceConfig(enabled=True), target_device="cuda")
+        assert type(e.value) is RuntimeError and world.backend == "single"
     assert model.blocks[0].attn1.to_q.weight.shape == (32, 32) and not hasattr(model.blocks[0], "_hsdp_unit")
+
+
+@pytest.mark.parametrize("device", ["gpu", "tpu", 3.5])
+def test_a_target_device_that_is_no_torch_device_is_a_value_error_naming_it(device):
+    """The user guide's promise: a ValueError naming the value, before the process group or
+    the model is touched (torch's own error would not say which argument it was)."""
+    model = make_wan(0)
+    model._hsdp_shard_conditions = [is_wan_block]
+    with pytest.raises(ValueError, match=re.escape(f"target_device {device!r} is not")):
+        hsdp.apply_hsdp_to_model(model, hsdp.HSDPInferenceConfig(enabled=True), target_device=device)
+    assert model.blocks[0].attn1.to_q.weight.shape == (32, 32) and not hasattr(model.blocks[0], "_hsdp_unit")
+
+
+@pytest.mark.parametrize("conditions", [[is_time_embedder, is_wan_block], [is_linear]], ids=["time_embedder", "linear"])
+def test_units_inside_keep_in_fp32_modules_run_in_bfloat16(conditions):
+    """A unit whose parameters are all kept in float32 (inside Wan's _keep_in_fp32_modules:
+    the time embedder, or its nn.Linears) casts no inputs to bfloat16, as diffusers casts
+    none for it, so its float32 weights get the float32 inputs Wan gives them; equal to the
+    unsharded reference, which follows the same rule."""
+    model = make_wan(0)
+    model._hsdp_shard_conditions = conditions
+    hsdp.apply_hsdp_to_model(model, hsdp.HSDPInferenceConfig(enabled=True, param_dtype="bfloat16"))
+    uncast = sorted(u.label for u in hsdp.get_units(model) if u._input_dtype is None)
+    assert uncast == (["condition_embedder.time_embedder"] if is_time_embedder in conditions else
+                      ["condition_embedder.time_embedder.linear_1", "condition_embedder.time_embedder.linear_2"])
+    assert model.condition_embedder.time_embedder.linear_1.weight.dtype == torch.float32
+    expect = run(reference("wan", "bfloat16", conditions=conditions), "wan")
+    for _ in range(2):
+        got = run(model, "wan")
+        assert got.dtype == torch.bfloat16 and torch.equal(got, expect)
+    if is_time_embedder in conditions:  # the time embedder's own unit changes no number
+        assert torch.equal(got, run(reference("wan", "bfloat16"), "wan"))
+
+
+def test_a_module_list_selected_as_a_unit_is_refused_naming_it():
+    """A ModuleList is never called, so its hooks would never gather: refused at shard time,
+    naming it and its children, before anything changes (also on the streaming path)."""
+    model = make_wan(0)
+    model._hsdp_shard_conditions = [lambda name, m: name == "blocks"]
+    match = (r"'blocks' \(ModuleList\) cannot be an HSDP unit: it is never called.*"
+             r"Select its children instead \(e\.g\. 'blocks\.0'\)")
+    with pytest.raises(ValueError, match=match):
+        hsdp.apply_hsdp_to_model(model, hsdp.HSDPInferenceConfig(enabled=True), target_device="cpu")
+    with pytest.raises(ValueError, match=match):
+        hsdp.prepare_hsdp_shard_context(model, hsdp.HSDPInferenceConfig(enabled=True))
+    with pytest.raises(ValueError, match=match):
+        hsdp.shard_model(model, hsdp_shard_conditions=model._hsdp_shard_conditions)
+    assert model.blocks[0].attn1.to_q.weight.shape == (32, 32)
+    assert all(getattr(m, "_hsdp_unit", None) is None and not m._forward_pre_hooks for m in model.modules())
+    other = make_wan(0)
+    other._hsdp_shard_conditions = [is_wan_block]
+    ctx = hsdp.prepare_hsdp_shard_context(other, hsdp.HSDPInferenceConfig(enabled=True))
+    with pytest.raises(ValueError, match=match):
+        hsdp.shard_hsdp_module(other.blocks, ctx)
+    assert not hasattr(other.blocks[0], "_hsdp_unit") and other.blocks[0].attn1.to_q.weight.shape == (32, 32)
+    # with its children selected too, the list holds nothing of its own: no unit, no error
+    model._hsdp_shard_conditions = [lambda name, m: name == "blocks" or is_wan_block(name, m)]
+    hsdp.apply_hsdp_to_model(model, hsdp.HSDPInferenceConfig(enabled=True))
+    assert [u.label for u in hsdp.get_units(model)] == ["blocks.0", "blocks.1", "blocks.2", "<root>"]
+    assert torch.equal(run(model, "wan"), run(reference("wan", "bfloat16"), "wan"))
 
 
 def test_import_hsdp_does_not_import_torch():

@@ -14,6 +14,20 @@ def is_wan_block(name: str, module: Any) -> bool:
     return name.startswith("blocks.") and name.count(".") == 1
 
 
+def is_time_embedder(name: str, module: Any) -> bool:
+    return name == "condition_embedder.time_embedder"  # in Wan's _keep_in_fp32_modules
+
+
+def is_linear(name: str, module: Any) -> bool:
+    return isinstance(module, torch.nn.Linear)
+
+
+def is_wan_block_or_linear(name: str, module: Any) -> bool:
+    """Wan's blocks and every nn.Linear: units inside units, some of them (the time
+    embedder's) inside _keep_in_fp32_modules, so float32 in a bfloat16 model."""
+    return is_wan_block(name, module) or is_linear(name, module)
+
+
 def is_flux_block(name: str, module: Any) -> bool:
     return name.split(".")[0] in ("transformer_blocks", "single_transformer_blocks") and name.count(".") == 1
 
@@ -63,16 +77,17 @@ def flux_inputs(seed: int = 1) -> tuple[tuple[Any, ...], dict[str, Any]]:
 MODELS: dict[str, tuple[Callable[..., Any], Callable[..., Any], Callable[[str, Any], bool]]] = {
     "wan": (make_wan, wan_inputs, is_wan_block),
     "flux": (make_flux, flux_inputs, is_flux_block),
+    "wan-kept": (make_wan, wan_inputs, is_wan_block_or_linear),
 }
 
 
-def reference(kind: str, param_dtype: str | None, seed: int = 0) -> Any:
+def reference(kind: str, param_dtype: str | None, seed: int = 0, conditions: list[Any] | None = None) -> Any:
     """The unsharded model hsdp's sharded one must equal bit for bit."""
     from hsdp.adapters.torch import unsharded_reference
 
     make, _, cond = MODELS[kind]
     ref = make(seed)
-    ref._hsdp_shard_conditions = [cond]  # which modules' inputs the units cast
+    ref._hsdp_shard_conditions = conditions or [cond]  # which modules' inputs the units cast
     return unsharded_reference(ref, param_dtype)
 
 

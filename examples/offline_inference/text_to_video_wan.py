@@ -233,7 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         world = init_process_group("nccl" if args.device == "cuda" else "auto")
-    except (NotImplementedError, RuntimeError, ValueError) as exc:  # no GPU, no NCCL, a bad launch
+    except (RuntimeError, ValueError) as exc:  # no GPU; NCCL not built (NotImplementedError); a bad launch
         return config_error("text_to_video_wan", True, f"--device {args.device}: {exc}")
     is_rank0 = world.rank == 0
     logging.basicConfig(level=logging.INFO if is_rank0 else logging.WARNING, format="%(name)s: %(message)s")

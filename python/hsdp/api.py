@@ -81,17 +81,75 @@ def _resolve_sizes(config: Any, world: Any) -> tuple[int, int]:
     return coords["replicate"], coords["shard"]
 
 
-def _check_conditions(conditions: Any, model: Any) -> list[ShardCondition]:
-    if not conditions:
-        raise ValueError(
-            f"{type(model).__name__} declares no _hsdp_shard_conditions; HSDP needs at least one "
-            "condition (name, module) -> bool selecting the modules to shard (its transformer blocks)"
+def _conditions_list(conditions: Any, what: str) -> list[ShardCondition]:
+    """The conditions as a list (None: empty), each one a callable; `what` names where they
+    came from (the model attribute, or shard_model's argument) in the errors."""
+    if conditions is None:
+        return []
+    if callable(conditions) or isinstance(conditions, (str, bytes)) or not isinstance(conditions, Iterable):
+        # a bare function is the usual slip: list() of it would say only "not iterable"
+        shown = getattr(conditions, "__name__", None) or "condition"
+        raise TypeError(
+            f"{what} must be a list of callables (name, module) -> bool, got a {type(conditions).__name__} "
+            f"({conditions!r}); wrap it in a list: [{shown}]"
         )
     conds = list(conditions)
     for c in conds:
         if not callable(c):
-            raise TypeError(f"hsdp_shard_conditions must be callables (name, module) -> bool, got {c!r}")
+            raise TypeError(f"{what} must be callables (name, module) -> bool, got {c!r}")
     return conds
+
+
+def _check_conditions(conditions: Any, model: Any, what: str) -> list[ShardCondition]:
+    conds = _conditions_list(conditions, what)
+    if not conds:
+        raise ValueError(
+            f"{type(model).__name__} declares no _hsdp_shard_conditions; HSDP needs at least one "
+            "condition (name, module) -> bool selecting the modules to shard (its transformer blocks)"
+        )
+    return conds
+
+
+def _attr_conditions(model: Any) -> list[ShardCondition]:
+    return _check_conditions(
+        getattr(model, "_hsdp_shard_conditions", None), model, f"{type(model).__name__}._hsdp_shard_conditions"
+    )
+
+
+def _refuse_uncalled(name: str, module: Any) -> None:
+    children = [c for c, _ in module.named_children()]
+    hint = (f"Select its children instead (e.g. '{name}.{children[0]}')" if children
+            else "Select the module that uses its parameters instead")
+    raise ValueError(
+        f"'{name}' ({type(module).__name__}) cannot be an HSDP unit: it is never called (it has no forward of "
+        f"its own), and a unit gathers its weights when its module is called, so they would never be gathered. "
+        f"{hint}, or change the _hsdp_shard_conditions that select it"
+    )
+
+
+def _select(model: Any, conditions: list[ShardCondition], ad: TensorAdapter) -> list[tuple[str, Any]]:
+    """(name, module) of every submodule the conditions make a unit, children first. Refuses,
+    before anything changes, a selection that could not run: the root itself, nothing at all,
+    or a module that is never called (a ModuleList, say) that would hold parameters, since a
+    unit gathers in its module's forward hooks."""
+    if any(c("", model) for c in conditions):
+        raise ValueError(
+            f"an HSDP shard condition selects the root module ({type(model).__name__}) itself; "
+            "conditions must select submodules (the root always becomes the last unit)"
+        )
+    selected = [(n, m) for n, m in _post_order(model) if n and any(c(n, m) for c in conditions)]
+    if not selected:
+        raise ValueError(
+            f"no submodule of {type(model).__name__} matched the HSDP shard conditions; nothing "
+            "would be sharded"
+        )
+    claimed: set[int] = set()
+    for name, module in selected:  # the claims _build_unit makes, children first
+        own = [p for _, p in ad.named_parameters(module) if id(p) not in claimed]
+        claimed.update(id(p) for p in own)
+        if own and not ad.has_forward(module):
+            _refuse_uncalled(name, module)
+    return selected
 
 
 def _storage_dtype(ad: TensorAdapter, p: Any, policy: MixedPrecisionPolicy, keep: bool) -> DType:
@@ -101,6 +159,19 @@ def _storage_dtype(ad: TensorAdapter, p: Any, policy: MixedPrecisionPolicy, keep
     if keep and pd.itemsize < float32.itemsize:
         return float32  # as diffusers loads them: float32 whatever the rest is stored in
     return pd
+
+
+def _unit_input_dtype(policy: MixedPrecisionPolicy, storage: Sequence[DType]) -> DType | None:
+    """What a unit casts its floating inputs to: the policy's input dtype, except for a unit
+    all of whose parameters are kept in another dtype (diffusers' _keep_in_fp32_modules under
+    a narrower param_dtype). Such a module computes in its own dtype and is written to take
+    its inputs as they come (diffusers casts nothing for it: Wan casts the timestep to its
+    time_embedder's dtype itself), so a cast to param_dtype would only feed bfloat16 to
+    float32 weights. It casts nothing."""
+    dt = policy.input_dtype
+    if dt is None or not storage or policy.param_dtype in storage:
+        return dt
+    return None
 
 
 def _model_param_dtype(ad: TensorAdapter, model: Any, param_dtype: Any) -> Any:
@@ -174,7 +245,8 @@ def _build_unit(ctx: HSDPShardContext, module: Any, fqn: str, is_root: bool, cla
         claimed.add(id(p))
         ctx.owner[id(p)] = (fqn, full)
     return UnitState(
-        module, fqn, unit, tuple(params), tuple(names), dtypes, ctx.reshard_after_forward, ctx.mp_policy, is_root, ad
+        module, fqn, unit, tuple(params), tuple(names), dtypes, ctx.reshard_after_forward, ctx.mp_policy, is_root, ad,
+        _unit_input_dtype(ctx.mp_policy, dtypes),
     )
 
 
@@ -223,17 +295,38 @@ def _module_names(model: Any) -> dict[int, str]:
 
 
 def _world_for(ad: TensorAdapter, target_device: Any) -> Any:
-    """The process group, started on NCCL when the buffers go to a GPU; a GPU target on a
-    world already running on another backend is an error naming both."""
-    on_gpu = target_device is not None and ad.buffer_device(target_device) == "cuda"
+    """The process group, started on NCCL when the buffers go to a GPU. A GPU target on a
+    machine with no GPU, or on a world already running on another backend, is an error
+    naming what is missing."""
+    on_gpu = target_device is not None and ad.buffer_device(target_device) == "cuda"  # checks the value
     if not on_gpu:
         return distributed.init_process_group()
-    if distributed.is_initialized() and distributed.get_world_group().backend != "nccl":
+    if distributed.is_initialized() and distributed.get_world_group().backend == "nccl":
+        return distributed.get_world_group()
+    reason = distributed.backend_reason("nccl")  # loads NCCL (after torch): says whether a GPU is there
+    if reason is not None:
+        from .nccl import error_type
+
+        raise error_type(reason)(f"target_device {target_device!r} needs a GPU: {reason}")
+    if distributed.is_initialized():
         raise ValueError(
             f"target_device {target_device!r} needs the NCCL process group, but this one runs on "
             f"{distributed.get_world_group().backend!r}; call hsdp.distributed.init_process_group('nccl') first"
         )
     return distributed.init_process_group("nccl")
+
+
+def _check_config(hsdp_config: Any) -> None:
+    """An enabled HSDPInferenceConfig, or a TypeError / ValueError saying what to pass."""
+    if not isinstance(hsdp_config, HSDPInferenceConfig):
+        from .config import DiffusionParallelConfig
+
+        hint = ""
+        if isinstance(hsdp_config, DiffusionParallelConfig):
+            hint = "; pass parallel_config.to_hsdp_config() (it takes param_dtype and the other HSDP settings)"
+        raise TypeError(f"hsdp_config must be an HSDPInferenceConfig, got {type(hsdp_config).__name__}{hint}")
+    if not hsdp_config.enabled:
+        raise ValueError("HSDP is not enabled in hsdp_config (enabled=False); set enabled=True")
 
 
 def prepare_hsdp_shard_context(model: Any, hsdp_config: Any, target_device: Any = None) -> HSDPShardContext:
@@ -244,10 +337,7 @@ def prepare_hsdp_shard_context(model: Any, hsdp_config: Any, target_device: Any 
     weights are in.
     """
     ad = _require_module(model)
-    if not isinstance(hsdp_config, HSDPInferenceConfig):
-        raise TypeError(f"hsdp_config must be an HSDPInferenceConfig, got {type(hsdp_config).__name__}")
-    if not hsdp_config.enabled:
-        raise ValueError("HSDP is not enabled in hsdp_config (enabled=False); set enabled=True")
+    _check_config(hsdp_config)
     world = _world_for(ad, target_device)
     ad.check_device(target_device)
     replicate, shard = _resolve_sizes(hsdp_config, world)
@@ -266,7 +356,8 @@ def prepare_hsdp_shard_context(model: Any, hsdp_config: Any, target_device: Any 
         replicate, shard, world.size, world.rank,
     )
 
-    conditions = _check_conditions(getattr(model, "_hsdp_shard_conditions", None), model)
+    conditions = _attr_conditions(model)
+    _select(model, conditions, ad)  # refused here, before any module is moved
 
     ignored: set[Any] = set()
     ignored_modules: list[Any] = []
@@ -363,20 +454,10 @@ def shard_model(
     ignored parameters are used.
     """
     ad = _require_module(model)
-    conditions = _check_conditions(hsdp_shard_conditions, model)
+    conditions = _check_conditions(hsdp_shard_conditions, model, "hsdp_shard_conditions")
     if context is not None and context.finalized:
         raise RuntimeError("this HSDP context has already sharded its root; build a new one")
-    if any(c("", model) for c in conditions):
-        raise ValueError(
-            f"an HSDP shard condition selects the root module ({type(model).__name__}) itself; "
-            "conditions must select submodules (the root always becomes the last unit)"
-        )
-    selected = [(n, m) for n, m in _post_order(model) if n and any(c(n, m) for c in conditions)]
-    if not selected:
-        raise ValueError(
-            f"no submodule of {type(model).__name__} matched the HSDP shard conditions; nothing "
-            "would be sharded"
-        )
+    selected = _select(model, conditions, ad)
     if context is None:
         context = _default_context(model, reshard_after_forward, mp_policy, mesh, conditions, ignored_params, ad)
     elif ignored_params:
@@ -402,6 +483,9 @@ def shard_hsdp_module(module: Any, context: HSDPShardContext) -> None:
         raise ValueError(f"{type(module).__name__} is not a submodule of the context's model")
     if getattr(module, "_hsdp_unit", None) is not None:
         raise RuntimeError(f"module '{fqn}' is already an HSDP unit")
+    ad = context.adapter
+    if not ad.has_forward(module) and any(id(p) not in context.owned for _, p in ad.named_parameters(module)):
+        _refuse_uncalled(fqn, module)
     claimed = set(context.owned)
     _commit(context, [_build_unit(context, module, fqn, False, claimed)], claimed)
 

@@ -23,14 +23,20 @@ def device_type_of(world: _C.ProcessGroup) -> str:
 
 def check_device_type(device_type: str) -> str:
     """The device type, if a backend for it is built and usable here; else the registry's
-    reason (NotImplementedError), or ValueError for a name that is no device type."""
+    reason (NotImplementedError; RuntimeError for 'cuda' on a machine with no GPU), or
+    ValueError for a name that is no device type."""
     device_type = "cuda" if device_type == "gpu" else device_type
     names = DEVICE_BACKENDS.get(device_type)
     if names is None:
         raise ValueError(f"device_type must be one of {', '.join(map(repr, DEVICE_BACKENDS))}, got {device_type!r}")
     reasons = [distributed.backend_reason(n) for n in names]  # a CPU mesh never loads NCCL
     if all(r is not None for r in reasons):
-        raise NotImplementedError(f"device_type={device_type!r}: {reasons[0]}")
+        kind: type[Exception] = NotImplementedError
+        if device_type == "cuda":
+            from .nccl import error_type  # no GPU: RuntimeError; not built: NotImplementedError
+
+            kind = error_type(reasons[0])
+        raise kind(f"device_type={device_type!r}: {reasons[0]}")
     return device_type
 
 

@@ -140,14 +140,34 @@ def library_paths() -> tuple[str, str]:
     return out[0], out[1]
 
 
+# How the C loader's message starts when the CUDA runtime finds no device. That is no missing
+# feature (NotImplementedError, the C core's code for "not built or not installed") but a
+# missing device: RuntimeError, as torch raises for one.
+NO_GPU = "no usable GPU for the NCCL backend"
+
+
+def error_type(reason: str) -> type[Exception]:
+    """The exception type for a reason the NCCL backend cannot run: RuntimeError when the
+    reason is that no GPU is there, NotImplementedError when it is not built or installed."""
+    return RuntimeError if reason.startswith(NO_GPU) else NotImplementedError
+
+
 def load() -> None:
     """Opens libnccl and libcudart (once) and checks that a GPU is there. On a machine with
-    no GPU this raises at once, saying so; nothing stays loaded and torch is unaffected."""
+    no GPU this raises RuntimeError at once, with the CUDA runtime's error; nothing stays
+    loaded and torch is unaffected. A backend not built, or libraries not found, raise
+    NotImplementedError."""
     if not _C.nccl_built():
         _C.nccl_load("", "")  # raises the build's own reason
     if _C.nccl_version():
         return
-    _C.nccl_load(*library_paths())
+    paths = library_paths()
+    try:
+        _C.nccl_load(*paths)
+    except NotImplementedError as exc:
+        if error_type(str(exc)) is RuntimeError:
+            raise RuntimeError(str(exc)) from None
+        raise
 
 
 def unusable_reason() -> str | None:

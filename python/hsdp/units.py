@@ -37,6 +37,7 @@ class UnitState:
         policy: MixedPrecisionPolicy,
         is_root: bool,
         adapter: TensorAdapter,
+        input_dtype: DType | None,
     ) -> None:
         self.module = module
         self.adapter = adapter
@@ -51,7 +52,8 @@ class UnitState:
         self.reshard_after_forward = reshard_after_forward
         self.policy = policy
         self.is_root = is_root
-        self._input_dtype = policy.input_dtype
+        # what the pre-forward casts floating inputs to (None: no cast); see api._unit_input_dtype
+        self._input_dtype = input_dtype
         self._output_dtype = policy.output_dtype if is_root else None
         # Set by an explicit hsdp.unshard() (or hsdp.resident): forwards then leave the
         # unit unsharded until hsdp.reshard().

@@ -40,6 +40,10 @@ class TensorAdapter(Protocol):
         """(name, parameter) of ``module`` and its descendants: each parameter once, or under
         every name it has (tied weights) with ``remove_duplicate=False``."""
 
+    def has_forward(self, module: Any) -> bool:
+        """Whether ``module`` is ever called: False for a container with no forward of its own
+        (a ModuleList), whose hooks would never run, so it cannot be a unit."""
+
     def named_buffers(self, module: Any) -> list[tuple[str, Any]]:
         """The persistent buffers of ``module`` (those its state dict, and so a checkpoint,
         holds): loaded whole on every rank, like the parameters kept whole."""
@@ -111,7 +115,9 @@ class TensorAdapter(Protocol):
         """Raises ValueError naming ``target_device`` when this framework cannot use it."""
 
     def buffer_device(self, target_device: Any) -> str:
-        """Where unsharded buffers live for ``target_device``: 'host' or 'cuda'."""
+        """Where unsharded buffers live for ``target_device``: 'host' or 'cuda'. Called before
+        anything else uses ``target_device``: raises ValueError naming a value that is no
+        device (the rest of :meth:`check_device` may need the process group first)."""
 
     # -- forwards --------------------------------------------------------------------------
     def cast_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any], dtype: DType) -> tuple[Any, Any] | None:

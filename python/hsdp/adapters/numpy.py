@@ -54,6 +54,11 @@ class NumpyAdapter:
     def named_parameters(self, module: Any, remove_duplicate: bool = True) -> Iterator[tuple[str, Any]]:
         return module.named_parameters(remove_duplicate=remove_duplicate)
 
+    def has_forward(self, module: Any) -> bool:
+        from ..nn import Module
+
+        return type(module).forward is not Module.forward  # ModuleList has none
+
     def named_buffers(self, module: Any) -> list[tuple[str, Any]]:
         return []  # hsdp.nn modules hold parameters only
 

@@ -172,6 +172,10 @@ class TorchAdapter:
     def named_parameters(self, module: Any, remove_duplicate: bool = True) -> Iterator[tuple[str, Any]]:
         return module.named_parameters(remove_duplicate=remove_duplicate)
 
+    def has_forward(self, module: Any) -> bool:
+        # ModuleList, ModuleDict, ParameterList, ParameterDict keep torch's placeholder forward
+        return type(module).forward is not torch.nn.Module.forward
+
     def named_buffers(self, module: Any) -> list[tuple[str, Any]]:
         # persistent ones only: a non-persistent buffer (diffusers' RoPE tables) is in no
         # state dict and so in no checkpoint
@@ -290,15 +294,23 @@ class TorchAdapter:
     def compute_dtype(self, storage: DType) -> DType:
         return storage  # torch computes in bfloat16 and float8: no widening
 
+    def _device(self, target_device: Any) -> torch.device:
+        """target_device as a torch device of a type hsdp runs on; a ValueError naming the
+        value otherwise (torch's own error would not say which argument it was)."""
+        try:
+            device = torch.device(target_device)
+        except (RuntimeError, TypeError):
+            raise ValueError(
+                f"target_device {target_device!r} is not a torch device; use 'cpu', 'cuda' (or 'cuda:N') or None"
+            ) from None
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"target_device {target_device!r} is not supported; use 'cpu', 'cuda' or None")
+        return device
+
     def check_device(self, target_device: Any) -> None:
         if target_device is None:
             return
-        try:
-            device = torch.device(target_device)
-        except (RuntimeError, TypeError) as exc:
-            raise ValueError(f"target_device {target_device!r} is not a torch device: {exc}") from None
-        if device.type not in ("cpu", "cuda"):
-            raise ValueError(f"target_device {target_device!r} is not supported; use 'cpu', 'cuda' or None")
+        device = self._device(target_device)
         if device.type == "cuda":
             # one GPU per process: the one the NCCL backend runs on (LOCAL_RANK)
             if device.index is not None and torch.cuda.is_available() and device.index != torch.cuda.current_device():
@@ -310,7 +322,7 @@ class TorchAdapter:
         self._target = device
 
     def buffer_device(self, target_device: Any) -> str:
-        if target_device is not None and torch.device(target_device).type == "cuda":
+        if target_device is not None and self._device(target_device).type == "cuda":
             return "cuda"
         return "host"
 
@@ -433,9 +445,19 @@ def unsharded_reference(model: Any, param_dtype: Any = "bfloat16") -> Any:
       narrower, nothing for float8 models or ``_hsdp_preserve_parameter_dtypes``); ignored
       modules and 0-d or integer parameters keep their own.
     - The floating inputs of the root and of every module its ``_hsdp_shard_conditions``
-      select are cast to ``param_dtype``, as the units' pre-forward hooks do.
+      select are cast to ``param_dtype``, as the units' pre-forward hooks do; a selected
+      module whose parameters hsdp would all keep in float32 (``_keep_in_fp32_modules``)
+      casts nothing, as its unit does not.
     """
-    from ..api import _keep_modules, _kept, _model_param_dtype, _storage_dtype
+    from ..api import (
+        _conditions_list,
+        _keep_modules,
+        _kept,
+        _model_param_dtype,
+        _post_order,
+        _storage_dtype,
+        _unit_input_dtype,
+    )
     from ..policy import MixedPrecisionPolicy
 
     adapter = TorchAdapter()
@@ -445,16 +467,26 @@ def unsharded_reference(model: Any, param_dtype: Any = "bfloat16") -> Any:
     keep = _keep_modules(model)
     ignored = {id(p) for n in getattr(model, "_hsdp_ignored_modules", None) or ()
                for p in model.get_submodule(n).parameters()}
+    storage = {}  # id -> the dtype hsdp stores the parameter in, for those it shards
     for name, p in model.named_parameters():
         if id(p) not in ignored and adapter.is_shardable(p):
-            p.data = p.data.to(_torch_dtype(_storage_dtype(adapter, p, policy, _kept(keep, name))))
+            storage[id(p)] = _storage_dtype(adapter, p, policy, _kept(keep, name))
+            p.data = p.data.to(_torch_dtype(storage[id(p)]))
 
-    def pre(module: Any, args: Any, kwargs: Any) -> Any:
-        return adapter.cast_inputs(args, kwargs, policy.param_dtype)
+    def hook(dtype: DType | None) -> Callable[..., Any]:
+        def pre(module: Any, args: Any, kwargs: Any) -> Any:
+            return adapter.cast_inputs(args, kwargs, dtype) if dtype is not None else None
 
-    conditions = list(getattr(model, "_hsdp_shard_conditions", None) or ())
-    model.register_forward_pre_hook(pre, with_kwargs=True)
-    for name, module in model.named_modules():
-        if name and any(c(name, module) for c in conditions):
-            module.register_forward_pre_hook(pre, with_kwargs=True)
+        return pre
+
+    # each selected module, children first, holds what no inner one holds (as _build_unit)
+    conditions = _conditions_list(getattr(model, "_hsdp_shard_conditions", None),
+                                  f"{type(model).__name__}._hsdp_shard_conditions")
+    claimed: set[int] = set()
+    for name, module in _post_order(model):
+        if name and not any(c(name, module) for c in conditions):
+            continue
+        own = [storage[id(p)] for p in module.parameters() if id(p) in storage and id(p) not in claimed]
+        claimed.update(id(p) for p in module.parameters())
+        module.register_forward_pre_hook(hook(_unit_input_dtype(policy, own)), with_kwargs=True)
     return model

@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 
 from .. import distributed
-from ..api import _post_order, finalize_hsdp_root, prepare_hsdp_shard_context, shard_hsdp_module
+from ..adapters import adapter_for
+from ..api import _check_config, _select, finalize_hsdp_root, prepare_hsdp_shard_context, shard_hsdp_module
 from ..units import UnitState
 from .errors import in_context, shown
 from .index import Checkpoint, CheckpointPath, open_checkpoint
@@ -90,17 +91,7 @@ def _fill(st: UnitState, plan: LoadPlan) -> int:
 
 def _blocks(model: Any, ctx: Any) -> list[tuple[str, Any]]:
     """The modules shard_model would make units, children first (same conditions)."""
-    if any(c("", model) for c in ctx.hsdp_shard_conditions):
-        raise ValueError(
-            f"an HSDP shard condition selects the root module ({type(model).__name__}) itself; "
-            "conditions must select submodules (the root always becomes the last unit)"
-        )
-    found = [(n, m) for n, m in _post_order(model) if n and any(c(n, m) for c in ctx.hsdp_shard_conditions)]
-    if not found:
-        raise ValueError(
-            f"no submodule of {type(model).__name__} matched the HSDP shard conditions; nothing would be sharded"
-        )
-    return found
+    return _select(model, ctx.hsdp_shard_conditions, ctx.adapter)
 
 
 class _Loader:
@@ -185,6 +176,8 @@ def load_model_sharded(
     data is read. A failure during the load raises on every rank and leaves every unit made
     so far unusable (its forward raises), never a half-loaded model that runs.
     """
+    _check_config(hsdp_config)  # before the process group starts or a file opens
+    adapter_for(model).buffer_device(target_device)  # a ValueError naming a bad target_device
     world = distributed.init_process_group()
     agree = _Agreement(world)
     own = not isinstance(checkpoint, Checkpoint)
