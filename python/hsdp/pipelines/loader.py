@@ -98,12 +98,29 @@ def _empty(c: Component, keep_fp32: bool) -> Any:
     return model.eval()
 
 
+def _key_map(model: Any) -> Any:
+    """Checkpoint names to the model's: as is, or without a first level the model lacks
+    (transformers 5's CLIPTextModel has no ``text_model.``, its checkpoints do). A name that
+    fits neither stays as is, for the loader to report."""
+    known = {n for n, _ in model.named_parameters(remove_duplicate=False)} | {n for n, _ in model.named_buffers()}
+
+    def rename(name: str) -> str:
+        if name in known:
+            return name
+        tail = name.partition(".")[2]
+        return tail if tail in known else name
+
+    return rename
+
+
 def _load_sharded(c: Component, hsdp_cfg: Any, device: Any, dtype: torch.dtype, progress: bool) -> Any:
     import hsdp
 
     log.info("hsdp: streaming '%s' (%s) sharded, units %s", c.name, c.class_name, describe(c.conditions))
     model = _empty(c, keep_fp32=dtype == torch.float16)
-    return hsdp.load_model_sharded(model, c.folder, hsdp_cfg, target_device=device, progress=progress)
+    key_map = _key_map(model) if c.library == "transformers" else None
+    return hsdp.load_model_sharded(model, c.folder, hsdp_cfg, target_device=device, progress=progress,
+                                   key_map=key_map)
 
 
 def load_pipeline(
@@ -187,6 +204,9 @@ def load_pipeline(
         for name, module in pipe.components.items():
             if isinstance(module, torch.nn.Module) and name not in prebuilt:
                 module.to(device)
+
+    if world.rank != 0:
+        pipe.set_progress_bar_config(disable=True)  # one progress bar per job, not per rank
 
     transformers = [(c.name, getattr(pipe, c.name)) for c in components if c.role == "transformer"]
     if groups.sp is not None:
