@@ -62,8 +62,9 @@ def check_shares(pipe: Any, config: DiffusionParallelConfig) -> None:
     shares = np.zeros(1, dtype=np.int64)
     for name in state.sharded:
         c = state.components[name]
-        # 1/S of the elements, give or take each unit's alignment padding (64-byte chunks)
-        assert abs(c.local_elements - c.elements / s) <= 16 * c.units, (name, c)
+        # 1/S of the elements, give or take each unit's padding (its buffer is padded to a
+        # multiple of 64 * S bytes: at most 16 * S float32 elements)
+        assert abs(c.local_elements - c.elements / s) <= 16 * s * c.units, (name, c)
         shares[0] = c.local_elements
         every = np.zeros(state.world_size, dtype=np.int64)
         hsdp.distributed.get_world_group().all_gather(shares, every)

@@ -31,7 +31,7 @@ import torch
 from .. import distributed
 from ..parallel import SINGLE, ParallelGroups, init_parallel_groups
 from .cfg import CFGSplit, guidance_probe, record_calls
-from .components import Component, PipelineFolderError, pipeline_class, read_components, read_model_index
+from .components import Component, pipeline_class, read_components, read_model_index
 from .conditions import describe
 from .state import PipelineState, component_state
 
@@ -180,14 +180,10 @@ def load_pipeline(
         _check_modes(parallel_config, pipe_cls, components)
         if use_hsdp:
             hsdp_cfg = parallel_config.to_hsdp_config(param_dtype=_PARAM_DTYPES[torch_dtype])
-    except (PipelineFolderError, ValueError, TypeError, NotImplementedError, OSError) as e:
+    except Exception as e:  # any failure here, on any rank, must reach every rank (no rank left waiting)
         err = e
-    try:
-        _agree(world, err, f"checking pipeline folder '{folder}'")
-    except RuntimeError as e:
-        if err is not None:
-            raise
-        raise RuntimeError(str(e)) from None
+    # this rank's own error, or a RuntimeError naming the rank that failed and why
+    _agree(world, err, f"checking pipeline folder '{folder}'")
     groups: ParallelGroups = init_parallel_groups(parallel_config, world) if parallel_config is not None else SINGLE
 
     prebuilt: dict[str, Any] = {}
