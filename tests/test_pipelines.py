@@ -28,12 +28,12 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def test_two_ranks_every_mode_equals_the_stock_pipeline(folders):
-    """1x2, Ulysses 2, CFG 2 on Wan 2.2's two experts, Flux on 1x2 (fp32 frames equal to the
-    stock pipeline's), a bf16 run, and a bad folder on one rank only (every rank raises)."""
-    cases = ["bad-folder", "wan22-1x2", "wan22-ulysses2", "wan22-cfg2", "flux-1x2", "bf16"]
+    """1x2, Ulysses 2, CFG 2 on Wan 2.2's two experts, Flux on 1x2 and CFG 2 (fp32 frames equal
+    to the stock pipeline's), a bf16 run, and a bad folder on one rank only (every rank raises)."""
+    cases = ["bad-folder", "wan22-1x2", "wan22-ulysses2", "wan22-cfg2", "flux-1x2", "flux-cfg2", "bf16"]
     out = run_ranks(2, "tests/pipelines_worker.py", str(folders["wan22"]), str(folders["flux"]), *cases,
                     timeout=600).stdout
-    for case in ("bad folder", "wan22-1x2", "wan22-ulysses2", "wan22-cfg2", "flux-1x2", "bf16"):
+    for case in ("bad folder", "wan22-1x2", "wan22-ulysses2", "wan22-cfg2", "flux-1x2", "flux-cfg2", "bf16"):
         assert out.count(f"{case} ok") == 2, out
 
 

@@ -73,6 +73,12 @@ def _check_modes(config: Any, pipe_cls: type, components: list[Component]) -> No
             )
 
 
+def _is_transformer(name: str, module: Any) -> bool:
+    from diffusers import ModelMixin
+
+    return isinstance(module, ModelMixin) and (name.startswith("transformer") or "Transformer" in type(module).__name__)
+
+
 def _empty(c: Component, keep_fp32: bool) -> Any:
     """The component's model with meta parameters and real buffers, its units declared."""
     import accelerate
@@ -204,7 +210,8 @@ def load_pipeline(
     if world.rank != 0:
         pipe.set_progress_bar_config(disable=True)  # one progress bar per job, not per rank
 
-    transformers = [(c.name, getattr(pipe, c.name)) for c in components if c.role == "transformer"]
+    # a transformer passed in kwargs runs with the same parallel modes as the loaded ones
+    transformers = [(n, m) for n, m in pipe.components.items() if _is_transformer(n, m)]
     if groups.sp is not None:
         from ..parallel_torch import apply_sequence_parallel_torch
 
