@@ -155,8 +155,8 @@ def load_pipeline(
       computed in (``_keep_in_fp32_modules`` stay float32) and what diffusers loads the rest in.
     - ``device``: where the models run (None: the CPU); ``"cuda"`` shards onto each rank's GPU.
     - ``progress``: log each sharded component's load on rank 0.
-    - ``kwargs``: passed to ``DiffusionPipeline.from_pretrained`` (a component given there
-      is used as is, not loaded).
+    - ``kwargs``: passed to the pipeline class's ``from_pretrained`` (a component given there
+      is used as is, not loaded; a transformer given there still gets Ulysses and the CFG split).
 
     Every rank checks the folder and the config first and they agree, so a bad input raises
     the same clear error on every rank before any weight is read.
