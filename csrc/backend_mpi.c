@@ -111,20 +111,26 @@ static void watch_label(const char *label, int first) {
     pthread_mutex_unlock(&watch_mu);
 }
 
-static void watch_begin(const char *op, const hsdp_group *g, size_t nbytes) {
+/* ranks: the world rank of each of the size ranks taking part (NULL: none can be named);
+ * it must outlive the watchdog's use of it (a group's, or finalize's until the thread stops). */
+static void watch_begin_ranks(const char *op, const int *ranks, int size, size_t nbytes) {
     pthread_mutex_lock(&watch_mu);
-    int n = snprintf(watch_what, sizeof watch_what, "%s of %zu bytes over a group of %d ranks", op, nbytes, g->size);
+    int n = snprintf(watch_what, sizeof watch_what, "%s of %zu bytes over a group of %d ranks", op, nbytes, size);
     if (watch_next[0] && n > 0 && (size_t)n < sizeof watch_what)
         snprintf(watch_what + n, sizeof watch_what - (size_t)n, " (%s)", watch_next);
     watch_next[0] = '\0';
-    watch_group = ((const mpi_group *)g->impl)->world_ranks;
-    watch_group_size = g->size;
+    watch_group = ranks;
+    watch_group_size = size;
     /* published: inactive while being rewritten, so a peer never reads a torn description */
     atomic_store(&watch_pub.active, 0);
     memcpy(watch_pub.what, watch_what, sizeof watch_pub.what);
     atomic_store(&watch_pub.active, 1);
     pthread_mutex_unlock(&watch_mu);
     atomic_store(&watch_start, hsdp_now_ns());
+}
+
+static void watch_begin(const char *op, const hsdp_group *g, size_t nbytes) {
+    watch_begin_ranks(op, ((const mpi_group *)g->impl)->world_ranks, g->size, nbytes);
 }
 
 static void watch_end(void) {
@@ -994,6 +1000,28 @@ static hsdp_status mpi_world(hsdp_group **out, int *we_init) {
     return hsdp_exec_run(mpi_worker, dup_world, out);
 }
 
+/* Every rank of the world meets here before MPI_Finalize, watched like any collective.
+ * MPI_Finalize is collective too, but unwatched: once gathers are direct a rank may finish
+ * alone (correctly: the weights do not change), and a peer stalled after warm-up would hold
+ * it in MPI_Finalize forever, silently. Past HSDP_TIMEOUT the watchdog names that peer and
+ * ends the job, as in any collective. On the calling thread: the worker has stopped. */
+static hsdp_status finalize_barrier(void) {
+    int n = 0;
+    if (MPI_Comm_size(MPI_COMM_WORLD, &n) != MPI_SUCCESS || n < 2) return HSDP_OK;
+    int *ranks = malloc(sizeof *ranks * (size_t)n); /* freed below, after the watchdog stops */
+    if (ranks)
+        for (int i = 0; i < n; i++) ranks[i] = i;
+    pthread_mutex_lock(&watch_mu);
+    snprintf(watch_next, sizeof watch_next, "finalising: every rank ends MPI together");
+    pthread_mutex_unlock(&watch_mu);
+    watch_begin_ranks("MPI_Barrier", ranks, n, 0);
+    int rc = MPI_Barrier(MPI_COMM_WORLD);
+    watch_end();
+    watch_stop_thread(); /* no longer reads ranks */
+    free(ranks);
+    return rc == MPI_SUCCESS ? HSDP_OK : mpi_fail(rc, "MPI_Barrier (finalising)");
+}
+
 static hsdp_status mpi_finalize(void) {
     int initialized = 0;
     MPI_Initialized(&initialized);
@@ -1001,10 +1029,12 @@ static hsdp_status mpi_finalize(void) {
     /* MPI_Finalize belongs on the thread that initialised MPI (this one); the worker must be
      * idle for good first. */
     hsdp_exec_stop(mpi_worker);
+    hsdp_status met = finalize_barrier(); /* peers' status asks are still answered meanwhile */
     watch_stop_thread();
     hsdp_status_stop();
     int rc = MPI_Finalize();
     flush_graves(0, 1); /* MPI_Finalize is collective: no peer reads any more */
+    if (met != HSDP_OK) return met;
     return rc == MPI_SUCCESS ? HSDP_OK : mpi_fail(rc, "MPI_Finalize");
 }
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from hsdp import launch
-from mpirun import ROOT, mpiexec
+from mpirun import ROOT, assert_nothing_left, mpiexec, run_watched
 
 EXAMPLE = "examples/offline_inference/text_to_video.py"  # relative: jobs run with cwd=ROOT
 SCRIPT = str(ROOT / EXAMPLE)  # absolute: in-process calls work from any working directory
@@ -207,6 +207,34 @@ def test_sigint_is_forwarded(tmp_path) -> None:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+@pytest.mark.parametrize("ending", ["sigterm", "timeout"])
+def test_a_job_ended_from_outside_leaves_nothing(ending: str) -> None:
+    """Rank 1 stalls while rank 0 waits in a barrier (HSDP_TIMEOUT far off), and the job is
+    ended from outside: SIGTERM to the launcher once both ranks are ready, or the launcher's
+    own --timeout. No rank may be left running, and none of the job's shared-memory segments
+    (4 MB each in /dev/shm; Open MPI does not remove a killed rank's) nor its directory left."""
+    mpiexec()
+    env = {**os.environ, "HSDP_TIMEOUT": "120"}
+    timeout = ["--timeout", "6"] if ending == "timeout" else []
+    cmd = [sys.executable, "-m", "hsdp.launch", "-n", "2", *timeout, "tests/timeout_worker.py", "stall"]
+    ready: list[str] = []
+
+    def on_ready(text: str, proc: subprocess.Popen[str]) -> None:
+        ready.append(text)
+        if ending == "sigterm" and len(ready) == 2:
+            proc.send_signal(signal.SIGTERM)
+
+    run = run_watched(cmd, env, limit=60, watch=("rank 0: ready", "rank 1: ready"), on_seen=on_ready)
+    assert len(ready) == 2, f"the job ended before both ranks were ready:\n{run.output}"
+    if ending == "sigterm":
+        assert run.returncode == 128 + signal.SIGTERM, run.output
+    else:
+        assert run.returncode == launch.EXIT_TIMEOUT, run.output
+        assert "the job ran longer than --timeout 6 s; ending it" in run.output
+    assert ": not reached" not in run.output
+    assert_nothing_left(run)
 
 
 def test_example_resident_on_two_ranks(tmp_path) -> None:
