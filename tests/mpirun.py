@@ -105,7 +105,7 @@ def run_watched(cmd: list[str], env: dict[str, str], limit: float, watch: tuple[
 def ready_ranks(output: str) -> dict[int, tuple[int, list[str]]]:
     """rank -> (pid, shared-memory segments mapped) from tests/timeout_worker.py's ready lines."""
     found = {}
-    for m in re.finditer(r"rank (\d+): ready pid=(\d+) segments=(\S*)", output):
+    for m in re.finditer(r"rank (\d+): ready pid=(\d+) segments=([^;]*);", output):
         found[int(m.group(1))] = (int(m.group(2)), [p for p in m.group(3).split(",") if p])
     return found
 

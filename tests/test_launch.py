@@ -235,6 +235,8 @@ def test_a_job_ended_from_outside_leaves_nothing(ending: str) -> None:
         assert "the job ran longer than --timeout 6 s; ending it" in run.output
     assert ": not reached" not in run.output
     assert_nothing_left(run)
+    gone = min(run.after("rank 0: ready"), run.after("rank 1: ready"))
+    print(f"{ending}: the job was gone {gone:.1f} s after both ranks were ready")
 
 
 def test_example_resident_on_two_ranks(tmp_path) -> None:

@@ -55,7 +55,7 @@ def test_a_peer_stalled_after_warm_up_ends_the_job_at_exit():
     assert "not in it: rank 1 (in no collective)" in run.output, run.output
     assert limit - 0.5 <= waited <= limit + END_S, f"ended {waited:.1f} s after rank 0 finished"
     assert_nothing_left(run)
-    print(f"job ended {waited:.1f} s after rank 0 finished")
+    print(f"job ended {waited:.1f} s after rank 0 finished, {run.ended - run.started:.1f} s after launch")
 
 
 def test_a_peer_in_another_collective_is_named_with_it():

@@ -42,7 +42,7 @@ def main() -> None:
         x = models.make_inputs(models.DiTConfig.preset("tiny"), seed=3)
         if where == "after":
             model(*x)  # the warm-up: every unit's first gather, after which gathers are direct
-    print(f"rank {world.rank}: ready pid={os.getpid()} segments={','.join(mapped_segments())}", flush=True)
+    print(f"rank {world.rank}: ready pid={os.getpid()} segments={','.join(mapped_segments())};", flush=True)
     if world.rank == 1 and where == "elsewhere":
         world.barrier()  # a peer waiting in another collective than rank 0's gather
     if world.rank == 1 and where == "kill":

@@ -20,8 +20,8 @@ is forwarded; SIGINT and SIGTERM are forwarded to it (``--timeout`` sends it SIG
 However the job ends, the launcher leaves nothing behind: Open MPI's shared-memory segments
 and session directory go to a directory of this job's own (``/dev/shm/hsdp-launch.PID.*``),
 and at the end every process of the job still alive (found by a variable only its
-processes carry) is killed and that directory removed. A rank killed mid-job never removes
-its segment itself (4 MB of ``/dev/shm`` each, until reboot).
+processes carry) is killed and that directory removed. A rank killed mid-job does not
+remove its segment itself (4 MB of ``/dev/shm`` each, until reboot).
 """
 
 from __future__ import annotations
@@ -388,7 +388,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"export {var}={shlex.quote(value)}")
         placeholder = os.path.join(job_base(), f"{JOB_DIR_PREFIX}{os.getpid()}.XXXXXXXX")
         for var, value in sorted(job_env(flavour, placeholder).items()):
-            print(f"# per job, removed at its end: export {var}={shlex.quote(value)}")
+            print(f"# per job (the directory is removed at its end): export {var}={shlex.quote(value)}")
         print(shlex.join(cmd))
         return 0
     job_dir = tempfile.mkdtemp(prefix=f"{JOB_DIR_PREFIX}{os.getpid()}.", dir=job_base())
