@@ -112,6 +112,27 @@ def test_bad_rank_count(bad: str, capsys) -> None:
     assert "positive int" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("bad", ["0", "-1", "soon", "inf"])
+def test_bad_timeout(bad: str, capsys) -> None:
+    assert launch.main(["-n", "2", "--timeout", bad, SCRIPT]) == 2
+    assert "--timeout: must be a number of seconds > 0" in capsys.readouterr().err
+
+
+def test_dry_run_names_the_jobs_own_directory(tmp_path, capsys, clean_env) -> None:
+    """Open MPI's segments and session directory go to a directory of the job's own, which
+    every process of the job is marked with; a user's own placement is kept."""
+    exe = fake_mpiexec(tmp_path, "openmpi")
+    assert launch.main(["--dry-run", "--mpiexec", exe, "-n", "2", SCRIPT]) == 0
+    per_job = [line for line in capsys.readouterr().out.splitlines() if line.startswith("# per job")]
+    where = os.path.join(launch.job_base(), f"{launch.JOB_DIR_PREFIX}{os.getpid()}.XXXXXXXX")
+    assert sorted(line.split("export ")[1] for line in per_job) == [
+        f"HSDP_LAUNCH_JOB={where}", f"OMPI_MCA_btl_vader_backing_directory={where}",
+        f"OMPI_MCA_orte_tmpdir_base={where}"]
+    mine = launch.job_env("openmpi", "/x", environ={"OMPI_MCA_orte_tmpdir_base": "/mine"})
+    assert mine == {"HSDP_LAUNCH_JOB": "/x", "OMPI_MCA_btl_vader_backing_directory": "/x"}
+    assert launch.job_env("mpich", "/x", environ={}) == {"HSDP_LAUNCH_JOB": "/x"}
+
+
 def test_missing_n_and_missing_script(capsys) -> None:
     assert launch.main([SCRIPT]) == 2
     assert "-n N (the number of ranks) is required" in capsys.readouterr().err
