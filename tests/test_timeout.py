@@ -33,7 +33,8 @@ def test_a_stalled_peer_ends_the_job_within_the_timeout(where, what):
     run = run_watched(cmd, env, limit=60, watch=("rank 0: ready",))
     waited = run.after("rank 0: ready")
     assert run.returncode != 0
-    assert "rank 0: MPI_" in run.output and f"has waited more than {TIMEOUT_S} s (HSDP_TIMEOUT)" in run.output, run.output
+    assert "rank 0: MPI_" in run.output, run.output
+    assert f"has waited more than {TIMEOUT_S} s (HSDP_TIMEOUT)" in run.output, run.output
     assert what in run.output
     assert "not in it: rank 1 (in no collective)" in run.output, run.output  # who did not arrive
     assert ": not reached" not in run.output

@@ -466,7 +466,7 @@ class _Entry:
         self.left -= 1
         if self.left < 0:
             raise _fail(self.r.path, f"the entry holds more than {_ENTRY_VALUES} values (a tensor's entry has at "
-                        f"most {MAX_NDIM + 5}: dtype, shape and data_offsets)", self.name)
+                        f"most {MAX_NDIM + 6}: itself, dtype, shape and data_offsets)", self.name)
         c = self.r.peek()
         if c == "[":
             return self._list({"shape": MAX_NDIM, "data_offsets": 2}.get(key or ""), key)
@@ -492,7 +492,7 @@ class _Entry:
                             self.name)
             items.append(self.value())
             c = r.peek()
-            if c not in (",", "]") or not c:
+            if not c or c not in ",]":
                 raise self._syntax("',' or ']'")
             r.pos += 1
             if c == "]":
@@ -516,7 +516,7 @@ class _Entry:
             r.pos += 1
             pairs[key] = self.value(key if top else None)
             c = r.peek()
-            if c not in (",", "}") or not c:
+            if not c or c not in ",}":
                 raise self._syntax("',' or '}'")
             r.pos += 1
             if c == "}":
