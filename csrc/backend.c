@@ -197,7 +197,8 @@ static char collective_share;
 void *hsdp_share_collective(void) { return &collective_share; }
 
 hsdp_status hsdp_gather_fixed(hsdp_group *g, void **share, const void *send, void *recv, size_t nbytes,
-                              const char *label) {
+                              const char *label, uint64_t ident) {
+    if (g->backend->gather_unit) return g->backend->gather_unit(g, share, send, recv, nbytes, label, ident);
     if (g->backend->gather_fixed) return g->backend->gather_fixed(g, share, send, recv, nbytes, label);
     hsdp_status st = hsdp_all_gather(g, send, recv, nbytes);
     /* Fixed from now on whatever the backend, so that what a unit allows never depends on it. */
@@ -241,7 +242,7 @@ static void run_here(hsdp_req *r, const void *send, void *recv, size_t nbytes) {
     /* Zero bytes on every rank of the group (one layout): no collective at all. */
     hsdp_status st = HSDP_OK;
     if (nbytes)
-        st = r->share ? hsdp_gather_fixed(r->g, r->share, send, recv, nbytes, r->label)
+        st = r->share ? hsdp_gather_fixed(r->g, r->share, send, recv, nbytes, r->label, r->ident)
                       : hsdp_all_gather(r->g, send, recv, nbytes);
     if (st == HSDP_OK && r->then) st = r->then(r->then_arg);
     r->end_ns = hsdp_now_ns();

@@ -14,12 +14,14 @@
  *   buffers_released            buffers of that device went back to the pool: work the
  *                               caller's compute stream was given so far may still read
  *                               them, so later gathers into them must wait for it (NCCL)
- *   gather_fixed / share_free
+ *   gather_fixed / gather_unit / share_free
  *                               an all-gather of a chunk that never changes after its first
  *                               gather (a unit's shard): from the second gather on the
  *                               backend may read the peers' chunks itself, with no peer
  *                               taking part (MPI on one host: process_vm_readv; NCCL: the
- *                               chunk is copied to the device once, and gathered from there)
+ *                               chunk is copied to the device once, and gathered from there);
+ *                               gather_unit is told the unit's identity too (MPI: to check
+ *                               that every rank gathers the same unit)
  *   share_kind                  what a share set by gather_fixed is, for Unit.gather_path
  *   all_to_all_blocks           an all-to-all between strided layouts (hsdp_blocks), packed
  *                               by the backend itself (MPI: derived datatypes); without it
@@ -83,6 +85,11 @@ struct hsdp_backend {
      * the same collective, as with all_gather. */
     hsdp_status (*gather_fixed)(hsdp_group *g, void **share, const void *send, void *recv, size_t nbytes,
                                 const char *label);
+    /* gather_fixed, told the unit's identity (hsdp_unit.ident, the same on every rank for
+     * one unit) as well: for a backend that checks that the ranks gather the same unit.
+     * Preferred to gather_fixed when set. */
+    hsdp_status (*gather_unit)(hsdp_group *g, void **share, const void *send, void *recv, size_t nbytes,
+                               const char *label, uint64_t ident);
     /* Releases share and frees memory (the chunk, from aligned_alloc; ownership passes here)
      * once no peer can still be reading it. */
     void (*share_free)(hsdp_group *g, void *share, void *memory);
@@ -96,6 +103,11 @@ struct hsdp_group {
     const hsdp_backend *backend;
     int rank, size;
     void *impl; /* owned by the backend; released by backend->free */
+    /* Units made over this group so far (hsdp_unit_init, under the caller's lock: Python's
+     * GIL). Every rank makes a group's units in the same order, so a unit's count is its
+     * identity across ranks: two models of one architecture have units alike in name and
+     * size, and this tells them apart. Zero in a new group. */
+    uint64_t units_made;
 };
 
 /* ---------------------------------------------------------------- the registry (backend.c) */
@@ -138,9 +150,10 @@ hsdp_status hsdp_gather_wait(hsdp_req *r);
 /* The same work, synchronously, through the backend's synchronous all_gather. */
 hsdp_status hsdp_gather_now(hsdp_req *r, hsdp_group *g, void **share, const void *send, void *recv,
                             size_t nbytes, hsdp_status (*then)(void *), void *then_arg);
-/* The all-gather of a fixed chunk (gather_fixed, or all_gather when the backend has none). */
+/* The all-gather of a fixed chunk (gather_unit, gather_fixed, or all_gather when the backend
+ * has neither); ident: the unit's (hsdp_unit.ident). */
 hsdp_status hsdp_gather_fixed(hsdp_group *g, void **share, const void *send, void *recv, size_t nbytes,
-                              const char *label);
+                              const char *label, uint64_t ident);
 /* The share a backend sets for a chunk it will always gather collectively. */
 void *hsdp_share_collective(void);
 /* Releases a share set by hsdp_gather_fixed (NULL is fine) and frees memory, the fixed chunk

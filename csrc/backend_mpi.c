@@ -111,20 +111,26 @@ static void watch_label(const char *label, int first) {
     pthread_mutex_unlock(&watch_mu);
 }
 
-static void watch_begin(const char *op, const hsdp_group *g, size_t nbytes) {
+/* ranks: the world rank of each of the size ranks taking part (NULL: none can be named);
+ * it must outlive the watchdog's use of it (a group's, or finalize's until the thread stops). */
+static void watch_begin_ranks(const char *op, const int *ranks, int size, size_t nbytes) {
     pthread_mutex_lock(&watch_mu);
-    int n = snprintf(watch_what, sizeof watch_what, "%s of %zu bytes over a group of %d ranks", op, nbytes, g->size);
+    int n = snprintf(watch_what, sizeof watch_what, "%s of %zu bytes over a group of %d ranks", op, nbytes, size);
     if (watch_next[0] && n > 0 && (size_t)n < sizeof watch_what)
         snprintf(watch_what + n, sizeof watch_what - (size_t)n, " (%s)", watch_next);
     watch_next[0] = '\0';
-    watch_group = ((const mpi_group *)g->impl)->world_ranks;
-    watch_group_size = g->size;
+    watch_group = ranks;
+    watch_group_size = size;
     /* published: inactive while being rewritten, so a peer never reads a torn description */
     atomic_store(&watch_pub.active, 0);
     memcpy(watch_pub.what, watch_what, sizeof watch_pub.what);
     atomic_store(&watch_pub.active, 1);
     pthread_mutex_unlock(&watch_mu);
     atomic_store(&watch_start, hsdp_now_ns());
+}
+
+static void watch_begin(const char *op, const hsdp_group *g, size_t nbytes) {
+    watch_begin_ranks(op, ((const mpi_group *)g->impl)->world_ranks, g->size, nbytes);
 }
 
 static void watch_end(void) {
@@ -597,9 +603,12 @@ static hsdp_status direct_gather(hsdp_group *g, const direct_share *d, const voi
 }
 
 /* ---------------------------------------------------------------- agreement */
-/* Every collective unit gather carries a ticket: the unit's name, the group's count of unit
- * gathers so far and the bytes per rank. Ranks that disagree (one unsharding blocks.0 while
- * another unshards blocks.1, or a rank that skipped a gather after catching an exception)
+/* Every collective unit gather carries a ticket: the unit's name, its identity (which unit of
+ * the group it is, counted as made: two models of one architecture have units of the same
+ * names and sizes), the group's count of unit gathers so far and the bytes per rank. Ranks
+ * that disagree (one unsharding blocks.0 while another unshards blocks.1, one the first
+ * model's blocks.0 while another the second's, or a rank that skipped a gather after
+ * catching an exception)
  * all see every ticket, so every one of them fails, naming what each asked for, and none
  * returns: no rank returns weights mixed from two units, and a size mismatch never surfaces
  * as a truncation. In a group of up to FUSED_RANKS ranks the tickets travel with the data:
@@ -610,21 +619,22 @@ static hsdp_status direct_gather(hsdp_group *g, const direct_share *d, const voi
  * tickets in their own 64-byte all-gather first, then gather with MPI_Allgather, whose ring
  * and doubling algorithms scale where a rank posting to every peer may not. Direct gathers
  * need no check: each rank reads its peers' shards of its own unit. */
-enum { TICKET_LABEL = 40, FUSED_RANKS = 8, TAG_TICKET = 0x4854, TAG_CHUNK = 0x4855 };
+enum { TICKET_LABEL = 32, FUSED_RANKS = 8, TAG_TICKET = 0x4854, TAG_CHUNK = 0x4855 };
 typedef struct {
-    uint64_t seq, nbytes, label_hash;
+    uint64_t seq, nbytes, label_hash, ident;
     char label[TICKET_LABEL];
 } ticket;
 _Static_assert(sizeof(ticket) == 64, "a ticket is 64 bytes");
 enum { TICKETS_ON_STACK = 16 };
 _Static_assert((int)FUSED_RANKS <= (int)TICKETS_ON_STACK, "a fused gather's tickets fit on the stack");
 
-static ticket make_ticket(hsdp_group *g, const char *label, size_t nbytes) {
+static ticket make_ticket(hsdp_group *g, const char *label, uint64_t ident, size_t nbytes) {
     mpi_group *h = g->impl;
     ticket mine;
     memset(&mine, 0, sizeof mine);
     mine.seq = ++h->unit_gathers;
     mine.nbytes = nbytes;
+    mine.ident = ident;
     label = label ? label : "";
     mine.label_hash = fnv1a(1469598103934665603ull, label, strlen(label)); /* names longer than the copy */
     snprintf(mine.label, sizeof mine.label, "%s", label);
@@ -646,16 +656,17 @@ static hsdp_status check_tickets(const hsdp_group *g, const ticket *all) {
             used += (size_t)snprintf(msg + used, sizeof msg - used, " ...");
             break;
         }
-        used += (size_t)snprintf(msg + used, sizeof msg - used, "%s rank %d asks for unit '%.*s' (%llu bytes per rank, "
-                                 "its gather #%llu on this group)", j ? ";" : "", j, TICKET_LABEL - 1, all[j].label,
+        used += (size_t)snprintf(msg + used, sizeof msg - used, "%s rank %d asks for unit '%.*s' (the group's unit "
+                                 "#%llu as made, %llu bytes per rank, its gather #%llu on this group)", j ? ";" : "",
+                                 j, TICKET_LABEL - 1, all[j].label, (unsigned long long)all[j].ident,
                                  (unsigned long long)all[j].nbytes, (unsigned long long)all[j].seq);
     }
     return hsdp_fail(HSDP_ECOMM, "%s", msg);
 }
 
 /* The tickets in their own all-gather, before the data (groups of more than FUSED_RANKS). */
-static hsdp_status agree(hsdp_group *g, const char *label, size_t nbytes) {
-    ticket mine = make_ticket(g, label, nbytes);
+static hsdp_status agree(hsdp_group *g, const char *label, uint64_t ident, size_t nbytes) {
+    ticket mine = make_ticket(g, label, ident, nbytes);
     ticket stack[TICKETS_ON_STACK];
     ticket *all = g->size <= TICKETS_ON_STACK ? stack : malloc(sizeof *all * (size_t)g->size); /* freed below */
     if (!all) return hsdp_fail(HSDP_ENOMEM, "could not allocate the agreement of %d ranks", g->size);
@@ -674,12 +685,13 @@ static int error_class(int rc) {
 }
 
 /* The gather with the tickets beside the data, in one exchange (groups of up to FUSED_RANKS). */
-static hsdp_status agreed_gather(hsdp_group *g, const char *label, const void *send, void *recv, size_t nbytes) {
+static hsdp_status agreed_gather(hsdp_group *g, const char *label, uint64_t ident, const void *send, void *recv,
+                                 size_t nbytes) {
     REQUIRE_LIVE();
     int count, owned, n = g->size, me = g->rank;
     MPI_Datatype type;
     ticket all[FUSED_RANKS];
-    all[me] = make_ticket(g, label, nbytes);
+    all[me] = make_ticket(g, label, ident, nbytes);
     /* A size MPI cannot carry still takes part, with no data: were it a mismatch, the peers
      * must still see this rank's ticket, not wait for it until the watchdog fires. */
     char size_error[256] = "";
@@ -740,16 +752,16 @@ static hsdp_status agreed_gather(hsdp_group *g, const char *label, const void *s
 
 /* On the worker. The first gather of a fixed chunk is collective and sets *share. */
 static hsdp_status fixed_gather(hsdp_group *g, void **share, const void *send, void *recv, size_t nbytes,
-                                const char *label) {
+                                const char *label, uint64_t ident) {
     if (*share && *share != hsdp_share_collective()) return direct_gather(g, *share, send, recv, nbytes);
     hsdp_status st = HSDP_OK;
     int mode = g->size > 1 ? hsdp_agreement_check() : HSDP_AGREE_OFF;
     watch_label(label, !*share); /* a stalled peer is first seen here: name the unit */
     if (mode == HSDP_AGREE_ON && g->size <= FUSED_RANKS) {
-        st = agreed_gather(g, label, send, recv, nbytes);
+        st = agreed_gather(g, label, ident, send, recv, nbytes);
     } else {
         if (mode != HSDP_AGREE_OFF) {
-            st = agree(g, label, nbytes);
+            st = agree(g, label, ident, nbytes);
             watch_label(label, !*share);
         }
         if (st == HSDP_OK) st = raw_all_gather(g, send, recv, nbytes);
@@ -839,6 +851,7 @@ typedef struct {
     hsdp_group **out;
     void **share;
     const char *label;
+    uint64_t ident;
     const hsdp_blocks *sblocks, *rblocks;
 } call_args;
 
@@ -848,7 +861,7 @@ static hsdp_status do_all_gather(void *p) {
 }
 static hsdp_status do_gather_fixed(void *p) {
     call_args *a = p;
-    return fixed_gather(a->g, a->share, a->send, a->recv, a->nbytes, a->label);
+    return fixed_gather(a->g, a->share, a->send, a->recv, a->nbytes, a->label, a->ident);
 }
 static hsdp_status do_broadcast(void *p) {
     call_args *a = p;
@@ -880,9 +893,10 @@ static hsdp_status mpi_all_gather(hsdp_group *g, const void *send, void *recv, s
     call_args a = {.g = g, .send = send, .recv = recv, .nbytes = nbytes};
     return hsdp_exec_run(mpi_worker, do_all_gather, &a);
 }
-static hsdp_status mpi_gather_fixed(hsdp_group *g, void **share, const void *send, void *recv, size_t nbytes,
-                                    const char *label) {
-    call_args a = {.g = g, .send = send, .recv = recv, .nbytes = nbytes, .share = share, .label = label};
+static hsdp_status mpi_gather_unit(hsdp_group *g, void **share, const void *send, void *recv, size_t nbytes,
+                                   const char *label, uint64_t ident) {
+    call_args a = {.g = g, .send = send, .recv = recv, .nbytes = nbytes, .share = share, .label = label,
+                   .ident = ident};
     return hsdp_exec_run(mpi_worker, do_gather_fixed, &a);
 }
 static hsdp_status mpi_broadcast(hsdp_group *g, void *buf, size_t nbytes, int root) {
@@ -923,8 +937,9 @@ _Static_assert(sizeof(gather_task) <= HSDP_REQ_STATE_BYTES, "HSDP_REQ_STATE_BYTE
 static hsdp_status gather_job(void *p) {
     gather_task *t = p;
     hsdp_group *g = t->r->g;
-    hsdp_status st = t->r->share ? fixed_gather(g, t->r->share, t->send, t->recv, t->nbytes, t->r->label)
-                                 : raw_all_gather(g, t->send, t->recv, t->nbytes);
+    hsdp_status st = t->r->share
+                         ? fixed_gather(g, t->r->share, t->send, t->recv, t->nbytes, t->r->label, t->r->ident)
+                         : raw_all_gather(g, t->send, t->recv, t->nbytes);
     if (st == HSDP_OK && t->r->then) st = t->r->then(t->r->then_arg);
     return st;
 }
@@ -994,6 +1009,28 @@ static hsdp_status mpi_world(hsdp_group **out, int *we_init) {
     return hsdp_exec_run(mpi_worker, dup_world, out);
 }
 
+/* Every rank of the world meets here before MPI_Finalize, watched like any collective.
+ * MPI_Finalize is collective too, but unwatched: once gathers are direct a rank may finish
+ * alone (correctly: the weights do not change), and a peer stalled after warm-up would hold
+ * it in MPI_Finalize forever, silently. Past HSDP_TIMEOUT the watchdog names that peer and
+ * ends the job, as in any collective. On the calling thread: the worker has stopped. */
+static hsdp_status finalize_barrier(void) {
+    int n = 0;
+    if (MPI_Comm_size(MPI_COMM_WORLD, &n) != MPI_SUCCESS || n < 2) return HSDP_OK;
+    int *ranks = malloc(sizeof *ranks * (size_t)n); /* freed below, after the watchdog stops */
+    if (ranks)
+        for (int i = 0; i < n; i++) ranks[i] = i;
+    pthread_mutex_lock(&watch_mu);
+    snprintf(watch_next, sizeof watch_next, "finalising: every rank ends MPI together");
+    pthread_mutex_unlock(&watch_mu);
+    watch_begin_ranks("MPI_Barrier", ranks, n, 0);
+    int rc = MPI_Barrier(MPI_COMM_WORLD);
+    watch_end();
+    watch_stop_thread(); /* no longer reads ranks */
+    free(ranks);
+    return rc == MPI_SUCCESS ? HSDP_OK : mpi_fail(rc, "MPI_Barrier (finalising)");
+}
+
 static hsdp_status mpi_finalize(void) {
     int initialized = 0;
     MPI_Initialized(&initialized);
@@ -1001,10 +1038,12 @@ static hsdp_status mpi_finalize(void) {
     /* MPI_Finalize belongs on the thread that initialised MPI (this one); the worker must be
      * idle for good first. */
     hsdp_exec_stop(mpi_worker);
+    hsdp_status met = finalize_barrier(); /* peers' status asks are still answered meanwhile */
     watch_stop_thread();
     hsdp_status_stop();
     int rc = MPI_Finalize();
     flush_graves(0, 1); /* MPI_Finalize is collective: no peer reads any more */
+    if (met != HSDP_OK) return met;
     return rc == MPI_SUCCESS ? HSDP_OK : mpi_fail(rc, "MPI_Finalize");
 }
 
@@ -1023,7 +1062,7 @@ const hsdp_backend hsdp_backend_mpi = {
     .gather_wait = mpi_gather_wait,
     .overlaps = mpi_overlaps,
     .finalize = mpi_finalize,
-    .gather_fixed = mpi_gather_fixed,
+    .gather_unit = mpi_gather_unit,
     .share_free = mpi_share_free,
 };
 

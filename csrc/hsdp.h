@@ -175,6 +175,7 @@ typedef struct hsdp_req {
     void *then_arg;
     void **share;                         /* a fixed chunk's share (hsdp_gather_fixed), or NULL */
     const char *label;                    /* borrowed: what is gathered, for timeout messages */
+    uint64_t ident;                       /* the unit's identity (hsdp_unit.ident), when share is set */
     int pending;                          /* started, not yet waited */
     int backend_owned;                    /* started through the backend's gather_start */
     hsdp_status status;                   /* of the collective and `then`, set when done */
@@ -201,6 +202,8 @@ typedef struct {
     void *share;            /* owned (hsdp_share_free): set by the first gather; from then on
                              * the shard is fixed, since peers may read it directly */
     char label[64];         /* the unit's name, for messages (set by the caller; may be empty) */
+    uint64_t ident;         /* which unit of its group, counted as made (group->units_made):
+                             * the same on every rank, checked by the gathers that agree */
 } hsdp_unit;
 
 /* Sets up the layout and a zeroed shard. compute[i] is the dtype slot i is computed in, as

@@ -18,6 +18,7 @@ hsdp_status hsdp_unit_init(hsdp_unit *u, const size_t *numels, const hsdp_dtype 
     if (st != HSDP_OK) return st;
     u->group = group;
     u->s = group->rank;
+    u->ident = ++group->units_made;
     /* Owned by the unit until hsdp_unit_free. Zeroed so padding and not-yet-loaded
      * parameters gather as zeros, never as garbage. */
     u->shard = aligned_alloc(HSDP_ALIGN, u->layout.chunk_bytes ? u->layout.chunk_bytes : HSDP_ALIGN);
@@ -105,7 +106,7 @@ hsdp_status hsdp_unit_write(hsdp_unit *u, size_t i, size_t first, size_t count, 
 hsdp_status hsdp_unit_gather(hsdp_unit *u, void *full) {
     atomic_fetch_add(&u->stats->gathers, 1);
     if (u->layout.total_bytes == 0) return HSDP_OK;
-    return hsdp_gather_fixed(u->group, &u->share, u->shard, full, u->layout.chunk_bytes, u->label);
+    return hsdp_gather_fixed(u->group, &u->share, u->shard, full, u->layout.chunk_bytes, u->label, u->ident);
 }
 
 hsdp_status hsdp_unit_widen(const hsdp_unit *u, const void *full, void *widened) {
@@ -127,6 +128,7 @@ static hsdp_status convert_job(void *arg) {
 
 static void req_init(hsdp_gather_req *r, hsdp_unit *u, void *full, void *widened) {
     r->req.label = u->label;
+    r->req.ident = u->ident;
     r->u = u;
     r->full = full;
     r->widened = widened;

@@ -54,6 +54,21 @@ def scenario_unequal(rank: int) -> None:
     report(rank, "RETURNED")
 
 
+def scenario_twins(rank: int) -> None:
+    """Two models of one architecture: rank 0 unshards the first one's blocks.0, the others
+    the second one's. Same name, same size, same gather count: only the units' identity
+    differs. Every rank raises; none returns weights mixed from the two models."""
+    first, second = sharded(seed=0), sharded(seed=1)
+    model = first if rank == 0 else second
+    try:
+        hsdp.unshard(model.blocks[0])
+    except RuntimeError as exc:
+        assert not hsdp.get_units(model)[0].unit.is_unsharded
+        report(rank, f"RAISED {exc}")
+        return
+    report(rank, "RETURNED")
+
+
 def scenario_caught(rank: int) -> None:
     """A serving loop: rank 1 fails inside block 0 of request 2 (4 blocks, so rank 0 gathers
     units rank 1 never asks for) and catches it; rank 0 does not. Every later request either

@@ -2,7 +2,8 @@
 
 `python tests/ckpt_worker.py REPLICATE DIR` runs every check below on a
 (REPLICATE, world // REPLICATE) mesh with the checkpoints the test wrote into DIR. On every
-rank, the model loaded streaming must equal one loaded whole and then sharded, bit for bit,
+rank, the model loaded streaming must equal one loaded whole and then sharded, bit for bit
+(16-bit sources: the source file's values, decoded with numpy alone),
 and the bytes each rank read must add up to each byte read once per shard group. A failure raises
 out of main; hsdp then skips MPI_Finalize at exit, so mpiexec ends the other ranks instead
 of leaving them waiting in a collective.
@@ -11,6 +12,8 @@ of leaving them waiting in a collective.
 from __future__ import annotations
 
 import gc
+import json
+import struct
 import sys
 from pathlib import Path
 
@@ -84,6 +87,48 @@ def check_same_load(world, R: int, path: Path, preset: str, variant: str, every_
         assert (report.bytes_read > whole) == (mesh.replicate_rank == 0), (report.bytes_read, whole)
 
 
+def source_values(path: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a one-file checkpoint as float32, decoded from the file's own bytes
+    with numpy alone (BF16: the top half of a float32; F16: numpy's float16), exact."""
+    raw = path.read_bytes()
+    (hlen,) = struct.unpack("<Q", raw[:8])
+    data = raw[8 + hlen:]
+    out = {}
+    for name, e in json.loads(raw[8:8 + hlen]).items():
+        if name == "__metadata__":
+            continue
+        b, end = e["data_offsets"]
+        if e["dtype"] == "BF16":
+            v = (np.frombuffer(data[b:end], np.uint16).astype(np.uint32) << 16).view(np.float32)
+        elif e["dtype"] == "F16":
+            v = np.frombuffer(data[b:end], np.float16).astype(np.float32)
+        else:
+            assert e["dtype"] == "F32", e["dtype"]
+            v = np.frombuffer(data[b:end], np.float32)
+        out[name] = v.reshape(e["shape"])
+    return out
+
+
+def check_exact_from_source(world, R: int, path: Path) -> None:
+    """A 16-bit source streamed into float32 parameters, each rank reading and widening its
+    own slice of every tensor: the full parameters (every rank's shard, gathered) equal the
+    source's values bit for bit. Reading a neighbour's slice (the widening path's offset off
+    by a slice) would show here on any rank past the first."""
+    config = hsdp.HSDPInferenceConfig(enabled=True, hsdp_replicate_size=R, param_dtype="float32")
+    model = load_model_sharded(meta("tiny", "plain"), path, config, progress=False)
+    hsdp.unshard(model, recurse=True)
+    want = source_values(path)
+    try:
+        names = [n for n, _ in model.named_parameters()]
+        assert sorted(names) == sorted(want), (names, sorted(want))
+        for n, p in model.named_parameters():
+            got = np.asarray(p.data)
+            assert got.dtype == np.float32 and got.shape == want[n].shape, (n, got.dtype, got.shape)
+            assert np.array_equal(got.view(np.uint32), want[n].view(np.uint32)), (path.name, n)
+    finally:
+        hsdp.reshard(model, recurse=True)
+
+
 def check_failure_on_one_rank(world, R: int, path: Path) -> None:
     """An I/O error on rank 1 only: every rank raises, none hangs, no unit stays usable."""
     config = hsdp.HSDPInferenceConfig(enabled=True, hsdp_replicate_size=R)
@@ -138,6 +183,8 @@ def main() -> None:
             world, R, root / "small" / "model.safetensors.index.json", "small", "plain")),
         ("quantized", lambda: check_same_load(world, R, root / "quant_tiny.safetensors", "tiny", "quantized")),
         ("ignored", lambda: check_same_load(world, R, root / "ignored_tiny.safetensors", "tiny", "ignored")),
+        ("bf16 source", lambda: check_exact_from_source(world, R, root / "bf16_tiny.safetensors")),
+        ("f16 source", lambda: check_exact_from_source(world, R, root / "f16_tiny.safetensors")),
         ("failure", lambda: check_failure_on_one_rank(world, R, root / "ref_tiny.safetensors")),
         ("missing key", lambda: check_missing_key(world, R, root / "ref_tiny.safetensors")),
     ]

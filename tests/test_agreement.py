@@ -51,11 +51,24 @@ def test_two_units_of_the_same_size_raise_on_every_rank(mode, n):
         assert "rank 2 asks" not in line, line  # rank 2 asks what rank 0 asks: not repeated
 
 
+@pytest.mark.parametrize("mode", ["fused", "separate"])
+def test_the_same_unit_of_another_model_raises_on_every_rank(mode):
+    """Identity only: blocks.0 of two models of one architecture (same name, same size, the
+    same gather count on the group). Without the unit's identity in the ticket both ranks
+    returned, each with the other model's shard in its weights."""
+    lines = one_line_per_rank("twins", mode, 2)
+    for line in lines:
+        assert line.startswith("RAISED the 2 ranks of a group do not gather the same unit"), line
+        idents = re.findall(r"asks for unit 'blocks\.0' \(the group's unit #(\d+) as made, \d+ bytes per rank, "
+                            r"its gather #1 on this group\)", line)
+        assert len(idents) == 2 and idents[0] != idents[1], line  # rank 0's and rank 1's, told apart
+
+
 @pytest.mark.parametrize("mode,n", MODES)
 def test_units_of_different_sizes_raise_on_every_rank_not_a_truncation(mode, n):
     for line in one_line_per_rank("unequal", mode, n):
         assert "do not gather the same unit" in line and "MPI_ERR_TRUNCATE" not in line, line
-        sizes = [int(v) for v in re.findall(r"\((\d+) bytes per rank", line)]
+        sizes = [int(v) for v in re.findall(r"(\d+) bytes per rank", line)]
         assert len(sizes) == n and len(set(sizes)) == 2, line  # every rank unlike rank 0 is named
 
 

@@ -113,7 +113,7 @@ def test_a_hostile_name_is_cut_in_the_message(tmp_path):
 
 
 def test_a_hostile_value_is_cut_in_the_message(tmp_path):
-    shape = [1] * 2_000_000 + ["x"]
+    shape = [1] * 10 + ["x" * 2_000_000]  # (a longer list is refused at its 65th element: below)
     path = craft(tmp_path / "bad.safetensors", {"a": {"dtype": "U8", "shape": shape, "data_offsets": [0, 1]}}, b"x")
     with pytest.raises(CheckpointError, match="non-negative integers") as info:
         open_checkpoint(path)
@@ -254,6 +254,77 @@ def test_a_duplicate_name_far_apart_is_found(tmp_path):
 
 
 # --------------------------------------------------------------------------- bounded header memory
+
+
+_LONG = 2_000_000  # elements of a hostile list: 4 MB of text, 64 windows of 64 KiB
+_HOSTILE = {
+    "shape": ('{"a":{"dtype":"U8","shape":%s,"data_offsets":[0,1]}}', "shape has more than 64 dimensions"),
+    "data_offsets": ('{"a":{"dtype":"U8","shape":[1],"data_offsets":%s}}',
+                     "data_offsets must be .begin, end. integers, got a list of more than 2"),
+    "extra key": ('{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1],"x":%s}}', "holds more than 256 values"),
+    "entry a list": ('{"a":%s}', "holds more than 256 values"),
+}
+
+
+def _traced_peak(fn) -> int:
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        fn()
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    return peak
+
+
+@pytest.mark.parametrize("case", sorted(_HOSTILE))
+def test_a_hostile_list_is_refused_at_bounded_cost(tmp_path, monkeypatch, case):
+    """A list longer than any valid one (2M integers where a shape has at most 64) is refused
+    at its first extra element: the parse holds a window or two, not the list. Parsed whole
+    (as before), the text alone is 64 windows and its Python list 4 times that. The bound is
+    the window's: a valid header costs that plus its entries' flat arrays (docs/checkpoints.md)."""
+    window = 1 << 16
+    monkeypatch.setattr(fmt, "_WINDOW_BYTES", window)
+    template, message = _HOSTILE[case]
+    nested = "[" + ",".join(["1"] * _LONG) + "]"
+    path = craft(tmp_path / "hostile.safetensors", (template % nested).encode(), b"x")
+    del nested
+
+    def refuse() -> None:
+        with pytest.raises(CheckpointError, match=message):
+            open_checkpoint(path)
+
+    peak = _traced_peak(refuse)
+    assert peak < 16 * window, f"refusing took {peak / 2**20:.1f} MiB"
+
+
+def test_deep_nesting_and_long_whitespace_in_one_entry_at_bounded_cost(tmp_path, monkeypatch):
+    """Piece by piece, an entry larger than the window still parses as json does: 4 MB of
+    whitespace inside a valid entry is accepted, 1M nested lists are refused, both within
+    a bound set by the window."""
+    window = 1 << 16
+    monkeypatch.setattr(fmt, "_WINDOW_BYTES", window)
+    spaced = '{"a":{"dtype":"U8",%s"shape":[ 1 %s],"data_offsets":[0,1],"x":{"k":[2.5,null]}}}' % (
+        " " * _LONG, "\n" * _LONG)
+    ok = craft(tmp_path / "spaced.safetensors", spaced.encode(), b"x")
+    deep = craft(tmp_path / "deep.safetensors", ('{"a":{"x":' + "[" * _LONG + "]" * _LONG + "}}").encode(), b"x")
+    del spaced
+
+    def accept() -> None:
+        with open_checkpoint(ok) as ck:
+            assert ck.entries["a"].shape == (1,)
+
+    def refuse() -> None:
+        # json's scanner gives up within the first window (its recursion limit); piece by
+        # piece, the value budget would refuse it
+        with pytest.raises(CheckpointError, match="RecursionError|holds more than 256 values"):
+            open_checkpoint(deep)
+
+    for fn in (accept, refuse):
+        peak = _traced_peak(fn)
+        assert peak < 16 * window, f"{fn.__name__} took {peak / 2**20:.1f} MiB"
+
 
 _MEASURE = textwrap.dedent(
     """

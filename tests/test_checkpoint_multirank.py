@@ -1,7 +1,8 @@
 """Streaming checkpoint loads across real MPI ranks: one mpiexec launch per mesh runs every
 check of tests/ckpt_worker.py (streaming == whole-then-shard bit for bit on a file written
 by the reference safetensors package, a multi-file checkpoint, int8 and ignored parameters;
-bytes read; a failure on one rank; a missing key)."""
+bf16 and f16 sources widened to float32, against the source's bytes; bytes read; a failure
+on one rank; a missing key)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,9 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert len(files) > 3
     save_checkpoint(models.make_model("tiny", variant="quantized", seed=2), root / "quant_tiny.safetensors")
     save_checkpoint(models.make_model("tiny", variant="ignored", seed=3), root / "ignored_tiny.safetensors")
+    src = models.make_model("tiny", seed=4)
+    for dtype, name in (("bfloat16", "bf16_tiny"), ("float16", "f16_tiny")):  # widened to float32 on load
+        save_checkpoint({n: (p.data, dtype) for n, p in src.named_parameters()}, root / f"{name}.safetensors")
     return root
 
 

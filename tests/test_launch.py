@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from hsdp import launch
-from mpirun import ROOT, mpiexec
+from mpirun import ROOT, assert_nothing_left, mpiexec, run_watched
 
 EXAMPLE = "examples/offline_inference/text_to_video.py"  # relative: jobs run with cwd=ROOT
 SCRIPT = str(ROOT / EXAMPLE)  # absolute: in-process calls work from any working directory
@@ -110,6 +110,27 @@ def test_dry_run_mpich_gets_no_open_mpi_flags(tmp_path, capsys, clean_env) -> No
 def test_bad_rank_count(bad: str, capsys) -> None:
     assert launch.main(["-n", bad, SCRIPT]) == 2
     assert "positive int" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "soon", "inf"])
+def test_bad_timeout(bad: str, capsys) -> None:
+    assert launch.main(["-n", "2", "--timeout", bad, SCRIPT]) == 2
+    assert "--timeout: must be a number of seconds > 0" in capsys.readouterr().err
+
+
+def test_dry_run_names_the_jobs_own_directory(tmp_path, capsys, clean_env) -> None:
+    """Open MPI's segments and session directory go to a directory of the job's own, which
+    every process of the job is marked with; a user's own placement is kept."""
+    exe = fake_mpiexec(tmp_path, "openmpi")
+    assert launch.main(["--dry-run", "--mpiexec", exe, "-n", "2", SCRIPT]) == 0
+    per_job = [line for line in capsys.readouterr().out.splitlines() if line.startswith("# per job")]
+    where = os.path.join(launch.job_base(), f"{launch.JOB_DIR_PREFIX}{os.getpid()}.XXXXXXXX")
+    assert sorted(line.split("export ")[1] for line in per_job) == [
+        f"HSDP_LAUNCH_JOB={where}", f"OMPI_MCA_btl_vader_backing_directory={where}",
+        f"OMPI_MCA_orte_tmpdir_base={where}"]
+    mine = launch.job_env("openmpi", "/x", environ={"OMPI_MCA_orte_tmpdir_base": "/mine"})
+    assert mine == {"HSDP_LAUNCH_JOB": "/x", "OMPI_MCA_btl_vader_backing_directory": "/x"}
+    assert launch.job_env("mpich", "/x", environ={}) == {"HSDP_LAUNCH_JOB": "/x"}
 
 
 def test_missing_n_and_missing_script(capsys) -> None:
@@ -207,6 +228,36 @@ def test_sigint_is_forwarded(tmp_path) -> None:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+@pytest.mark.parametrize("ending", ["sigterm", "timeout"])
+def test_a_job_ended_from_outside_leaves_nothing(ending: str) -> None:
+    """Rank 1 stalls while rank 0 waits in a barrier (HSDP_TIMEOUT far off), and the job is
+    ended from outside: SIGTERM to the launcher once both ranks are ready, or the launcher's
+    own --timeout. No rank may be left running, and none of the job's shared-memory segments
+    (4 MB each in /dev/shm; Open MPI does not remove a killed rank's) nor its directory left."""
+    mpiexec()
+    env = {**os.environ, "HSDP_TIMEOUT": "120"}
+    timeout = ["--timeout", "6"] if ending == "timeout" else []
+    cmd = [sys.executable, "-m", "hsdp.launch", "-n", "2", *timeout, "tests/timeout_worker.py", "stall"]
+    ready: list[str] = []
+
+    def on_ready(text: str, proc: subprocess.Popen[str]) -> None:
+        ready.append(text)
+        if ending == "sigterm" and len(ready) == 2:
+            proc.send_signal(signal.SIGTERM)
+
+    run = run_watched(cmd, env, limit=60, watch=("rank 0: ready", "rank 1: ready"), on_seen=on_ready)
+    assert len(ready) == 2, f"the job ended before both ranks were ready:\n{run.output}"
+    if ending == "sigterm":
+        assert run.returncode == 128 + signal.SIGTERM, run.output
+    else:
+        assert run.returncode == launch.EXIT_TIMEOUT, run.output
+        assert "the job ran longer than --timeout 6 s; ending it" in run.output
+    assert ": not reached" not in run.output
+    assert_nothing_left(run)
+    gone = min(run.after("rank 0: ready"), run.after("rank 1: ready"))
+    print(f"{ending}: the job was gone {gone:.1f} s after both ranks were ready")
 
 
 def test_example_resident_on_two_ranks(tmp_path) -> None:

@@ -15,7 +15,13 @@ root, often with fewer cores than ranks) needs, so that the same one line works 
 
 Each rank runs the script through :mod:`hsdp._rank`, which ends the whole job when one rank
 fails instead of leaving the others waiting in a collective. The exit status of ``mpiexec``
-is forwarded; SIGINT and SIGTERM are forwarded to it.
+is forwarded; SIGINT and SIGTERM are forwarded to it (``--timeout`` sends it SIGTERM).
+
+However the job ends, the launcher leaves nothing behind: Open MPI's shared-memory segments
+and session directory go to a directory of this job's own (``/dev/shm/hsdp-launch.PID.*``),
+and at the end every process of the job still alive (found by a variable only its
+processes carry) is killed and that directory removed. A rank killed mid-job does not
+remove its segment itself (4 MB of ``/dev/shm`` each, until reboot).
 """
 
 from __future__ import annotations
@@ -27,17 +33,30 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Literal
 
-__all__ = ["build_command", "detect_flavour", "launch_env", "main"]
+__all__ = ["build_command", "detect_flavour", "end_job", "job_env", "launch_env", "main"]
 
 Flavour = Literal["openmpi", "mpich", "unknown"]
 
 # Exit status when mpiexec cannot be found, as a shell reports a missing command.
 EXIT_NO_MPIEXEC = 127
+# Exit status when --timeout ended the job, as coreutils' timeout reports it.
+EXIT_TIMEOUT = 124
+
+# Carried by every process of a job (mpiexec passes its environment to local ranks): how the
+# launcher finds ranks that outlive mpiexec. The value is the job's directory.
+JOB_VAR = "HSDP_LAUNCH_JOB"
+JOB_DIR_PREFIX = "hsdp-launch."
+# After SIGTERM (forwarded, or --timeout's), how long mpiexec may take to end the ranks
+# before it is killed; and how long killed processes may take to be gone.
+GRACE_S = 10.0
+REAP_S = 10.0
 
 _INSTALL_HINT = (
     "install an MPI implementation that provides mpiexec (Debian/Ubuntu: "
@@ -60,6 +79,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m hsdp.launch",
@@ -74,6 +103,10 @@ def _parser() -> argparse.ArgumentParser:
         "--bind-to", default="none", metavar="WHAT",
         help="Open MPI process binding (default: none, so each rank's collective worker thread "
         "can run beside its compute; e.g. core, socket, numa)",
+    )
+    p.add_argument(
+        "--timeout", type=_positive_seconds, default=None, metavar="SECONDS",
+        help="end the job (SIGTERM to mpiexec, then SIGKILL) when it runs longer; exit status 124",
     )
     p.add_argument(
         "--dry-run", action="store_true", help="print the environment and command that would run, and exit"
@@ -196,26 +229,123 @@ def _split_command(raw: list[str]) -> list[str]:
     return raw[1:] if raw and raw[0] == "--" else raw
 
 
-def _run(cmd: list[str], env: dict[str, str]) -> int:
+def job_base() -> str:
+    """Where job directories go: /dev/shm (tmpfs, where Open MPI puts its segments by
+    default) when it is a writable folder, else the temporary folder."""
+    shm = "/dev/shm"
+    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK) else tempfile.gettempdir()
+
+
+def job_env(flavour: Flavour, job_dir: str, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The variables that put the job's files in ``job_dir`` and mark its processes (only
+    those not set in ``environ``; a user's own placement is kept, and not cleaned)."""
+    environ = dict(os.environ if environ is None else environ)
+    wanted = {JOB_VAR: job_dir}
+    if flavour == "openmpi":
+        # Shared-memory segments (btl vader; Open MPI 5 accepts the name for btl sm) and the
+        # session directory (Open MPI 4's ORTE): both named by the job, both ours to remove.
+        wanted["OMPI_MCA_btl_vader_backing_directory"] = job_dir
+        wanted["OMPI_MCA_orte_tmpdir_base"] = job_dir
+    return {k: v for k, v in wanted.items() if k not in environ}
+
+
+def _job_pids(job_dir: str) -> list[int]:
+    """Processes of this user whose environment marks them as the job's (Linux /proc)."""
+    mark = f"{JOB_VAR}={job_dir}".encode()
+    found = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return found
+    for entry in entries:
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if mark in f.read().split(b"\0"):
+                    found.append(int(entry))
+        except OSError:  # gone, or another user's
+            continue
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """Whether pid still runs (a zombie has ended: it holds no memory and no files)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in (b"Z", b"X")
+
+
+def end_job(job_dir: str) -> None:
+    """Kills every process of the job still alive, waits until they are gone, then removes
+    the job's directory. Safe to call more than once."""
+    pids = _job_pids(job_dir)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    deadline = time.monotonic() + REAP_S
+    left = [pid for pid in pids if _alive(pid)]
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = [pid for pid in left if _alive(pid)]
+    if left:
+        _error(f"processes {left} of the job did not end after SIGKILL; {job_dir} is left in place")
+        return
+    shutil.rmtree(job_dir, ignore_errors=True)
+
+
+def _run(cmd: list[str], env: dict[str, str], timeout: float | None = None) -> int:
     """Runs mpiexec, forwarding SIGINT/SIGTERM to it, and returns its exit status.
 
     A terminal's Ctrl-C reaches mpiexec directly as well (same process group); forwarding
-    also covers a signal sent to the launcher alone (a scheduler, `kill`).
+    also covers a signal sent to the launcher alone (a scheduler, `kill`). After a signal
+    (or ``timeout`` seconds, which sends SIGTERM) mpiexec has GRACE_S to end, then is killed.
     """
     proc = subprocess.Popen(cmd, env=env)
     received: list[int] = []
+    kill_at: list[float] = []
 
     def forward(signum: int, _frame: FrameType | None) -> None:
         received.append(signum)
+        if not kill_at:
+            kill_at.append(time.monotonic() + GRACE_S)
         if proc.poll() is None:
             proc.send_signal(signum)
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    end_at = None if timeout is None else time.monotonic() + timeout
+    timed_out = killed = False
     try:
-        code = proc.wait()
+        while True:
+            now = time.monotonic()
+            if end_at is not None and now >= end_at and not timed_out:
+                timed_out = True
+                _error(f"the job ran longer than --timeout {timeout:g} s; ending it")
+                kill_at.append(now + GRACE_S)
+                if proc.poll() is None:
+                    proc.terminate()
+            if kill_at and now >= kill_at[0] and not killed:
+                killed = True
+                if proc.poll() is None:
+                    _error(f"mpiexec did not end {GRACE_S:g} s after SIGTERM; killing it")
+                    proc.kill()
+            wake = [t for t in (None if timed_out else end_at, None if killed or not kill_at else kill_at[0])
+                    if t is not None]
+            try:
+                code = proc.wait(timeout=max(0.01, min(wake) - now) if wake else None)
+                break
+            except subprocess.TimeoutExpired:
+                continue
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if timed_out:
+        return EXIT_TIMEOUT
     if code < 0:  # mpiexec died of a signal: report it the way a shell does
         return 128 - code
     if code != 0 and received:  # Open MPI exits 1 when interrupted; say it was the signal
@@ -256,9 +386,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"# mpiexec implementation: {flavour}")
         for var, value in sorted(added.items()):
             print(f"export {var}={shlex.quote(value)}")
+        placeholder = os.path.join(job_base(), f"{JOB_DIR_PREFIX}{os.getpid()}.XXXXXXXX")
+        for var, value in sorted(job_env(flavour, placeholder).items()):
+            print(f"# per job (the directory is removed at its end): export {var}={shlex.quote(value)}")
         print(shlex.join(cmd))
         return 0
-    return _run(cmd, {**os.environ, **added})
+    job_dir = tempfile.mkdtemp(prefix=f"{JOB_DIR_PREFIX}{os.getpid()}.", dir=job_base())
+    try:
+        return _run(cmd, {**os.environ, **added, **job_env(flavour, job_dir)}, args.timeout)
+    finally:
+        # mpiexec has ended; a second Ctrl-C must not stop the cleanup half-way (it is bounded).
+        previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            end_job(job_dir)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
 if __name__ == "__main__":

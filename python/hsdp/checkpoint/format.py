@@ -334,12 +334,14 @@ _WS = re.compile(r"[ \t\n\r]*")
 # The usual entry, written as writers write it: a name without escapes, then dtype, shape and
 # data_offsets in that order, integers of at most 19 digits. One regex match takes it; any
 # other spelling (escapes, other key orders, extra keys, big numbers, errors) goes through
-# json's scanner, which is the reference: this is only a faster way to the same result.
+# json's scanner, which is the reference: this is only a faster way to the same result. At
+# most MAX_NDIM dims: an unbounded repeat would hold a backtracking record per element of a
+# hostile list (285 MiB for a 1 MiB window of "1,1,...") before failing.
 _W = r"[ \t\n\r]*"
 _N = r"(?:0|[1-9][0-9]{0,18})"
 _FAST = re.compile(
     rf'{_W}"([^"\\\x00-\x1f]*)"{_W}:{_W}\{{{_W}"dtype"{_W}:{_W}"([A-Z0-9_]*)"{_W},{_W}'
-    rf'"shape"{_W}:{_W}\[((?:{_W}{_N}{_W}(?:,{_W}{_N}{_W})*)?){_W}\]{_W},{_W}'
+    rf'"shape"{_W}:{_W}\[((?:{_W}{_N}{_W}(?:,{_W}{_N}{_W}){{0,{MAX_NDIM - 1}}})?){_W}\]{_W},{_W}'
     rf'"data_offsets"{_W}:{_W}\[{_W}({_N}){_W},{_W}({_N}){_W}\]{_W}\}}{_W}([,}}])'
 )
 # The same without whitespace, as the reference package writes it: three times as fast to
@@ -402,10 +404,12 @@ class _Reader:
         self.pos += 1
         return c
 
-    def take(self, parse: Callable[[str, int], tuple[Any, int]], what: str) -> Any:
+    def take(self, parse: Callable[[str, int], tuple[Any, int]], what: str, grow: bool = True) -> Any:
         """One JSON value parsed at the current position, reading more when the window cut
-        it short. A value is complete only with a character after it in the window (or at
-        the end of the header): a number cut at the window's edge would parse."""
+        it short. A value is complete only with _NEAR_END characters after it in the window
+        (or at the end of the header): a number cut at the window's edge would parse. With
+        ``grow=False`` a value the window cuts short is not read further: ``_CUT`` comes
+        back, nothing consumed (the caller parses it piece by piece instead)."""
         while True:
             try:
                 value, end = parse(self.buf, self.pos)
@@ -414,15 +418,126 @@ class _Reader:
             except (json.JSONDecodeError, StopIteration) as e:
                 at = e.pos if isinstance(e, json.JSONDecodeError) else (e.value if isinstance(e.value, int) else 0)
                 cut_short = at >= len(self.buf) - _NEAR_END or str(e).startswith("Unterminated string")
+                if cut_short and self.left and not grow:
+                    return _CUT
                 if cut_short and self.more():
                     continue
                 detail = str(e) if isinstance(e, json.JSONDecodeError) else "expected a value"
                 raise _fail(self.path, f"not valid UTF-8 JSON in {what}: {cut(detail, 200)}") from None
             except (ValueError, RecursionError) as e:  # a 5000-digit integer, nesting past the stack
                 raise _fail(self.path, f"{what} cannot be parsed: {type(e).__name__}: {cut(str(e), 200)}") from None
-            if end < len(self.buf) or not self.more():
-                self.pos = end
-                return value
+            # A value ending near the window's end may have been cut ("2." of "2.5" parses as 2).
+            if end >= len(self.buf) - _NEAR_END and self.left:
+                if not grow:
+                    return _CUT
+                self.more()
+                continue
+            self.pos = end
+            return value
+
+
+_CUT = object()  # Reader.take(grow=False): the value runs past the window
+
+# An entry larger than the window is parsed piece by piece (_Entry), never whole: a list
+# longer than any valid one is refused at its first extra element, so a hostile entry (a
+# "shape" of 30M integers) costs what a valid header of its size costs, not ten times more
+# in Python objects. A valid entry holds at most 1 + (1 + MAX_NDIM) + 3 values; extra keys,
+# which the reference ignores, share a budget well above that.
+_ENTRY_VALUES = 4 * MAX_NDIM
+
+
+class _Entry:
+    """One entry's value parsed a token at a time from the reader, with json's own scanner
+    for every scalar, accepting exactly what json accepts (a repeated key included: it is
+    refused), while counting values: "shape" may hold MAX_NDIM, "data_offsets" 2, and the
+    whole entry _ENTRY_VALUES."""
+
+    def __init__(self, r: _Reader, name: str) -> None:
+        self.r, self.name, self.left = r, name, _ENTRY_VALUES
+        self.what = f"the entry of '{shown(name)}'"
+
+    def _syntax(self, expected: str) -> CheckpointError:
+        c = self.r.peek()
+        got = f"{c!r}" if c else "the end of the header"
+        return _fail(self.r.path, f"not valid UTF-8 JSON in {self.what}: expected {expected}, got {got}")
+
+    def value(self, key: str | None = None) -> Any:
+        """The value at the reader's position; key: the entry's key it belongs to (top level)."""
+        self.left -= 1
+        if self.left < 0:
+            raise _fail(self.r.path, f"the entry holds more than {_ENTRY_VALUES} values (a tensor's entry has at "
+                        f"most {MAX_NDIM + 6}: itself, dtype, shape and data_offsets)", self.name)
+        c = self.r.peek()
+        if c == "[":
+            return self._list({"shape": MAX_NDIM, "data_offsets": 2}.get(key or ""), key)
+        if c == "{":
+            return self._object()
+        if not c:
+            raise self._syntax("a value")
+        return self.r.take(self.r.scan, self.what)
+
+    def _list(self, most: int | None, key: str | None) -> list[Any]:
+        r = self.r
+        r.pos += 1
+        items: list[Any] = []
+        if r.peek() == "]":
+            r.pos += 1
+            return items
+        while True:
+            if most is not None and len(items) == most:
+                if key == "shape":
+                    raise _fail(r.path, f"shape has more than {MAX_NDIM} dimensions; at most {MAX_NDIM} are "
+                                "supported", self.name)
+                raise _fail(r.path, "data_offsets must be [begin, end] integers, got a list of more than 2",
+                            self.name)
+            items.append(self.value())
+            c = r.peek()
+            if not c or c not in ",]":
+                raise self._syntax("',' or ']'")
+            r.pos += 1
+            if c == "]":
+                return items
+
+    def _object(self, top: bool = False) -> dict[str, Any]:
+        r = self.r
+        r.pos += 1
+        pairs: dict[str, Any] = {}
+        if r.peek() == "}":
+            r.pos += 1
+            return pairs
+        while True:
+            if r.peek() != '"':
+                raise self._syntax("a key in double quotes")
+            key = r.take(_scan_string, self.what)
+            if key in pairs:
+                raise r._dup_in_entry(key)
+            if r.peek() != ":":
+                raise self._syntax("':'")
+            r.pos += 1
+            pairs[key] = self.value(key if top else None)
+            c = r.peek()
+            if not c or c not in ",}":
+                raise self._syntax("',' or '}'")
+            r.pos += 1
+            if c == "}":
+                return pairs
+
+    def parse(self) -> Any:
+        if self.r.peek() == "{":
+            self.left -= 1
+            return self._object(top=True)
+        return self.value()
+
+
+def _take_entry(r: _Reader, name: str) -> Any:
+    """An entry's value: whole with json's scanner when it ends within the window (the
+    usual case, and bounded by the window), else piece by piece (_Entry), bounded."""
+    if name != "__metadata__":  # a map of strings: its size is the header's, as a valid one's
+        value = r.take(r.scan, f"the entry of '{shown(name)}'", grow=False)
+        if value is not _CUT:
+            return value
+        return _Entry(r, name).parse()
+    return r.take(r.scan, f"the entry of '{shown(name)}'")
 
 
 def _scan_string(s: str, i: int) -> tuple[str, int]:
@@ -497,7 +612,7 @@ def _parse_header(path: str, fd: int, hlen: int, data_len: int, data_start: int)
             name = r.take(_scan_string, "a tensor name")
             r.expect(":", "':' after a name")
             r.peek()
-            info = r.take(r.scan, f"the entry of '{shown(name)}'")
+            info = _take_entry(r, name)
             if name == "__metadata__":
                 if seen_metadata:
                     raise _fail(path, "the name appears more than once in the header", name)
