@@ -89,7 +89,7 @@ const hsdp_backend hsdp_backend_nccl = {.name = "nccl", .usable = nccl_usable, .
     X(cudaGetDeviceCount) X(cudaSetDevice) X(cudaMalloc) X(cudaFree) X(cudaMemcpyAsync)                      \
     X(cudaStreamCreateWithPriority) X(cudaDeviceGetStreamPriorityRange) X(cudaStreamDestroy)                 \
     X(cudaStreamWaitEvent) X(cudaStreamSynchronize) X(cudaEventCreateWithFlags) X(cudaEventDestroy)         \
-    X(cudaEventRecord) X(cudaEventQuery) X(cudaPointerGetAttributes) X(cudaGetErrorString)
+    X(cudaEventRecord) X(cudaEventQuery) X(cudaPointerGetAttributes) X(cudaGetErrorString) X(cudaGetLastError)
 
 #define DECLARE(name) hsdp_##name##_fn name;
 static struct {
@@ -100,6 +100,17 @@ static struct {
     CUDA_REQUIRED(DECLARE)
 } api;
 #undef DECLARE
+
+/* Every CUDA call goes through CUDA(): a failure, handled or not, is cleared from the calling
+ * thread's last error at once. hsdp shares the libcudart torch has mapped, so an error left
+ * there (an event's cudaErrorNotReady while polling, a failed cudaMalloc we fall back from)
+ * would be raised by torch's next kernel-launch check (cudaGetLastError) on an unrelated
+ * kernel. A sticky error (a fault in a kernel) cannot be cleared, and is meant to be seen. */
+static hsdp_cudaError_t quiet(hsdp_cudaError_t e) {
+    if (e != hsdp_cudaSuccess && api.cudaGetLastError) (void)api.cudaGetLastError();
+    return e;
+}
+#define CUDA(fn, ...) quiet(api.fn(__VA_ARGS__))
 
 int hsdp_nccl_built(void) { return 1; }
 int hsdp_nccl_loaded(void) { return api.loaded; }
@@ -142,7 +153,7 @@ hsdp_status hsdp_nccl_load(const char *nccl_path, const char *cudart_path) {
         goto fail;
     }
     /* On a machine with no GPU the runtime says so here (35: the driver is missing or too old). */
-    ce = api.cudaGetDeviceCount(&n);
+    ce = CUDA(cudaGetDeviceCount, &n);
     if (ce != hsdp_cudaSuccess || n <= 0) {
         if (ce != hsdp_cudaSuccess)
             hsdp_fail(HSDP_EUNSUPPORTED, "no usable GPU for the NCCL backend: cudaGetDeviceCount failed with CUDA error "
@@ -213,6 +224,17 @@ static struct {
     } boot;
 } S = {.mu = PTHREAD_MUTEX_INITIALIZER, .issue = PTHREAD_MUTEX_INITIALIZER};
 
+/* The device guard: every thread that enters the backend runs on its device. A thread's
+ * first CUDA call without cudaSetDevice makes a context on device 0 (about 0.5 GiB): the
+ * watchdog's first event query, or a framework's worker thread calling in, would do so on
+ * every rank of an 8-GPU host. One GPU per process, so the thread's device is set and left
+ * so (cached per thread; redone if the backend's device changes). */
+static _Thread_local int thread_device = -1;
+static void device_guard(void) {
+    if (!S.world_up || thread_device == S.device) return;
+    if (CUDA(cudaSetDevice, S.device) == hsdp_cudaSuccess) thread_device = S.device;
+}
+
 void hsdp_nccl_set_compute_stream(void *stream) { S.compute = (hsdp_cudaStream_t)stream; }
 void *hsdp_nccl_comm_stream(void) { return (void *)S.comm; }
 int hsdp_nccl_device(void) { return S.device; }
@@ -235,8 +257,14 @@ static hsdp_status failed_status(void) {
     return hsdp_fail(HSDP_ECOMM, "the NCCL communicators were aborted: %s", S.why);
 }
 
-/* Aborts every communicator once, saying why on stderr: peers blocked in a collective with
- * this rank are released by their own watchdogs within the same timeout. S.mu held. */
+/* Failing: the first failure is recorded once, saying why on stderr, and every call from
+ * then on fails with it; peers blocked in a collective with this rank are released by their
+ * own watchdogs within the same timeout. The communicators are aborted by the thread that
+ * holds S.issue (every NCCL call on a live communicator is made under it, but the watchdog's
+ * polls, which hold S.mu): ncclCommAbort frees the communicator, so the watchdog never aborts
+ * one under a thread still polling it. It aborts itself only when it can take S.issue;
+ * otherwise the issuing thread sees the failure within a poll and aborts on its way out
+ * (issue_unlock). S.mu held. */
 __attribute__((format(printf, 1, 2))) static void abort_all_locked(const char *fmt, ...) {
     int expected = 0;
     if (!atomic_compare_exchange_strong(&S.failed, &expected, 1)) return;
@@ -245,11 +273,25 @@ __attribute__((format(printf, 1, 2))) static void abort_all_locked(const char *f
     vsnprintf(S.why, sizeof S.why, fmt, ap);
     va_end(ap);
     fprintf(stderr, "hsdp: rank %d (NCCL): %s; aborting the NCCL communicators\n", S.boot.rank, S.why);
+}
+
+/* After a failure: aborts every live communicator not yet aborted (S.mu and S.issue held). */
+static void abort_comms_locked(void) {
     for (nccl_comm *c = S.live; c; c = c->next)
         if (!c->aborted) {
             api.ncclCommAbort(c->comm);
             c->aborted = 1;
         }
+}
+
+/* Every section that issues NCCL calls ends here: after a failure, its thread aborts. */
+static void issue_unlock(void) {
+    if (atomic_load(&S.failed)) {
+        pthread_mutex_lock(&S.mu);
+        abort_comms_locked();
+        pthread_mutex_unlock(&S.mu);
+    }
+    pthread_mutex_unlock(&S.issue);
 }
 
 /* The same from a caller that does not hold S.mu; returns the failure every call now gets. */
@@ -274,6 +316,7 @@ static hsdp_status nccl_done(nccl_comm *c, hsdp_ncclResult_t rc, const char *wha
         api.ncclCommGetAsyncError(c->comm, &state);
         rc = state;
         if (rc != hsdp_ncclInProgress) break;
+        if (atomic_load(&S.failed)) return failed_status(); /* aborted on the way out (issue_unlock) */
         if (limit && hsdp_now_ns() - t0 > limit)
             return ABORT_ALL("%s did not complete within %g s (HSDP_TIMEOUT)", what, timeout_s());
         nap(&us);
@@ -287,7 +330,7 @@ static hsdp_status nccl_done(nccl_comm *c, hsdp_ncclResult_t rc, const char *wha
 static void retire_locked(void) {
     while (S.count) {
         flight *f = &S.ring[S.head];
-        hsdp_cudaError_t e = api.cudaEventQuery(f->ev);
+        hsdp_cudaError_t e = CUDA(cudaEventQuery, f->ev);
         if (e == hsdp_cudaErrorNotReady) return;
         if (e != hsdp_cudaSuccess)
             abort_all_locked("%s failed on the GPU: CUDA error %d (%s)", f->what, (int)e, api.cudaGetErrorString(e));
@@ -313,11 +356,17 @@ static void watch_once(void) {
         if (state != hsdp_ncclSuccess && state != hsdp_ncclInProgress)
             abort_all_locked("NCCL reported an asynchronous error: %s", nccl_text(state, c));
     }
+    /* failed: abort now unless a thread is issuing (it aborts when it lets go of S.issue) */
+    if (atomic_load(&S.failed) && pthread_mutex_trylock(&S.issue) == 0) {
+        abort_comms_locked();
+        pthread_mutex_unlock(&S.issue);
+    }
     pthread_mutex_unlock(&S.mu);
 }
 
 static void *watchdog(void *arg) {
     (void)arg;
+    if (CUDA(cudaSetDevice, S.device) == hsdp_cudaSuccess) thread_device = S.device; /* before any CUDA call */
     while (!atomic_load(&S.stop)) {
         watch_once();
         struct timespec ts = {0, 20 * 1000 * 1000};
@@ -344,8 +393,8 @@ static hsdp_status track(const char *what, hsdp_cudaEvent_t *ev) {
     }
     flight *f = &S.ring[(S.head + S.count) % RING];
     hsdp_cudaError_t e = hsdp_cudaSuccess;
-    if (!f->ev) e = api.cudaEventCreateWithFlags(&f->ev, hsdp_cudaEventDisableTiming);
-    if (e == hsdp_cudaSuccess) e = api.cudaEventRecord(f->ev, S.comm);
+    if (!f->ev) e = CUDA(cudaEventCreateWithFlags, &f->ev, hsdp_cudaEventDisableTiming);
+    if (e == hsdp_cudaSuccess) e = CUDA(cudaEventRecord, f->ev, S.comm);
     if (e != hsdp_cudaSuccess) {
         pthread_mutex_unlock(&S.mu);
         return cuda_fail(e, "recording a collective's event");
@@ -363,7 +412,7 @@ static hsdp_status host_wait(hsdp_cudaEvent_t ev, const char *what) {
     uint64_t t0 = hsdp_now_ns(), limit = hsdp_timeout_ns();
     unsigned us = 5;
     for (;;) {
-        hsdp_cudaError_t e = api.cudaEventQuery(ev);
+        hsdp_cudaError_t e = CUDA(cudaEventQuery, ev);
         if (e == hsdp_cudaSuccess) return HSDP_OK;
         if (e != hsdp_cudaErrorNotReady) return cuda_fail(e, what);
         if (atomic_load(&S.failed)) return failed_status();
@@ -377,14 +426,14 @@ static hsdp_status host_wait(hsdp_cudaEvent_t ev, const char *what) {
  * the compute stream may still read. */
 static hsdp_status begin(void) {
     if (atomic_load(&S.failed)) return failed_status();
-    if (S.have_released) CUDA_TRY(api.cudaStreamWaitEvent(S.comm, S.released, 0), "waiting for released buffers");
+    if (S.have_released) CUDA_TRY(CUDA(cudaStreamWaitEvent, S.comm, S.released, 0), "waiting for released buffers");
     return HSDP_OK;
 }
 
 static int on_device(const void *p) {
     if (!p) return 1; /* nothing to stage */
     hsdp_cudaPointerAttributes a;
-    if (api.cudaPointerGetAttributes(&a, p) != hsdp_cudaSuccess) return 0;
+    if (CUDA(cudaPointerGetAttributes, &a, p) != hsdp_cudaSuccess) return 0;
     return a.type == hsdp_cudaMemoryTypeDevice || a.type == hsdp_cudaMemoryTypeManaged;
 }
 
@@ -396,11 +445,11 @@ static hsdp_status scratch(size_t n, void **out) {
             hsdp_status st = track("the collectives using the staging buffer", &ev);
             if (st == HSDP_OK) st = host_wait(ev, "the collectives using the staging buffer");
             if (st != HSDP_OK) return st;
-            api.cudaFree(S.scratch);
+            CUDA(cudaFree, S.scratch);
             S.scratch = NULL;
             S.scratch_n = 0;
         }
-        CUDA_TRY(api.cudaMalloc(&S.scratch, n), "allocating a device staging buffer");
+        CUDA_TRY(CUDA(cudaMalloc, &S.scratch, n), "allocating a device staging buffer");
         S.scratch_n = n;
     }
     *out = S.scratch;
@@ -445,6 +494,7 @@ static hsdp_status enqueue(nccl_comm *c, op_kind op, int size, const void *send,
  * stream made to wait for it; on host buffers, through the staging buffer, once done. */
 static hsdp_status run_sync(hsdp_group *g, op_kind op, const void *send, void *recv, size_t nbytes, int root,
                             const char *what) {
+    device_guard();
     nccl_comm *c = g->impl;
     size_t n = (size_t)g->size;
     size_t send_n = op == OP_GATHER ? nbytes : op == OP_ALLTOALL ? nbytes * n : 0;
@@ -457,8 +507,8 @@ static hsdp_status run_sync(hsdp_group *g, op_kind op, const void *send, void *r
     void *r = recv;
     if (st == HSDP_OK && direct) {
         /* the caller's device buffers were written on the compute stream: read them after */
-        hsdp_cudaError_t e = api.cudaEventRecord(S.ready, S.compute);
-        if (e == hsdp_cudaSuccess) e = api.cudaStreamWaitEvent(S.comm, S.ready, 0);
+        hsdp_cudaError_t e = CUDA(cudaEventRecord, S.ready, S.compute);
+        if (e == hsdp_cudaSuccess) e = CUDA(cudaStreamWaitEvent, S.comm, S.ready, 0);
         if (e != hsdp_cudaSuccess) st = cuda_fail(e, "ordering a collective after the compute stream");
     }
     if (st == HSDP_OK && !direct) {
@@ -471,26 +521,26 @@ static hsdp_status run_sync(hsdp_group *g, op_kind op, const void *send, void *r
             if (op == OP_ALLTOALL) s = (char *)base + off;
             hsdp_cudaError_t e = hsdp_cudaSuccess;
             if (op == OP_BCAST && nbytes)
-                e = api.cudaMemcpyAsync(r, recv, nbytes, hsdp_cudaMemcpyDefault, S.comm);
+                e = CUDA(cudaMemcpyAsync, r, recv, nbytes, hsdp_cudaMemcpyDefault, S.comm);
             else if (send_n && send)
-                e = api.cudaMemcpyAsync((void *)s, send, send_n, hsdp_cudaMemcpyDefault, S.comm);
+                e = CUDA(cudaMemcpyAsync, (void *)s, send, send_n, hsdp_cudaMemcpyDefault, S.comm);
             if (e != hsdp_cudaSuccess) st = cuda_fail(e, "staging host memory on the device");
         }
     }
     if (st == HSDP_OK) st = enqueue(c, op, g->size, s, r, nbytes, root);
     if (st == HSDP_OK && !direct && op != OP_BARRIER && recv_n) {
-        hsdp_cudaError_t e = api.cudaMemcpyAsync(recv, r, recv_n, hsdp_cudaMemcpyDefault, S.comm);
+        hsdp_cudaError_t e = CUDA(cudaMemcpyAsync, recv, r, recv_n, hsdp_cudaMemcpyDefault, S.comm);
         if (e != hsdp_cudaSuccess) st = cuda_fail(e, "copying a collective's result to host memory");
     }
     hsdp_cudaEvent_t ev = NULL;
     if (st == HSDP_OK) st = track(what, &ev);
     if (st == HSDP_OK && direct) {
-        hsdp_cudaError_t e = api.cudaStreamWaitEvent(S.compute, ev, 0);
+        hsdp_cudaError_t e = CUDA(cudaStreamWaitEvent, S.compute, ev, 0);
         if (e != hsdp_cudaSuccess) st = cuda_fail(e, "ordering the compute stream after a collective");
     }
     /* a staged collective must finish before the staging buffer is reused */
     if (st == HSDP_OK && !direct) st = host_wait(ev, what);
-    pthread_mutex_unlock(&S.issue);
+    issue_unlock();
     return st;
 }
 
@@ -533,7 +583,7 @@ static hsdp_status in_place(const void *src, void *recv, size_t nbytes, int rank
     /* NCCL's in-place form (send = recv + rank * chunk) skips its own copy of this rank's
      * chunk; the one copy is ours, on the side stream, device to device */
     char *mine = (char *)recv + (size_t)rank * nbytes;
-    hsdp_cudaError_t e = api.cudaMemcpyAsync(mine, src, nbytes, hsdp_cudaMemcpyDefault, S.comm);
+    hsdp_cudaError_t e = CUDA(cudaMemcpyAsync, mine, src, nbytes, hsdp_cudaMemcpyDefault, S.comm);
     if (e != hsdp_cudaSuccess) return cuda_fail(e, "copying a shard into its gather buffer");
     *send = mine;
     return HSDP_OK;
@@ -544,10 +594,10 @@ static hsdp_status fixed_source(void **share, const void *send, size_t nbytes, c
     if (!s) {
         s = calloc(1, sizeof *s); /* owned by the unit through *share; freed by share_free */
         if (!s) return hsdp_fail(HSDP_ENOMEM, "could not allocate a shard's device record");
-        hsdp_cudaError_t e = api.cudaMalloc(&s->dev, nbytes);
-        if (e == hsdp_cudaSuccess) e = api.cudaMemcpyAsync(s->dev, send, nbytes, hsdp_cudaMemcpyDefault, S.comm);
+        hsdp_cudaError_t e = CUDA(cudaMalloc, &s->dev, nbytes);
+        if (e == hsdp_cudaSuccess) e = CUDA(cudaMemcpyAsync, s->dev, send, nbytes, hsdp_cudaMemcpyDefault, S.comm);
         if (e != hsdp_cudaSuccess) {
-            if (s->dev) api.cudaFree(s->dev);
+            if (s->dev) CUDA(cudaFree, s->dev);
             free(s);
             return cuda_fail(e, "copying a shard to the GPU");
         }
@@ -559,6 +609,7 @@ static hsdp_status fixed_source(void **share, const void *send, size_t nbytes, c
 
 static hsdp_status nccl_gather_fixed(hsdp_group *g, void **share, const void *send, void *recv, size_t nbytes,
                                      const char *label) {
+    device_guard();
     if (!on_device(recv)) { /* a host unit: staged each time, and fixed from now on like any other */
         hsdp_status st = nccl_all_gather(g, send, recv, nbytes);
         if (st == HSDP_OK && !*share) *share = hsdp_share_collective();
@@ -575,21 +626,22 @@ static hsdp_status nccl_gather_fixed(hsdp_group *g, void **share, const void *se
     hsdp_cudaEvent_t ev = NULL;
     if (st == HSDP_OK) st = track(what, &ev);
     if (st == HSDP_OK) {
-        hsdp_cudaError_t e = api.cudaStreamWaitEvent(S.compute, ev, 0);
+        hsdp_cudaError_t e = CUDA(cudaStreamWaitEvent, S.compute, ev, 0);
         if (e != hsdp_cudaSuccess) st = cuda_fail(e, "ordering the compute stream after a gather");
     }
-    pthread_mutex_unlock(&S.issue);
+    issue_unlock();
     return st;
 }
 
 static void nccl_share_free(hsdp_group *g, void *share, void *memory) {
+    device_guard();
     (void)g;
     nccl_share *s = share;
     free(memory);
     if (!s) return;
     /* a gather may still read the device copy: drain the side stream first (unless aborted) */
-    if (!atomic_load(&S.failed)) (void)api.cudaStreamSynchronize(S.comm);
-    api.cudaFree(s->dev);
+    if (!atomic_load(&S.failed)) (void)CUDA(cudaStreamSynchronize, S.comm);
+    CUDA(cudaFree, s->dev);
     free(s);
 }
 
@@ -605,6 +657,7 @@ typedef struct {
 _Static_assert(sizeof(nccl_task) <= HSDP_REQ_STATE_BYTES, "nccl_task must fit in hsdp_req.state");
 
 static hsdp_status nccl_gather_start(hsdp_req *r, const void *send, void *recv, size_t nbytes) {
+    device_guard();
     nccl_task *t = (nccl_task *)r->state;
     t->ev = NULL;
     r->start_ns = hsdp_now_ns();
@@ -627,18 +680,19 @@ static hsdp_status nccl_gather_start(hsdp_req *r, const void *send, void *recv, 
         st = in_place(src, recv, nbytes, r->g->rank, &src);
     if (st == HSDP_OK) st = enqueue(r->g->impl, OP_GATHER, r->g->size, src, recv, nbytes, 0);
     if (st == HSDP_OK) st = track(what, &t->ev);
-    pthread_mutex_unlock(&S.issue);
+    issue_unlock();
     return st;
 }
 
 static void nccl_gather_wait(hsdp_req *r) {
+    device_guard();
     nccl_task *t = (nccl_task *)r->state;
     hsdp_status st = HSDP_OK;
     if (atomic_load(&S.failed)) {
         st = failed_status();
     } else if (t->ev) {
         /* the compute stream waits; the host does not */
-        hsdp_cudaError_t e = api.cudaStreamWaitEvent(S.compute, t->ev, 0);
+        hsdp_cudaError_t e = CUDA(cudaStreamWaitEvent, S.compute, t->ev, 0);
         if (e != hsdp_cudaSuccess) st = cuda_fail(e, "ordering the compute stream after a gather");
     }
     r->end_ns = hsdp_now_ns();
@@ -654,17 +708,20 @@ static int nccl_overlaps(const hsdp_group *g) {
 static void *nccl_buffer_alloc(size_t nbytes, hsdp_device device) {
     void *p = NULL;
     if (device != HSDP_DEVICE_CUDA || !api.loaded) return NULL;
-    return api.cudaMalloc(&p, nbytes ? nbytes : 1) == hsdp_cudaSuccess ? p : NULL;
+    device_guard();
+    return CUDA(cudaMalloc, &p, nbytes ? nbytes : 1) == hsdp_cudaSuccess ? p : NULL;
 }
 
 static void nccl_buffer_free(void *p, size_t nbytes, hsdp_device device) {
+    device_guard();
     (void)nbytes, (void)device;
-    if (p) api.cudaFree(p);
+    if (p) CUDA(cudaFree, p);
 }
 
 static void nccl_buffers_released(hsdp_device device) {
     if (device != HSDP_DEVICE_CUDA || !S.world_up) return;
-    if (api.cudaEventRecord(S.released, S.compute) == hsdp_cudaSuccess) S.have_released = 1;
+    device_guard();
+    if (CUDA(cudaEventRecord, S.released, S.compute) == hsdp_cudaSuccess) S.have_released = 1;
 }
 
 /* ---------------------------------------------------------------- communicators */
@@ -701,9 +758,18 @@ static hsdp_status join_done(hsdp_ncclComm_t comm, hsdp_ncclResult_t rc, const c
     uint64_t t0 = hsdp_now_ns(), limit = hsdp_timeout_ns();
     unsigned us = 50;
     for (;;) {
-        hsdp_ncclResult_t state = hsdp_ncclSuccess;
-        api.ncclCommGetAsyncError(comm, &state);
+        hsdp_ncclResult_t state = hsdp_ncclInProgress;
+        hsdp_ncclResult_t qrc = api.ncclCommGetAsyncError(comm, &state);
+        if (qrc != hsdp_ncclSuccess) {
+            if (comm) api.ncclCommAbort(comm);
+            return hsdp_fail(HSDP_ECOMM, "%s failed: ncclCommGetAsyncError on the new communicator said NCCL error "
+                             "%d (%s)", what, (int)qrc, api.ncclGetErrorString(qrc));
+        }
         if (state == hsdp_ncclSuccess) return HSDP_OK;
+        if (atomic_load(&S.failed)) { /* another communicator failed: this one is not live yet */
+            api.ncclCommAbort(comm);
+            return failed_status();
+        }
         if (state != hsdp_ncclInProgress) {
             hsdp_status st = hsdp_fail(HSDP_ECOMM, "%s failed: NCCL error %d (%s)", what, (int)state,
                                        nccl_text(state, &tmp));
@@ -754,19 +820,20 @@ static int nccl_usable(const char **why) {
 
 static hsdp_status start_process_state(int device) {
     int n = 0;
-    CUDA_TRY(api.cudaGetDeviceCount(&n), "cudaGetDeviceCount");
+    CUDA_TRY(CUDA(cudaGetDeviceCount, &n), "cudaGetDeviceCount");
     if (device >= n)
         return hsdp_fail(HSDP_EINVAL, "CUDA device %d does not exist: this machine shows %d (LOCAL_RANK must be below "
                          "the number of visible GPUs)", device, n);
-    CUDA_TRY(api.cudaSetDevice(device), "cudaSetDevice");
+    CUDA_TRY(CUDA(cudaSetDevice, device), "cudaSetDevice");
     S.device = device;
+    thread_device = device;
     if (!S.comm) {
         int least = 0, greatest = 0;
-        CUDA_TRY(api.cudaDeviceGetStreamPriorityRange(&least, &greatest), "cudaDeviceGetStreamPriorityRange");
-        CUDA_TRY(api.cudaStreamCreateWithPriority(&S.comm, hsdp_cudaStreamNonBlocking, greatest),
+        CUDA_TRY(CUDA(cudaDeviceGetStreamPriorityRange, &least, &greatest), "cudaDeviceGetStreamPriorityRange");
+        CUDA_TRY(CUDA(cudaStreamCreateWithPriority, &S.comm, hsdp_cudaStreamNonBlocking, greatest),
                  "creating the gather stream");
-        CUDA_TRY(api.cudaEventCreateWithFlags(&S.released, hsdp_cudaEventDisableTiming), "creating the release event");
-        CUDA_TRY(api.cudaEventCreateWithFlags(&S.ready, hsdp_cudaEventDisableTiming), "creating the ordering event");
+        CUDA_TRY(CUDA(cudaEventCreateWithFlags, &S.released, hsdp_cudaEventDisableTiming), "creating the release event");
+        CUDA_TRY(CUDA(cudaEventCreateWithFlags, &S.ready, hsdp_cudaEventDisableTiming), "creating the ordering event");
     }
     if (!S.watchdog_on) {
         atomic_store(&S.stop, 0);
@@ -794,7 +861,10 @@ static hsdp_status nccl_world(hsdp_group **out, int *we_init) {
     snprintf(what, sizeof what, "joining the NCCL world of %d ranks as rank %d", S.boot.size, S.boot.rank);
     if (api.ncclCommInitRankConfig) {
         hsdp_ncclConfig_t cfg = comm_config();
-        st = join_done(comm, api.ncclCommInitRankConfig(&comm, S.boot.size, id, S.boot.rank, &cfg), what);
+        /* two statements: the call writes comm, join_done reads it (one call's arguments
+         * would leave the order unspecified, and clang passes the NULL from before) */
+        hsdp_ncclResult_t rc = api.ncclCommInitRankConfig(&comm, S.boot.size, id, S.boot.rank, &cfg);
+        st = join_done(comm, rc, what);
     } else { /* before 2.14: blocking, so not bounded by the timeout */
         hsdp_ncclResult_t rc = api.ncclCommInitRank(&comm, S.boot.size, id, S.boot.rank);
         st = rc == hsdp_ncclSuccess ? HSDP_OK
@@ -807,6 +877,7 @@ static hsdp_status nccl_world(hsdp_group **out, int *we_init) {
 }
 
 static hsdp_status nccl_split(hsdp_group *g, int color, int key, hsdp_group **out) {
+    device_guard();
     *out = NULL;
     if (!api.ncclCommSplit)
         return hsdp_fail(HSDP_EUNSUPPORTED, "subgroups need ncclCommSplit (NCCL 2.18 or later); the loaded NCCL is %d",
@@ -818,8 +889,9 @@ static hsdp_status nccl_split(hsdp_group *g, int color, int key, hsdp_group **ou
     char what[96];
     snprintf(what, sizeof what, "ncclCommSplit (color %d, key %d)", color, key);
     pthread_mutex_lock(&S.issue);
-    hsdp_status st = join_done(comm, api.ncclCommSplit(c->comm, color, key, &comm, &cfg), what);
-    pthread_mutex_unlock(&S.issue);
+    hsdp_ncclResult_t rc = api.ncclCommSplit(c->comm, color, key, &comm, &cfg); /* writes comm: see nccl_world */
+    hsdp_status st = join_done(comm, rc, what);
+    issue_unlock();
     if (st != HSDP_OK) return st;
     int rank = -1, size = -1;
     if (api.ncclCommUserRank(comm, &rank) != hsdp_ncclSuccess || api.ncclCommCount(comm, &size) != hsdp_ncclSuccess) {
@@ -833,6 +905,7 @@ static hsdp_status nccl_split(hsdp_group *g, int color, int key, hsdp_group **ou
  * order (Python's garbage collector decides), and ncclCommAbort tears down locally once
  * this rank's collectives on it are done. */
 static void nccl_free(hsdp_group *g) {
+    device_guard();
     nccl_comm *c = g->impl;
     if (c) {
         if (!atomic_load(&S.failed) && S.comm) {
@@ -840,7 +913,7 @@ static void nccl_free(hsdp_group *g) {
             pthread_mutex_lock(&S.issue);
             if (track("the last collectives of a group being freed", &ev) == HSDP_OK)
                 (void)host_wait(ev, "the last collectives of a group being freed");
-            pthread_mutex_unlock(&S.issue);
+            issue_unlock();
         }
         pthread_mutex_lock(&S.mu);
         for (nccl_comm **p = &S.live; *p; p = &(*p)->next)
@@ -856,25 +929,26 @@ static void nccl_free(hsdp_group *g) {
 }
 
 static hsdp_status nccl_finalize(void) {
+    device_guard();
     if (S.watchdog_on) {
         atomic_store(&S.stop, 1);
         pthread_join(S.watchdog, NULL);
         S.watchdog_on = 0;
     }
-    if (S.comm && !atomic_load(&S.failed)) (void)api.cudaStreamSynchronize(S.comm);
-    if (S.scratch) api.cudaFree(S.scratch);
+    if (S.comm && !atomic_load(&S.failed)) (void)CUDA(cudaStreamSynchronize, S.comm);
+    if (S.scratch) CUDA(cudaFree, S.scratch);
     S.scratch = NULL;
     S.scratch_n = 0;
     for (unsigned i = 0; i < RING; i++)
         if (S.ring[i].ev) {
-            api.cudaEventDestroy(S.ring[i].ev);
+            CUDA(cudaEventDestroy, S.ring[i].ev);
             S.ring[i].ev = NULL;
         }
     S.head = S.count = 0;
-    if (S.released) api.cudaEventDestroy(S.released);
-    if (S.ready) api.cudaEventDestroy(S.ready);
+    if (S.released) CUDA(cudaEventDestroy, S.released);
+    if (S.ready) CUDA(cudaEventDestroy, S.ready);
     S.ready = NULL;
-    if (S.comm) api.cudaStreamDestroy(S.comm);
+    if (S.comm) CUDA(cudaStreamDestroy, S.comm);
     S.released = NULL;
     S.comm = NULL;
     S.have_released = 0;
