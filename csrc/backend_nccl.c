@@ -60,6 +60,11 @@ hsdp_status hsdp_nccl_set_bootstrap(const unsigned char id[HSDP_NCCL_ID_BYTES], 
     return hsdp_fail(HSDP_EUNSUPPORTED, "%s", not_built);
 }
 void hsdp_nccl_set_compute_stream(void *stream) { (void)stream; }
+hsdp_status hsdp_nccl_stream_wait(void *stream, const void *p, size_t n) {
+    (void)stream, (void)p, (void)n;
+    return HSDP_OK; /* no NCCL buffer can exist */
+}
+void hsdp_nccl_call_stream(void *stream, int set) { (void)stream, (void)set; }
 void *hsdp_nccl_comm_stream(void) { return NULL; }
 int hsdp_nccl_device(void) { return 0; }
 
@@ -198,6 +203,8 @@ enum { RING = 256 }; /* collectives in flight that the watchdog watches */
 typedef struct {
     hsdp_cudaEvent_t ev; /* created once, reused once retired */
     uint64_t t0;
+    const char *dst; /* the device memory it writes (NULL: none a consumer sees) */
+    size_t dst_n;
     char what[160];
 } flight;
 
@@ -236,6 +243,13 @@ static void device_guard(void) {
 }
 
 void hsdp_nccl_set_compute_stream(void *stream) { S.compute = (hsdp_cudaStream_t)stream; }
+
+static _Thread_local hsdp_cudaStream_t call_stream;
+static _Thread_local int call_stream_set;
+void hsdp_nccl_call_stream(void *stream, int set) {
+    call_stream = (hsdp_cudaStream_t)stream;
+    call_stream_set = set;
+}
 void *hsdp_nccl_comm_stream(void) { return (void *)S.comm; }
 int hsdp_nccl_device(void) { return S.device; }
 
@@ -377,7 +391,7 @@ static void *watchdog(void *arg) {
 
 /* Records the end of the collective just enqueued on the side stream, in the ring the
  * watchdog watches; *ev gets its event. A full ring waits for the oldest to finish. */
-static hsdp_status track(const char *what, hsdp_cudaEvent_t *ev) {
+static hsdp_status track(const char *what, const void *dst, size_t dst_n, hsdp_cudaEvent_t *ev) {
     pthread_mutex_lock(&S.mu);
     unsigned us = 10;
     for (;;) {
@@ -400,6 +414,8 @@ static hsdp_status track(const char *what, hsdp_cudaEvent_t *ev) {
         return cuda_fail(e, "recording a collective's event");
     }
     f->t0 = hsdp_now_ns();
+    f->dst = dst;
+    f->dst_n = dst_n;
     snprintf(f->what, sizeof f->what, "%s", what);
     S.count++;
     *ev = f->ev;
@@ -422,6 +438,23 @@ static hsdp_status host_wait(hsdp_cudaEvent_t ev, const char *what) {
     }
 }
 
+hsdp_status hsdp_nccl_stream_wait(void *stream, const void *p, size_t n) {
+    if (!S.world_up || !p) return HSDP_OK;
+    device_guard();
+    const char *lo = p, *hi = lo + n;
+    pthread_mutex_lock(&S.mu);
+    retire_locked();
+    /* the side stream runs in order: the latest overlapping collective covers the earlier */
+    hsdp_cudaEvent_t last = NULL;
+    for (unsigned i = 0; i < S.count; i++) {
+        const flight *f = &S.ring[(S.head + i) % RING];
+        if (f->dst && f->dst < hi && lo < f->dst + f->dst_n) last = f->ev;
+    }
+    hsdp_cudaError_t e = last ? CUDA(cudaStreamWaitEvent, (hsdp_cudaStream_t)stream, last, 0) : hsdp_cudaSuccess;
+    pthread_mutex_unlock(&S.mu);
+    return e == hsdp_cudaSuccess ? HSDP_OK : cuda_fail(e, "ordering a consumer's stream after a gather");
+}
+
 /* Before enqueuing: no collective after a failure, and none may overwrite a pooled buffer
  * the compute stream may still read. */
 static hsdp_status begin(void) {
@@ -442,7 +475,7 @@ static hsdp_status scratch(size_t n, void **out) {
     if (n > S.scratch_n) {
         if (S.scratch) {
             hsdp_cudaEvent_t ev = NULL;
-            hsdp_status st = track("the collectives using the staging buffer", &ev);
+            hsdp_status st = track("the collectives using the staging buffer", NULL, 0, &ev);
             if (st == HSDP_OK) st = host_wait(ev, "the collectives using the staging buffer");
             if (st != HSDP_OK) return st;
             CUDA(cudaFree, S.scratch);
@@ -500,6 +533,7 @@ static hsdp_status run_sync(hsdp_group *g, op_kind op, const void *send, void *r
     size_t send_n = op == OP_GATHER ? nbytes : op == OP_ALLTOALL ? nbytes * n : 0;
     size_t recv_n = op == OP_GATHER || op == OP_ALLTOALL ? nbytes * n : op == OP_BCAST ? nbytes : sizeof(float);
     int direct = op != OP_BARRIER && on_device(send) && on_device(recv);
+    hsdp_cudaStream_t order = call_stream_set ? call_stream : S.compute; /* the consumer's stream */
     pthread_mutex_lock(&S.issue);
     hsdp_status st = begin();
     void *base = NULL;
@@ -507,7 +541,7 @@ static hsdp_status run_sync(hsdp_group *g, op_kind op, const void *send, void *r
     void *r = recv;
     if (st == HSDP_OK && direct) {
         /* the caller's device buffers were written on the compute stream: read them after */
-        hsdp_cudaError_t e = CUDA(cudaEventRecord, S.ready, S.compute);
+        hsdp_cudaError_t e = CUDA(cudaEventRecord, S.ready, order);
         if (e == hsdp_cudaSuccess) e = CUDA(cudaStreamWaitEvent, S.comm, S.ready, 0);
         if (e != hsdp_cudaSuccess) st = cuda_fail(e, "ordering a collective after the compute stream");
     }
@@ -533,9 +567,9 @@ static hsdp_status run_sync(hsdp_group *g, op_kind op, const void *send, void *r
         if (e != hsdp_cudaSuccess) st = cuda_fail(e, "copying a collective's result to host memory");
     }
     hsdp_cudaEvent_t ev = NULL;
-    if (st == HSDP_OK) st = track(what, &ev);
+    if (st == HSDP_OK) st = track(what, direct ? recv : NULL, recv_n, &ev);
     if (st == HSDP_OK && direct) {
-        hsdp_cudaError_t e = CUDA(cudaStreamWaitEvent, S.compute, ev, 0);
+        hsdp_cudaError_t e = CUDA(cudaStreamWaitEvent, order, ev, 0);
         if (e != hsdp_cudaSuccess) st = cuda_fail(e, "ordering the compute stream after a collective");
     }
     /* a staged collective must finish before the staging buffer is reused */
@@ -624,7 +658,7 @@ static hsdp_status nccl_gather_fixed(hsdp_group *g, void **share, const void *se
     if (st == HSDP_OK) st = in_place(src, recv, nbytes, g->rank, &src);
     if (st == HSDP_OK) st = enqueue(g->impl, OP_GATHER, g->size, src, recv, nbytes, 0);
     hsdp_cudaEvent_t ev = NULL;
-    if (st == HSDP_OK) st = track(what, &ev);
+    if (st == HSDP_OK) st = track(what, recv, nbytes * (size_t)g->size, &ev);
     if (st == HSDP_OK) {
         hsdp_cudaError_t e = CUDA(cudaStreamWaitEvent, S.compute, ev, 0);
         if (e != hsdp_cudaSuccess) st = cuda_fail(e, "ordering the compute stream after a gather");
@@ -679,7 +713,7 @@ static hsdp_status nccl_gather_start(hsdp_req *r, const void *send, void *recv, 
     if (st == HSDP_OK && src != (const char *)recv + (size_t)r->g->rank * nbytes)
         st = in_place(src, recv, nbytes, r->g->rank, &src);
     if (st == HSDP_OK) st = enqueue(r->g->impl, OP_GATHER, r->g->size, src, recv, nbytes, 0);
-    if (st == HSDP_OK) st = track(what, &t->ev);
+    if (st == HSDP_OK) st = track(what, recv, nbytes * (size_t)r->g->size, &t->ev);
     issue_unlock();
     return st;
 }
@@ -911,7 +945,7 @@ static void nccl_free(hsdp_group *g) {
         if (!atomic_load(&S.failed) && S.comm) {
             hsdp_cudaEvent_t ev = NULL;
             pthread_mutex_lock(&S.issue);
-            if (track("the last collectives of a group being freed", &ev) == HSDP_OK)
+            if (track("the last collectives of a group being freed", NULL, 0, &ev) == HSDP_OK)
                 (void)host_wait(ev, "the last collectives of a group being freed");
             issue_unlock();
         }

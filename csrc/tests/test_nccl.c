@@ -160,6 +160,42 @@ static void fake_world(const char *fake, const char *ending) {
         hsdp_buffers_released(b, HSDP_DEVICE_CUDA);
         hsdp_device_free(&stats, b, HSDP_DEVICE_CUDA, full, u.layout.total_bytes);
     }
+    /* a consumer on another stream (DLPack's stream=, a collective on torch's current stream):
+     * it reads what a collective writes only once it has landed, never the bytes from before */
+    hsdp_cudaStream_t consumer = NULL;
+    CHECK(F.stream_create(&consumer, hsdp_cudaStreamNonBlocking, 0) == hsdp_cudaSuccess);
+    char *g3 = hsdp_device_alloc(&stats, b, HSDP_DEVICE_CUDA, u.layout.total_bytes);
+    char *seen = hsdp_device_alloc(&stats, b, HSDP_DEVICE_CUDA, u.layout.total_bytes);
+    CHECK(g3 && seen);
+    F.hold(comm, 1); /* the side stream is busy: the gather has not landed */
+    hsdp_gather_req req3;
+    memset(&req3, 0, sizeof req3);
+    CHECK(hsdp_unit_gather_start(&u, g3, NULL, &req3) == HSDP_OK);
+    CHECK(hsdp_nccl_stream_wait(consumer, g3 + 4, 8) == HSDP_OK);
+    CHECK(F.memcpy_async(seen, g3, sizeof w, hsdp_cudaMemcpyDefault, consumer) == hsdp_cudaSuccess);
+    CHECK(F.settle(consumer) > 0); /* it waits for the gather */
+    F.hold(comm, 0);
+    CHECK(F.stream_sync(consumer) == hsdp_cudaSuccess);
+    CHECK(memcmp(seen, w, sizeof w) == 0);
+    CHECK(hsdp_unit_gather_wait(&u, &req3) == HSDP_OK);
+    hsdp_buffers_released(b, HSDP_DEVICE_CUDA);
+    char *dsrc = hsdp_device_alloc(&stats, b, HSDP_DEVICE_CUDA, 16), *ddst = hsdp_device_alloc(&stats, b, HSDP_DEVICE_CUDA, 16);
+    CHECK(dsrc && ddst && F.memcpy_async(dsrc, host_send, 16, hsdp_cudaMemcpyDefault, consumer) == hsdp_cudaSuccess);
+    F.hold(comm, 1);
+    hsdp_nccl_call_stream(consumer, 1);
+    CHECK(hsdp_all_gather(sub, dsrc, ddst, 16) == HSDP_OK); /* after the consumer's copy, before its next */
+    hsdp_nccl_call_stream(NULL, 0);
+    CHECK(F.memcpy_async(seen, ddst, 16, hsdp_cudaMemcpyDefault, consumer) == hsdp_cudaSuccess);
+    CHECK(F.settle(consumer) > 0);
+    F.hold(comm, 0);
+    CHECK(F.stream_sync(consumer) == hsdp_cudaSuccess);
+    CHECK(memcmp(seen, host_send, 16) == 0);
+    hsdp_device_free(&stats, b, HSDP_DEVICE_CUDA, dsrc, 16);
+    hsdp_device_free(&stats, b, HSDP_DEVICE_CUDA, ddst, 16);
+    hsdp_device_free(&stats, b, HSDP_DEVICE_CUDA, g3, u.layout.total_bytes);
+    hsdp_device_free(&stats, b, HSDP_DEVICE_CUDA, seen, u.layout.total_bytes);
+    CHECK(F.stream_destroy(consumer) == hsdp_cudaSuccess);
+
     CHECK(hsdp_unit_write(&u, 0, 0, 10, w, HSDP_F32) == HSDP_ESTATE); /* fixed from the first gather */
     void *host_full = malloc(u.layout.total_bytes);
     CHECK(host_full && hsdp_unit_gather(&u, host_full) == HSDP_OK && memcmp(host_full, w, sizeof w) == 0);
