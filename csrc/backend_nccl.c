@@ -65,6 +65,7 @@ hsdp_status hsdp_nccl_stream_wait(void *stream, const void *p, size_t n) {
     return HSDP_OK; /* no NCCL buffer can exist */
 }
 void hsdp_nccl_call_stream(void *stream, int set) { (void)stream, (void)set; }
+void hsdp_nccl_set_oom_handler(hsdp_nccl_oom_fn fn, void *arg) { (void)fn, (void)arg; }
 void *hsdp_nccl_comm_stream(void) { return NULL; }
 int hsdp_nccl_device(void) { return 0; }
 
@@ -243,6 +244,25 @@ static void device_guard(void) {
 }
 
 void hsdp_nccl_set_compute_stream(void *stream) { S.compute = (hsdp_cudaStream_t)stream; }
+
+/* Device memory comes from cudaMalloc, beside the framework's caching allocator, not from
+ * it: the backend has no framework of its own (NumPy callers, the C tests), and its buffers
+ * live for a unit's life, not a kernel's. What that costs is memory torch caches and we
+ * cannot use: on cudaErrorMemoryAllocation the handler (torch.cuda.empty_cache) gives its
+ * cached blocks back, and the allocation is retried once. */
+static struct {
+    hsdp_nccl_oom_fn fn;
+    void *arg;
+} oom;
+void hsdp_nccl_set_oom_handler(hsdp_nccl_oom_fn fn, void *arg) {
+    oom.fn = fn;
+    oom.arg = arg;
+}
+static hsdp_cudaError_t dev_malloc(void **p, size_t n) {
+    hsdp_cudaError_t e = CUDA(cudaMalloc, p, n); /* a failure is cleared from the last error */
+    if (e == hsdp_cudaErrorMemoryAllocation && oom.fn && oom.fn(oom.arg)) e = CUDA(cudaMalloc, p, n);
+    return e;
+}
 
 static _Thread_local hsdp_cudaStream_t call_stream;
 static _Thread_local int call_stream_set;
@@ -482,7 +502,7 @@ static hsdp_status scratch(size_t n, void **out) {
             S.scratch = NULL;
             S.scratch_n = 0;
         }
-        CUDA_TRY(CUDA(cudaMalloc, &S.scratch, n), "allocating a device staging buffer");
+        CUDA_TRY(dev_malloc(&S.scratch, n), "allocating a device staging buffer");
         S.scratch_n = n;
     }
     *out = S.scratch;
@@ -628,7 +648,7 @@ static hsdp_status fixed_source(void **share, const void *send, size_t nbytes, c
     if (!s) {
         s = calloc(1, sizeof *s); /* owned by the unit through *share; freed by share_free */
         if (!s) return hsdp_fail(HSDP_ENOMEM, "could not allocate a shard's device record");
-        hsdp_cudaError_t e = CUDA(cudaMalloc, &s->dev, nbytes);
+        hsdp_cudaError_t e = dev_malloc(&s->dev, nbytes);
         if (e == hsdp_cudaSuccess) e = CUDA(cudaMemcpyAsync, s->dev, send, nbytes, hsdp_cudaMemcpyDefault, S.comm);
         if (e != hsdp_cudaSuccess) {
             if (s->dev) CUDA(cudaFree, s->dev);
@@ -743,7 +763,7 @@ static void *nccl_buffer_alloc(size_t nbytes, hsdp_device device) {
     void *p = NULL;
     if (device != HSDP_DEVICE_CUDA || !api.loaded) return NULL;
     device_guard();
-    return CUDA(cudaMalloc, &p, nbytes ? nbytes : 1) == hsdp_cudaSuccess ? p : NULL;
+    return dev_malloc(&p, nbytes ? nbytes : 1) == hsdp_cudaSuccess ? p : NULL;
 }
 
 static void nccl_buffer_free(void *p, size_t nbytes, hsdp_device device) {

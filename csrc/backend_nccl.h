@@ -36,6 +36,11 @@ hsdp_status hsdp_nccl_stream_wait(void *stream, const void *p, size_t n);
  * order on `stream` (the caller's current stream) instead of the compute stream: they wait
  * for its work before reading, and it waits for them before its later work. */
 void hsdp_nccl_call_stream(void *stream, int set);
+/* Called when a cudaMalloc of the backend's fails for lack of memory, before it retries once:
+ * it may free what a framework caches (Python registers torch.cuda.empty_cache). Returns
+ * nonzero when it freed something worth a retry. NULL: no retry. */
+typedef int (*hsdp_nccl_oom_fn)(void *arg);
+void hsdp_nccl_set_oom_handler(hsdp_nccl_oom_fn fn, void *arg);
 /* The side stream gathers run on (NULL before the world exists), for timing with events. */
 void *hsdp_nccl_comm_stream(void);
 /* The CUDA device this process runs on (0 before the world exists). */

@@ -234,3 +234,12 @@ def test_rank0_names_the_ranks_that_never_read_the_id():
     codes, out = _collect(_torchrun_ranks(3, _free_port(), [0, 1], timeout=2))
     assert codes[0] == 3, out
     assert "rank 0: ranks [2] of 3 did not read the NCCL unique id" in out and "within 2 s" in out
+
+
+def test_oom_handler_takes_a_callable_or_none():
+    """torch.cuda.empty_cache is what init_world registers; anything else callable works, and
+    None removes it (the retry itself runs in csrc/tests/test_nccl.c against the fake)."""
+    with pytest.raises(TypeError, match="must be callable or None, got 5"):
+        _C.nccl_set_oom_handler(5)
+    _C.nccl_set_oom_handler(lambda: None)
+    _C.nccl_set_oom_handler(None)

@@ -79,6 +79,13 @@ static void *other_thread(void *arg) {
     return (void *)(intptr_t)(st == HSDP_OK && recv[1] == 6 && F.get_last_error() == hsdp_cudaSuccess);
 }
 
+static int cache_emptied;
+static int empty_cache(void *arg) { /* what torch.cuda.empty_cache is to the backend */
+    (void)arg;
+    cache_emptied++;
+    return 1;
+}
+
 enum { DEVICE = 1 }; /* the fake has two: device 0 must get no context from anything here */
 
 static void fake_world(const char *fake, const char *ending) {
@@ -132,9 +139,16 @@ static void fake_world(const char *fake, const char *ending) {
         hsdp_device_free(&stats, b, HSDP_DEVICE_CUDA, drecv, 64);
     }
 
-    /* a failed cudaMalloc is handled, and leaves no error behind for the framework */
+    /* out of device memory: the framework's cache is emptied and the allocation retried once;
+     * a failure is handled, and leaves no error behind for the framework */
+    hsdp_nccl_set_oom_handler(empty_cache, NULL);
+    F.fail_mallocs(1);
+    void *after_retry = hsdp_device_alloc(&stats, b, HSDP_DEVICE_CUDA, 64);
+    CHECK(after_retry != NULL && cache_emptied == 1);
+    CHECK(F.get_last_error() == hsdp_cudaSuccess);
+    if (after_retry) hsdp_device_free(&stats, b, HSDP_DEVICE_CUDA, after_retry, 64);
     F.fail_mallocs(2);
-    CHECK(hsdp_device_alloc(&stats, b, HSDP_DEVICE_CUDA, 64) == NULL);
+    CHECK(hsdp_device_alloc(&stats, b, HSDP_DEVICE_CUDA, 64) == NULL && cache_emptied == 2);
     CHECK(F.get_last_error() == hsdp_cudaSuccess);
     F.fail_mallocs(0);
 
