@@ -79,7 +79,7 @@ NCCL_LIB = $$(find $(VENV)/ -name 'libnccl.so.2' -path '*nvidia*' | head -1)
 CUDART_LIB = $$(find $(VENV)/ -name 'libcudart.so.1[0-9]' -path '*nvidia*' | head -1)
 $(TESTBIN)/test_nccl: csrc/tests/test_nccl.c $(CORE_SRC) csrc/*.h csrc/sources.mk csrc/tests/check.h
 	@mkdir -p $(TESTBIN)
-	$(CC) $(CFLAGS_CHECK) -Icsrc $(CORE_SRC) $< -o $@ -ldl -lm -lpthread
+	$(CC) $(CFLAGS_CHECK) -DHSDP_PIN_SLOT_BYTES=16 -Icsrc $(CORE_SRC) $< -o $@ -ldl -lm -lpthread
 
 $(TESTBIN)/fake_cuda_nccl.so: csrc/tests/fake_cuda_nccl.c csrc/cuda_abi.h
 	@mkdir -p $(TESTBIN)
@@ -138,7 +138,7 @@ clang:
 ctest-clang: clang
 	@mkdir -p $(CLANGBIN)
 	for t in test_dtype test_core test_layout test_nccl; do \
-	  $(CLANG) $(CLANG_CHECK) -Icsrc $(CORE_SRC) csrc/tests/$$t.c -o $(CLANGBIN)/$$t -ldl -lm -lpthread || exit 1; done
+	  $(CLANG) $(CLANG_CHECK) -DHSDP_PIN_SLOT_BYTES=16 -Icsrc $(CORE_SRC) csrc/tests/$$t.c -o $(CLANGBIN)/$$t -ldl -lm -lpthread || exit 1; done
 	$(CLANG) -std=c11 -O2 -g -Wall -Wextra -Werror -fPIC -shared -Icsrc csrc/tests/fake_cuda_nccl.c \
 	  -o $(CLANGBIN)/fake_cuda_nccl.so -lpthread
 	$(CLANGBIN)/test_dtype

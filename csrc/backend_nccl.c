@@ -95,7 +95,8 @@ const hsdp_backend hsdp_backend_nccl = {.name = "nccl", .usable = nccl_usable, .
     X(cudaGetDeviceCount) X(cudaSetDevice) X(cudaMalloc) X(cudaFree) X(cudaMemcpyAsync)                      \
     X(cudaStreamCreateWithPriority) X(cudaDeviceGetStreamPriorityRange) X(cudaStreamDestroy)                 \
     X(cudaStreamWaitEvent) X(cudaStreamSynchronize) X(cudaEventCreateWithFlags) X(cudaEventDestroy)         \
-    X(cudaEventRecord) X(cudaEventQuery) X(cudaPointerGetAttributes) X(cudaGetErrorString) X(cudaGetLastError)
+    X(cudaEventRecord) X(cudaEventQuery) X(cudaPointerGetAttributes) X(cudaGetErrorString) X(cudaGetLastError) \
+    X(cudaHostAlloc) X(cudaFreeHost)
 
 #define DECLARE(name) hsdp_##name##_fn name;
 static struct {
@@ -218,6 +219,9 @@ static struct {
     int have_released;
     void *scratch; /* device staging for host buffers; owned here, freed at finalize */
     size_t scratch_n;
+    void *pinned;              /* PIN_SLOTS pinned host slots for uploads (cudaHostAlloc); freed at finalize */
+    hsdp_cudaEvent_t pin_ev[2]; /* each slot's last copy; the slot is reused once it has happened */
+    int pin_used[2];
     flight ring[RING];
     unsigned head, count;
     nccl_comm *live;
@@ -643,17 +647,56 @@ static hsdp_status in_place(const void *src, void *recv, size_t nbytes, int rank
     return HSDP_OK;
 }
 
+/* Uploads n bytes of pageable host memory to dev on the side stream through two pinned slots
+ * (memcpy into one while the other's copy runs): a copy from pageable memory is staged by
+ * the driver through its own small pinned buffer, synchronously and at a fraction of the
+ * bandwidth. Without pinned memory (cudaHostAlloc failed) the copy is a plain one. S.issue held. */
+#ifndef HSDP_PIN_SLOT_BYTES
+#define HSDP_PIN_SLOT_BYTES (8u << 20) /* test_nccl builds with 16, so that a unit spans slots */
+#endif
+enum { PIN_SLOT_BYTES = HSDP_PIN_SLOT_BYTES };
+static hsdp_status upload(void *dev, const void *host, size_t n) {
+    if (!S.pinned) {
+        void *p = NULL;
+        if (CUDA(cudaHostAlloc, &p, 2 * (size_t)PIN_SLOT_BYTES, hsdp_cudaHostAllocDefault) != hsdp_cudaSuccess ||
+            CUDA(cudaEventCreateWithFlags, &S.pin_ev[0], hsdp_cudaEventDisableTiming) != hsdp_cudaSuccess ||
+            CUDA(cudaEventCreateWithFlags, &S.pin_ev[1], hsdp_cudaEventDisableTiming) != hsdp_cudaSuccess) {
+            if (p) CUDA(cudaFreeHost, p);
+            for (int i = 0; i < 2; i++)
+                if (S.pin_ev[i]) CUDA(cudaEventDestroy, S.pin_ev[i]);
+            S.pin_ev[0] = S.pin_ev[1] = NULL;
+            CUDA_TRY(CUDA(cudaMemcpyAsync, dev, host, n, hsdp_cudaMemcpyDefault, S.comm), "copying a shard to the GPU");
+            return HSDP_OK;
+        }
+        S.pinned = p;
+    }
+    for (size_t off = 0, i = 0; off < n; off += PIN_SLOT_BYTES, i ^= 1) {
+        size_t len = n - off < PIN_SLOT_BYTES ? n - off : PIN_SLOT_BYTES;
+        if (S.pin_used[i]) { /* the slot's previous copy must have read it */
+            hsdp_status st = host_wait(S.pin_ev[i], "an upload of a shard through pinned memory");
+            if (st != HSDP_OK) return st;
+        }
+        char *slot = (char *)S.pinned + i * (size_t)PIN_SLOT_BYTES;
+        memcpy(slot, (const char *)host + off, len);
+        CUDA_TRY(CUDA(cudaMemcpyAsync, (char *)dev + off, slot, len, hsdp_cudaMemcpyDefault, S.comm),
+                 "copying a shard to the GPU");
+        CUDA_TRY(CUDA(cudaEventRecord, S.pin_ev[i], S.comm), "recording an upload's event");
+        S.pin_used[i] = 1;
+    }
+    return HSDP_OK;
+}
+
 static hsdp_status fixed_source(void **share, const void *send, size_t nbytes, const void **src) {
     nccl_share *s = *share;
     if (!s) {
         s = calloc(1, sizeof *s); /* owned by the unit through *share; freed by share_free */
         if (!s) return hsdp_fail(HSDP_ENOMEM, "could not allocate a shard's device record");
         hsdp_cudaError_t e = dev_malloc(&s->dev, nbytes);
-        if (e == hsdp_cudaSuccess) e = CUDA(cudaMemcpyAsync, s->dev, send, nbytes, hsdp_cudaMemcpyDefault, S.comm);
-        if (e != hsdp_cudaSuccess) {
+        hsdp_status st = e == hsdp_cudaSuccess ? upload(s->dev, send, nbytes) : cuda_fail(e, "allocating a shard on the GPU");
+        if (st != HSDP_OK) {
             if (s->dev) CUDA(cudaFree, s->dev);
             free(s);
-            return cuda_fail(e, "copying a shard to the GPU");
+            return st;
         }
         *share = s;
     }
@@ -992,6 +1035,13 @@ static hsdp_status nccl_finalize(void) {
     if (S.comm && !atomic_load(&S.failed)) (void)CUDA(cudaStreamSynchronize, S.comm);
     if (S.scratch) CUDA(cudaFree, S.scratch);
     S.scratch = NULL;
+    if (S.pinned) CUDA(cudaFreeHost, S.pinned);
+    S.pinned = NULL;
+    for (int i = 0; i < 2; i++) {
+        if (S.pin_ev[i]) CUDA(cudaEventDestroy, S.pin_ev[i]);
+        S.pin_ev[i] = NULL;
+        S.pin_used[i] = 0;
+    }
     S.scratch_n = 0;
     for (unsigned i = 0; i < RING; i++)
         if (S.ring[i].ev) {

@@ -44,6 +44,7 @@ static struct {
     int (*violations)(void);
     void (*comm_control)(int, int, int);
     int (*wait_queries)(int);
+    int (*pageable_uploads)(void);
 } F;
 
 static int find_fake(const char *path) {
@@ -63,6 +64,7 @@ static int find_fake(const char *path) {
     SYM(violations, "fake_violations");
     SYM(comm_control, "fake_comm_control");
     SYM(wait_queries, "fake_wait_queries");
+    SYM(pageable_uploads, "fake_pageable_uploads");
 #undef SYM
     return ok;
 }
@@ -162,6 +164,7 @@ static void fake_world(const char *fake, const char *ending) {
     CHECK(hsdp_unit_write(&u, 0, 0, 10, w, HSDP_F32) == HSDP_OK);
     snprintf(u.label, sizeof u.label, "blocks.0");
     CHECK(strcmp(hsdp_share_kind(sub, u.share), "unset") == 0);
+    int pageable = F.pageable_uploads();
     for (int round = 0; round < 3; round++) {
         void *full = hsdp_device_alloc(&stats, b, HSDP_DEVICE_CUDA, u.layout.total_bytes);
         hsdp_gather_req req;
@@ -174,6 +177,7 @@ static void fake_world(const char *fake, const char *ending) {
         hsdp_buffers_released(b, HSDP_DEVICE_CUDA);
         hsdp_device_free(&stats, b, HSDP_DEVICE_CUDA, full, u.layout.total_bytes);
     }
+    CHECK(F.pageable_uploads() == pageable); /* the shard went up through pinned memory (in 16-byte slots) */
     /* a consumer on another stream (DLPack's stream=, a collective on torch's current stream):
      * it reads what a collective writes only once it has landed, never the bytes from before */
     hsdp_cudaStream_t consumer = NULL;
