@@ -708,6 +708,8 @@ static hsdp_status nccl_gather_fixed(hsdp_group *g, void **share, const void *se
                                      const char *label) {
     device_guard();
     if (!on_device(recv)) { /* a host unit: staged each time, and fixed from now on like any other */
+        /* a unit already on the device is gathered from its device copy (its host chunk may be gone) */
+        if (*share && *share != hsdp_share_collective()) send = ((nccl_share *)*share)->dev;
         hsdp_status st = nccl_all_gather(g, send, recv, nbytes);
         if (st == HSDP_OK && !*share) *share = hsdp_share_collective();
         return st;
@@ -740,6 +742,24 @@ static void nccl_share_free(hsdp_group *g, void *share, void *memory) {
     if (!atomic_load(&S.failed)) (void)CUDA(cudaStreamSynchronize, S.comm);
     CUDA(cudaFree, s->dev);
     free(s);
+}
+
+static hsdp_status nccl_share_read(hsdp_group *g, const void *share, void *out, size_t nbytes) {
+    (void)g;
+    device_guard();
+    const nccl_share *s = share;
+    pthread_mutex_lock(&S.issue);
+    hsdp_status st = begin();
+    if (st == HSDP_OK && nbytes) {
+        /* on the side stream, after the upload; into host memory, so waited for on the host */
+        hsdp_cudaError_t e = CUDA(cudaMemcpyAsync, out, s->dev, nbytes, hsdp_cudaMemcpyDefault, S.comm);
+        if (e != hsdp_cudaSuccess) st = cuda_fail(e, "reading a shard back from the GPU");
+        hsdp_cudaEvent_t ev = NULL;
+        if (st == HSDP_OK) st = track("reading a shard back from the GPU", NULL, 0, &ev);
+        if (st == HSDP_OK) st = host_wait(ev, "reading a shard back from the GPU");
+    }
+    issue_unlock();
+    return st;
 }
 
 static const char *nccl_share_kind(const void *share) {
@@ -1080,5 +1100,6 @@ const hsdp_backend hsdp_backend_nccl = {
     .gather_fixed = nccl_gather_fixed,
     .share_free = nccl_share_free,
     .share_kind = nccl_share_kind,
+    .share_read = nccl_share_read,
 };
 #endif

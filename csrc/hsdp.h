@@ -219,8 +219,14 @@ hsdp_status hsdp_unit_write(hsdp_unit *u, size_t i, size_t first, size_t count, 
 /* HSDP_ESTATE once the unit has been gathered: from then on its shard is fixed (peers may
  * read it directly), so write, read and broadcast into it are refused. */
 hsdp_status hsdp_unit_check_writable(const hsdp_unit *u);
-/* All-gathers every rank's chunk into `full` (layout.total_bytes). */
+/* All-gathers every rank's chunk into `full` (layout.total_bytes). On a backend that keeps
+ * its own copy of the chunk (NCCL: on the device, after the first gather) the host chunk is
+ * then freed (u->shard NULL), unless HSDP_KEEP_HOST_SHARDS=1; the same after the first
+ * gather_start or gather_now. */
 hsdp_status hsdp_unit_gather(hsdp_unit *u, void *full);
+/* This rank's chunk (layout.chunk_bytes) into host memory `out`: the host chunk, or, once
+ * dropped, read back from the backend's copy. */
+hsdp_status hsdp_unit_read_shard(hsdp_unit *u, void *out);
 
 /* A unit's gather in flight: the collective request plus what the conversion needs. */
 typedef struct {

@@ -178,6 +178,11 @@ static void fake_world(const char *fake, const char *ending) {
         hsdp_device_free(&stats, b, HSDP_DEVICE_CUDA, full, u.layout.total_bytes);
     }
     CHECK(F.pageable_uploads() == pageable); /* the shard went up through pinned memory (in 16-byte slots) */
+    /* the host chunk was dropped once on the device; the chunk reads back from there */
+    CHECK(u.shard == NULL);
+    unsigned char *chunk = malloc(u.layout.chunk_bytes);
+    CHECK(chunk && hsdp_unit_read_shard(&u, chunk) == HSDP_OK && memcmp(chunk, w, sizeof w) == 0);
+    free(chunk);
     /* a consumer on another stream (DLPack's stream=, a collective on torch's current stream):
      * it reads what a collective writes only once it has landed, never the bytes from before */
     hsdp_cudaStream_t consumer = NULL;
@@ -238,6 +243,19 @@ static void fake_world(const char *fake, const char *ending) {
     hsdp_buffers_released(b, HSDP_DEVICE_CUDA);
     for (int i = 0; i < 2; i++) hsdp_device_free(&stats, b, HSDP_DEVICE_CUDA, full2[i], u.layout.total_bytes);
     hsdp_unit_free(&u);
+
+    /* asked to, the unit keeps its host chunk */
+    setenv("HSDP_KEEP_HOST_SHARDS", "1", 1);
+    hsdp_unit ku;
+    CHECK(hsdp_unit_init(&ku, numels, dts, NULL, 2, sub, &stats) == HSDP_OK);
+    CHECK(hsdp_unit_write(&ku, 0, 0, 10, w, HSDP_F32) == HSDP_OK);
+    void *kfull = hsdp_device_alloc(&stats, b, HSDP_DEVICE_CUDA, ku.layout.total_bytes);
+    CHECK(kfull && hsdp_unit_gather(&ku, kfull) == HSDP_OK && ku.shard != NULL);
+    CHECK(ku.shard && memcmp(ku.shard, w, sizeof w) == 0);
+    unsetenv("HSDP_KEEP_HOST_SHARDS");
+    hsdp_buffers_released(b, HSDP_DEVICE_CUDA);
+    hsdp_device_free(&stats, b, HSDP_DEVICE_CUDA, kfull, ku.layout.total_bytes);
+    hsdp_unit_free(&ku);
 
     /* a unit gathered into host memory on NCCL: staged, and fixed after its first gather too */
     hsdp_unit hu;
