@@ -243,3 +243,20 @@ def test_oom_handler_takes_a_callable_or_none():
         _C.nccl_set_oom_handler(5)
     _C.nccl_set_oom_handler(lambda: None)
     _C.nccl_set_oom_handler(None)
+
+
+def test_gpu_check_dry_run_against_the_fake():
+    """bench/gpu_check.py --dry-run: every step that can run without a GPU passes against the
+    fake CUDA/NCCL (the DLPack stream argument and all_gather_device's stream among them: a
+    consumer stream that does not wait reads a fresh buffer's zeros), and the others say
+    they need one."""
+    root = Path(__file__).resolve().parent.parent
+    built = subprocess.run(["make", "-s", "csrc/tests/bin/fake_cuda_nccl.so"], cwd=root, capture_output=True,
+                           text=True, timeout=120)
+    assert built.returncode == 0, built.stdout + built.stderr
+    out = subprocess.run([sys.executable, str(root / "bench" / "gpu_check.py"), "--dry-run"], cwd=root,
+                         capture_output=True, text=True, timeout=300, env=_clean_env())
+    assert out.returncode == 0, out.stdout + out.stderr
+    verdicts = dict(line.split()[:2] for line in out.stdout.splitlines()[1:])
+    assert verdicts == {"last_error": "PASS", "ordering": "PASS", "init": "PASS", "buffers_flat": "PASS",
+                        "parity_bf16": "NEEDS-GPU", "start_unshard_us": "NEEDS-GPU", "overlap": "NEEDS-GPU"}, out.stdout
