@@ -395,6 +395,44 @@ def step_overlap(env: Env) -> dict:
     return {**res, "verdict": "PASS" if (frac or 0) > 0.5 else "FAIL", "why": "goal: over half the gather time inside compute"}
 
 
+def step_gather_vs_copy(env: Env) -> dict:
+    if env.dry:
+        raise NeedsGPU("bandwidth on a real device")
+    from hsdp import _C
+
+    torch = env.torch
+    nbytes, reps = 256 << 20, 50
+    u = _C.Unit(env.world, ["bfloat16"], [(nbytes // 2,)], name="bench-256MiB", device="cuda")
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    u.unshard(), u.reshard(), dst.copy_(src)  # warm: the shard's upload, the pool, the copy kernel
+    torch.cuda.synchronize()
+
+    def timed(step: Callable[[], Any]) -> float:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(reps):
+            step()
+        b.record()
+        torch.cuda.synchronize()
+        return a.elapsed_time(b) / reps
+
+    def gather() -> None:
+        u.start_unshard()
+        u.wait()
+        u.reshard()
+
+    ratios, g_ms, c_ms = [], [], []
+    for _ in range(5):  # interleaved
+        g = timed(gather)
+        c = timed(lambda: dst.copy_(src))
+        g_ms.append(g), c_ms.append(c), ratios.append(c / g)
+    res = {"gather_256MiB_ms": statistics.median(g_ms), "d2d_copy_256MiB_ms": statistics.median(c_ms),
+           "copy_over_gather": statistics.median(ratios)}
+    ok = res["copy_over_gather"] >= 0.9
+    return {**res, "verdict": "PASS" if ok else "FAIL", "why": "a 256 MiB gather against a device copy: goal 0.9"}
+
+
 STEPS: list[tuple[str, Callable[[Env], dict]]] = [
     ("last_error", step_last_error),
     ("ordering", step_ordering),
@@ -403,6 +441,7 @@ STEPS: list[tuple[str, Callable[[Env], dict]]] = [
     ("parity_bf16", step_parity_bf16),
     ("start_unshard_us", step_start_unshard_us),
     ("overlap", step_overlap),
+    ("gather_vs_copy", step_gather_vs_copy),
 ]
 
 

@@ -259,4 +259,5 @@ def test_gpu_check_dry_run_against_the_fake():
     assert out.returncode == 0, out.stdout + out.stderr
     verdicts = dict(line.split()[:2] for line in out.stdout.splitlines()[1:])
     assert verdicts == {"last_error": "PASS", "ordering": "PASS", "init": "PASS", "buffers_flat": "PASS",
-                        "parity_bf16": "NEEDS-GPU", "start_unshard_us": "NEEDS-GPU", "overlap": "NEEDS-GPU"}, out.stdout
+                        "parity_bf16": "NEEDS-GPU", "start_unshard_us": "NEEDS-GPU", "overlap": "NEEDS-GPU",
+                        "gather_vs_copy": "NEEDS-GPU"}, out.stdout
