@@ -213,6 +213,8 @@ typedef struct {
 static struct {
     pthread_mutex_t mu;    /* the ring, the live list, the scratch buffer */
     pthread_mutex_t issue; /* one thread at a time enqueues NCCL work, in program order */
+    pthread_mutex_t calls; /* every NCCL call on a live communicator, and its abort; held only
+                              around NCCL calls, never a CUDA call that may block; before S.mu */
     int world_up, device;
     hsdp_cudaStream_t comm, compute;
     hsdp_cudaEvent_t released, ready;
@@ -234,7 +236,7 @@ static struct {
         unsigned char id[HSDP_NCCL_ID_BYTES];
         int rank, size, device, set;
     } boot;
-} S = {.mu = PTHREAD_MUTEX_INITIALIZER, .issue = PTHREAD_MUTEX_INITIALIZER};
+} S = {.mu = PTHREAD_MUTEX_INITIALIZER, .issue = PTHREAD_MUTEX_INITIALIZER, .calls = PTHREAD_MUTEX_INITIALIZER};
 
 /* The device guard: every thread that enters the backend runs on its device. A thread's
  * first CUDA call without cudaSetDevice makes a context on device 0 (about 0.5 GiB): the
@@ -294,15 +296,19 @@ static hsdp_status cuda_fail(hsdp_cudaError_t e, const char *what) {
 static hsdp_status failed_status(void) {
     return hsdp_fail(HSDP_ECOMM, "the NCCL communicators were aborted: %s", S.why);
 }
+static hsdp_status failed_status_if_failed(void) { return atomic_load(&S.failed) ? failed_status() : HSDP_OK; }
 
 /* Failing: the first failure is recorded once, saying why on stderr, and every call from
  * then on fails with it; peers blocked in a collective with this rank are released by their
- * own watchdogs within the same timeout. The communicators are aborted by the thread that
- * holds S.issue (every NCCL call on a live communicator is made under it, but the watchdog's
- * polls, which hold S.mu): ncclCommAbort frees the communicator, so the watchdog never aborts
- * one under a thread still polling it. It aborts itself only when it can take S.issue;
- * otherwise the issuing thread sees the failure within a poll and aborts on its way out
- * (issue_unlock). S.mu held. */
+ * own watchdogs within the same timeout. The communicators are then aborted under S.calls,
+ * the lock every NCCL call on a live communicator is made under (but the watchdog's polls of
+ * ncclCommGetAsyncError, which NCCL allows beside them): ncclCommAbort frees the
+ * communicator, so no thread is inside a call on it then. S.calls is held only around NCCL
+ * calls, which return at once (non-blocking communicators) or poll S.failed, never around a
+ * CUDA call that may wait on the side stream (a copy into pageable memory, cudaFree): so the
+ * watchdog takes it within a poll even while the issuing thread is stuck behind a hung
+ * collective, and the abort is what releases that thread. The watchdog aborts (watch_once),
+ * and so does an issuing thread on its way out (issue_unlock), whichever comes first. S.mu held. */
 __attribute__((format(printf, 1, 2))) static void abort_all_locked(const char *fmt, ...) {
     int expected = 0;
     if (!atomic_compare_exchange_strong(&S.failed, &expected, 1)) return;
@@ -313,7 +319,7 @@ __attribute__((format(printf, 1, 2))) static void abort_all_locked(const char *f
     fprintf(stderr, "hsdp: rank %d (NCCL): %s; aborting the NCCL communicators\n", S.boot.rank, S.why);
 }
 
-/* After a failure: aborts every live communicator not yet aborted (S.mu and S.issue held). */
+/* After a failure: aborts every live communicator not yet aborted (S.calls and S.mu held). */
 static void abort_comms_locked(void) {
     for (nccl_comm *c = S.live; c; c = c->next)
         if (!c->aborted) {
@@ -323,12 +329,15 @@ static void abort_comms_locked(void) {
 }
 
 /* Every section that issues NCCL calls ends here: after a failure, its thread aborts. */
+static void abort_comms(void) {
+    pthread_mutex_lock(&S.calls);
+    pthread_mutex_lock(&S.mu);
+    abort_comms_locked();
+    pthread_mutex_unlock(&S.mu);
+    pthread_mutex_unlock(&S.calls);
+}
 static void issue_unlock(void) {
-    if (atomic_load(&S.failed)) {
-        pthread_mutex_lock(&S.mu);
-        abort_comms_locked();
-        pthread_mutex_unlock(&S.mu);
-    }
+    if (atomic_load(&S.failed)) abort_comms();
     pthread_mutex_unlock(&S.issue);
 }
 
@@ -394,12 +403,10 @@ static void watch_once(void) {
         if (state != hsdp_ncclSuccess && state != hsdp_ncclInProgress)
             abort_all_locked("NCCL reported an asynchronous error: %s", nccl_text(state, c));
     }
-    /* failed: abort now unless a thread is issuing (it aborts when it lets go of S.issue) */
-    if (atomic_load(&S.failed) && pthread_mutex_trylock(&S.issue) == 0) {
-        abort_comms_locked();
-        pthread_mutex_unlock(&S.issue);
-    }
+    int abort_now = 0;
+    for (nccl_comm *c = S.live; c && atomic_load(&S.failed); c = c->next) abort_now |= !c->aborted;
     pthread_mutex_unlock(&S.mu);
+    if (abort_now) abort_comms(); /* S.calls before S.mu: within a poll of the thread in a call */
 }
 
 static void *watchdog(void *arg) {
@@ -516,9 +523,18 @@ static hsdp_status scratch(size_t n, void **out) {
 /* ---------------------------------------------------------------- the collectives */
 typedef enum { OP_GATHER, OP_BCAST, OP_ALLTOALL, OP_BARRIER } op_kind;
 
-/* Enqueues one collective on device buffers (S.issue held). */
+static hsdp_status enqueue_calls(nccl_comm *c, op_kind op, int size, const void *send, void *recv, size_t nbytes,
+                                 int root);
+/* Enqueues one collective on device buffers (S.issue held), under S.calls. */
 static hsdp_status enqueue(nccl_comm *c, op_kind op, int size, const void *send, void *recv, size_t nbytes,
                            int root) {
+    pthread_mutex_lock(&S.calls);
+    hsdp_status st = atomic_load(&S.failed) ? failed_status() : enqueue_calls(c, op, size, send, recv, nbytes, root);
+    pthread_mutex_unlock(&S.calls);
+    return st;
+}
+static hsdp_status enqueue_calls(nccl_comm *c, op_kind op, int size, const void *send, void *recv, size_t nbytes,
+                                 int root) {
     hsdp_ncclResult_t rc = hsdp_ncclSuccess;
     switch (op) {
     case OP_GATHER:
@@ -586,18 +602,22 @@ static hsdp_status run_sync(hsdp_group *g, op_kind op, const void *send, void *r
         }
     }
     if (st == HSDP_OK) st = enqueue(c, op, g->size, s, r, nbytes, root);
-    if (st == HSDP_OK && !direct && op != OP_BARRIER && recv_n) {
-        hsdp_cudaError_t e = CUDA(cudaMemcpyAsync, recv, r, recv_n, hsdp_cudaMemcpyDefault, S.comm);
-        if (e != hsdp_cudaSuccess) st = cuda_fail(e, "copying a collective's result to host memory");
-    }
     hsdp_cudaEvent_t ev = NULL;
     if (st == HSDP_OK) st = track(what, direct ? recv : NULL, recv_n, &ev);
     if (st == HSDP_OK && direct) {
         hsdp_cudaError_t e = CUDA(cudaStreamWaitEvent, order, ev, 0);
         if (e != hsdp_cudaSuccess) st = cuda_fail(e, "ordering the compute stream after a collective");
     }
-    /* a staged collective must finish before the staging buffer is reused */
+    /* staged: the collective is waited for (within the timeout) before the copy back, which
+     * into pageable memory blocks the host until the side stream reaches it: behind a
+     * collective a peer never joins, it would block beyond any timeout */
     if (st == HSDP_OK && !direct) st = host_wait(ev, what);
+    if (st == HSDP_OK && !direct && op != OP_BARRIER && recv_n) {
+        hsdp_cudaError_t e = CUDA(cudaMemcpyAsync, recv, r, recv_n, hsdp_cudaMemcpyDefault, S.comm);
+        if (e != hsdp_cudaSuccess) st = cuda_fail(e, "copying a collective's result to host memory");
+        if (st == HSDP_OK) st = track(what, NULL, 0, &ev); /* pinned host memory: the copy is asynchronous */
+        if (st == HSDP_OK) st = host_wait(ev, what);
+    }
     issue_unlock();
     return st;
 }
@@ -1006,8 +1026,13 @@ static hsdp_status nccl_split(hsdp_group *g, int color, int key, hsdp_group **ou
     char what[96];
     snprintf(what, sizeof what, "ncclCommSplit (color %d, key %d)", color, key);
     pthread_mutex_lock(&S.issue);
-    hsdp_ncclResult_t rc = api.ncclCommSplit(c->comm, color, key, &comm, &cfg); /* writes comm: see nccl_world */
-    hsdp_status st = join_done(comm, rc, what);
+    pthread_mutex_lock(&S.calls);
+    hsdp_status st = failed_status_if_failed();
+    if (st == HSDP_OK) {
+        hsdp_ncclResult_t rc = api.ncclCommSplit(c->comm, color, key, &comm, &cfg); /* writes comm: see nccl_world */
+        st = join_done(comm, rc, what);
+    }
+    pthread_mutex_unlock(&S.calls);
     issue_unlock();
     if (st != HSDP_OK) return st;
     int rank = -1, size = -1;

@@ -21,18 +21,21 @@
  * - ncclCommAbort kills the communicator: any later call on it, or one racing with the
  *   abort, is counted (fake_violations()) and fails; so is a call needing a communicator
  *   whose non-blocking init or split was not polled to its end.
- * A world of one rank, on FAKE_DEVICES devices (default 2) whose memory is host memory.
+ * A world of one rank, or of several forked processes (see "worlds of ranks"), on
+ * FAKE_DEVICES devices (default 2) whose memory is host memory.
  *
  * Controls, by environment: FAKE_NCCL_VERSION (default 23007); FAKE_STALL=1 makes every
  * event recorded from then on never complete (a peer that never arrives). By the fake_*
  * functions at the end (test_nccl finds them with dlsym): holding a stream, failing the
  * next cudaMalloc calls, a communicator's asynchronous error or hang. */
+#define _DEFAULT_SOURCE /* MAP_ANONYMOUS */
 #define _POSIX_C_SOURCE 200809L
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
 
 #include "cuda_abi.h"
@@ -160,13 +163,14 @@ typedef struct fake_event {
     int refs, destroyed;     /* ops pending on it; freed once destroyed and unreferenced */
 } fake_event;
 
-typedef enum { K_COPY, K_RECORD, K_WAIT } op_kind;
+typedef enum { K_COPY, K_RECORD, K_WAIT, K_FN } op_kind;
 typedef struct op {
     op_kind kind;
     void *dst;
     const void *src;
     size_t n;
-    void *owned; /* a snapshot of a pageable source, freed once copied */
+    void *owned; /* a snapshot of a pageable source, freed once copied; K_FN: fn's argument */
+    void (*fn)(void *arg); /* K_FN: work that may block (a collective with other ranks), run outside G */
     fake_event *ev;
     uint64_t gen;
     int stalled;
@@ -205,6 +209,11 @@ static void *worker(void *arg) {
             continue;
         }
         if (o->kind == K_COPY) memmove(o->dst, o->src, o->n);
+        if (o->kind == K_FN) { /* the op stays at the head, so nothing behind it runs meanwhile */
+            pthread_mutex_unlock(&G);
+            o->fn(o->owned);
+            pthread_mutex_lock(&G);
+        }
         if (o->kind == K_RECORD && !o->stalled && o->ev->done < o->gen) o->ev->done = o->gen;
         s->head = o->next;
         if (!s->head) s->tail = NULL;
@@ -386,10 +395,29 @@ hsdp_cudaError_t cudaEventQuery(hsdp_cudaEvent_t h) {
 }
 const char *cudaGetErrorString(hsdp_cudaError_t e) { return e == hsdp_cudaSuccess ? "no error" : "fake CUDA error"; }
 
-/* ---------------------------------------------------------------- a world of one */
+/* ---------------------------------------------------------------- worlds of ranks
+ * A world of one needs nothing shared. A world of several: ranks are processes forked from
+ * the one that made the unique id, which maps (MAP_SHARED) a region they all inherit and
+ * names its address in the id. Each communicator is a channel there; a collective on a
+ * stream is an op its worker runs outside G: it puts this rank's contribution in its slot,
+ * waits for every rank's (a peer that never arrives keeps it waiting, so the events behind
+ * it never complete), computes its result, and waits for every rank to have read before the
+ * slots are reused. An abort of the communicator releases it. */
+enum { MAX_RANKS = 8, MAX_CHANNELS = 8, SLOT_BYTES = 1 << 16 };
+typedef struct {
+    pthread_mutex_t mu; /* process-shared */
+    pthread_cond_t cv;
+    uint64_t arrived[MAX_CHANNELS][MAX_RANKS], left[MAX_CHANNELS][MAX_RANKS];
+    unsigned char slot[MAX_CHANNELS][MAX_RANKS][SLOT_BYTES];
+} shared_world;
+
 enum { MAX_COMMS = 64 };
 typedef struct {
     int rank, size, index;
+    shared_world *world; /* NULL in a world of one */
+    int channel;         /* its part of the shared world */
+    uint64_t seq;        /* collectives enqueued on it (under G) */
+    int splits;          /* communicators split from it so far: every rank splits in the same order */
     int polls_left;        /* a non-blocking init or split: ncclInProgress for this many polls */
     atomic_int dead;       /* aborted: any use from now on is counted */
     atomic_int in_call;    /* threads inside a call on it (an abort then races with them) */
@@ -438,18 +466,36 @@ hsdp_ncclResult_t ncclGetVersion(int *v) {
     *v = s ? atoi(s) : 23007;
     return hsdp_ncclSuccess;
 }
+enum { ID_WORLD_AT = 16 }; /* where the id carries the shared world's address */
 hsdp_ncclResult_t ncclGetUniqueId(hsdp_ncclUniqueId *id) {
     for (size_t i = 0; i < sizeof id->internal; i++) id->internal[i] = (char)(i * 7 + 1);
+    /* the region forked ranks share; mapped for the life of the process */
+    shared_world *w = mmap(NULL, sizeof *w, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    if (w == MAP_FAILED) return hsdp_ncclSystemError;
+    pthread_mutexattr_t ma;
+    pthread_condattr_t ca;
+    pthread_mutexattr_init(&ma);
+    pthread_mutexattr_setpshared(&ma, PTHREAD_PROCESS_SHARED);
+    pthread_condattr_init(&ca);
+    pthread_condattr_setpshared(&ca, PTHREAD_PROCESS_SHARED);
+    pthread_mutex_init(&w->mu, &ma);
+    pthread_cond_init(&w->cv, &ca);
+    memcpy(id->internal + ID_WORLD_AT, &w, sizeof w);
     return hsdp_ncclSuccess;
 }
-static hsdp_ncclResult_t new_comm(hsdp_ncclComm_t *out, int n, int rank, int polls) {
+static hsdp_ncclResult_t new_comm(hsdp_ncclComm_t *out, int n, int rank, int polls, shared_world *world,
+                                  int channel) {
     if (!out) return hsdp_ncclInvalidArgument;
-    if (n != 1 || rank != 0) return hsdp_ncclInvalidArgument; /* one process: a world of one */
+    if (n < 1 || n > MAX_RANKS || rank < 0 || rank >= n || (n > 1 && !world) || channel >= MAX_CHANNELS)
+        return hsdp_ncclInvalidArgument;
     int index = atomic_fetch_add(&ncomms, 1);
     if (index >= MAX_COMMS) return hsdp_ncclSystemError;
     fake_comm *c = calloc(1, sizeof *c);
     if (!c) return hsdp_ncclSystemError;
-    c->size = 1;
+    c->size = n;
+    c->rank = rank;
+    c->world = n > 1 ? world : NULL;
+    c->channel = channel;
     c->index = index;
     c->polls_left = polls;
     comms[index] = c;
@@ -459,27 +505,30 @@ static hsdp_ncclResult_t new_comm(hsdp_ncclComm_t *out, int n, int rank, int pol
 static int config_ok(const hsdp_ncclConfig_t *cfg) { /* what NCCL checks first */
     return cfg && cfg->magic == HSDP_NCCL_API_MAGIC && cfg->version >= 21400;
 }
+static shared_world *world_of(const hsdp_ncclUniqueId *id) {
+    shared_world *w;
+    memcpy(&w, id->internal + ID_WORLD_AT, sizeof w);
+    return w;
+}
 hsdp_ncclResult_t ncclCommInitRank(hsdp_ncclComm_t *c, int n, hsdp_ncclUniqueId id, int rank) {
-    (void)id;
     context();
-    return new_comm(c, n, rank, 0);
+    return new_comm(c, n, rank, 0, world_of(&id), 0);
 }
 hsdp_ncclResult_t ncclCommInitRankConfig(hsdp_ncclComm_t *c, int n, hsdp_ncclUniqueId id, int rank,
                                          hsdp_ncclConfig_t *cfg) {
-    (void)id;
     context();
     if (!config_ok(cfg)) return hsdp_ncclInvalidArgument;
-    return new_comm(c, n, rank, cfg->blocking ? 0 : 3);
+    return new_comm(c, n, rank, cfg->blocking ? 0 : 3, world_of(&id), 0);
 }
+/* Every rank of the parent in one color, ordered by rank (key is the rank): a channel of its own. */
 hsdp_ncclResult_t ncclCommSplit(hsdp_ncclComm_t h, int color, int key, hsdp_ncclComm_t *out, hsdp_ncclConfig_t *cfg) {
-    (void)color, (void)key;
     context();
     fake_comm *c = enter_ready(h);
-    if (!c || !config_ok(cfg)) {
+    if (!c || !config_ok(cfg) || color != 0 || key != c->rank) {
         leave(c);
         return hsdp_ncclInvalidArgument;
     }
-    hsdp_ncclResult_t rc = new_comm(out, 1, 0, cfg->blocking ? 0 : 2);
+    hsdp_ncclResult_t rc = new_comm(out, c->size, c->rank, cfg->blocking ? 0 : 2, c->world, c->world ? ++c->splits : 0);
     leave(c);
     return rc;
 }
@@ -528,38 +577,118 @@ const char *ncclGetLastError(hsdp_ncclComm_t c) {
 }
 
 static size_t nbytes(size_t count, hsdp_ncclDataType_t t) { return count * (t == hsdp_ncclFloat32 ? 4 : 1); }
+
+typedef enum { C_GATHER, C_BCAST, C_SUM, C_ALLTOALL } coll_kind;
+typedef struct {
+    fake_comm *c;
+    coll_kind kind;
+    const void *send;
+    void *recv;
+    size_t n; /* bytes per rank (all-to-all: per peer) */
+    int root;
+    uint64_t seq;
+} coll;
+
+/* Waits under w->mu until every rank's counter in `of` reaches seq; 0 if the communicator
+ * was aborted meanwhile (an abort releases what waits for peers that never come). */
+static int all_reached(shared_world *w, uint64_t of[MAX_RANKS], fake_comm *c, uint64_t seq) {
+    for (;;) {
+        int all = 1;
+        for (int r = 0; r < c->size; r++) all = all && of[r] >= seq;
+        if (all) return 1;
+        if (atomic_load(&c->dead)) return 0;
+        struct timespec until;
+        clock_gettime(CLOCK_REALTIME, &until);
+        until.tv_nsec += 5 * 1000 * 1000;
+        if (until.tv_nsec >= 1000000000L) until.tv_sec++, until.tv_nsec -= 1000000000L;
+        pthread_cond_timedwait(&w->cv, &w->mu, &until);
+    }
+}
+
+static void run_coll(void *arg) { /* on the stream's worker, outside G */
+    coll *k = arg;
+    fake_comm *c = k->c;
+    shared_world *w = c->world;
+    int ch = c->channel, me = c->rank, n = c->size;
+    size_t in = k->kind == C_ALLTOALL ? k->n * (size_t)n : k->n;
+    pthread_mutex_lock(&w->mu);
+    if (k->send && (k->kind != C_BCAST || me == k->root)) memcpy(w->slot[ch][me], k->send, in);
+    w->arrived[ch][me] = k->seq;
+    pthread_cond_broadcast(&w->cv);
+    if (all_reached(w, w->arrived[ch], c, k->seq)) {
+        for (int r = 0; r < n; r++) {
+            if (k->kind == C_GATHER) memcpy((char *)k->recv + (size_t)r * k->n, w->slot[ch][r], k->n);
+            if (k->kind == C_ALLTOALL)
+                memcpy((char *)k->recv + (size_t)r * k->n, w->slot[ch][r] + (size_t)me * k->n, k->n);
+        }
+        if (k->kind == C_BCAST) memcpy(k->recv, w->slot[ch][k->root], k->n);
+        if (k->kind == C_SUM) {
+            float sum = 0, v;
+            for (int r = 0; r < n; r++) memcpy(&v, w->slot[ch][r], sizeof v), sum += v;
+            memcpy(k->recv, &sum, sizeof sum);
+        }
+        w->left[ch][me] = k->seq; /* read: the slots may be reused once every rank has */
+        pthread_cond_broadcast(&w->cv);
+        (void)all_reached(w, w->left[ch], c, k->seq);
+    }
+    pthread_mutex_unlock(&w->mu); /* k is the op's, freed with it */
+}
+
+/* Enqueues a collective of a world of several ranks on stream st. */
+static hsdp_ncclResult_t enqueue_coll(fake_comm *c, coll_kind kind, const void *s, void *r, size_t n, int root,
+                                      hsdp_cudaStream_t st) {
+    if ((kind == C_ALLTOALL ? n * (size_t)c->size : n) > SLOT_BYTES) return hsdp_ncclInvalidUsage; /* the fake's limit */
+    coll *k = malloc(sizeof *k);
+    op *o = calloc(1, sizeof *o);
+    if (!k || !o) {
+        free(k);
+        free(o);
+        return hsdp_ncclSystemError;
+    }
+    pthread_mutex_lock(&G);
+    *k = (coll){.c = c, .kind = kind, .send = s, .recv = r, .n = n, .root = root, .seq = ++c->seq};
+    *o = (op){.kind = K_FN, .fn = run_coll, .owned = k};
+    push(st, o);
+    pthread_mutex_unlock(&G);
+    return hsdp_ncclSuccess;
+}
 /* A collective: NCCL reads and writes device memory only; the copy runs on the stream. A
  * hanging communicator takes the call but reports ncclInProgress (a non-blocking one). */
-static hsdp_ncclResult_t collective(hsdp_ncclComm_t h, const void *s, void *r, size_t n, hsdp_cudaStream_t st) {
+static hsdp_ncclResult_t collective(hsdp_ncclComm_t h, coll_kind kind, const void *s, void *r, size_t n, int root,
+                                    hsdp_cudaStream_t st) {
     context();
     fake_comm *c = enter_ready(h);
     if (!c) return hsdp_ncclInvalidArgument;
     pthread_mutex_lock(&G);
     int ok = (!s || is_device(s)) && (!r || is_device(r));
     pthread_mutex_unlock(&G);
-    hsdp_ncclResult_t rc = !ok ? hsdp_ncclInvalidUsage
-                           : s && r && s != r && copy_on(st, r, s, n) != hsdp_cudaSuccess ? hsdp_ncclSystemError
-                           : atomic_load(&hang[c->index]) ? hsdp_ncclInProgress : hsdp_ncclSuccess;
+    hsdp_ncclResult_t rc = hsdp_ncclSuccess;
+    if (!ok)
+        rc = hsdp_ncclInvalidUsage;
+    else if (c->world)
+        rc = enqueue_coll(c, kind, s, r, n, root, st);
+    else if (s && r && s != r && copy_on(st, r, s, n) != hsdp_cudaSuccess) /* a world of one: a copy */
+        rc = hsdp_ncclSystemError;
+    if (rc == hsdp_ncclSuccess && atomic_load(&hang[c->index])) rc = hsdp_ncclInProgress;
     leave(c);
     return rc;
 }
 hsdp_ncclResult_t ncclAllGather(const void *s, void *r, size_t count, hsdp_ncclDataType_t t, hsdp_ncclComm_t c,
                                 hsdp_cudaStream_t st) {
-    return collective(c, s, r, nbytes(count, t), st);
+    return collective(c, C_GATHER, s, r, nbytes(count, t), 0, st);
 }
 hsdp_ncclResult_t ncclBroadcast(const void *s, void *r, size_t count, hsdp_ncclDataType_t t, int root,
                                 hsdp_ncclComm_t c, hsdp_cudaStream_t st) {
-    if (root != 0) return hsdp_ncclInvalidUsage;
-    return collective(c, s, r, nbytes(count, t), st);
+    return collective(c, C_BCAST, s, r, nbytes(count, t), root, st);
 }
 hsdp_ncclResult_t ncclAllReduce(const void *s, void *r, size_t count, hsdp_ncclDataType_t t, hsdp_ncclRedOp_t op,
                                 hsdp_ncclComm_t c, hsdp_cudaStream_t st) {
-    (void)op;
-    return collective(c, s, r, nbytes(count, t), st);
+    (void)op; /* the barrier's: a float sum */
+    return collective(c, C_SUM, s, r, nbytes(count, t), 0, st);
 }
 hsdp_ncclResult_t ncclAlltoAll(const void *s, void *r, size_t count, hsdp_ncclDataType_t t, hsdp_ncclComm_t c,
                                hsdp_cudaStream_t st) {
-    return collective(c, s, r, nbytes(count, t), st);
+    return collective(c, C_ALLTOALL, s, r, nbytes(count, t), 0, st);
 }
 hsdp_ncclResult_t ncclSend(const void *s, size_t count, hsdp_ncclDataType_t t, int peer, hsdp_ncclComm_t h,
                            hsdp_cudaStream_t st) {
@@ -567,7 +696,7 @@ hsdp_ncclResult_t ncclSend(const void *s, size_t count, hsdp_ncclDataType_t t, i
     fake_comm *c = enter_ready(h);
     if (!c) return hsdp_ncclInvalidArgument;
     pthread_mutex_lock(&G);
-    int ok = peer == 0 && is_device(s);
+    int ok = peer == 0 && c->size == 1 && is_device(s); /* grouped sends: a world of one only */
     pthread_mutex_unlock(&G);
     if (ok) {
         c->sent = s;

@@ -12,7 +12,10 @@
  *                                 no CUDA error left for the framework, no context on a device
  *                                 not chosen, then one ending (a process aborts once): "stall",
  *                                 the watchdog's timeout; "race", an asynchronous error while
- *                                 another communicator's collective is in progress.
+ *                                 another communicator's collective is in progress; or
+ *                                 "ranks N": a world of N forked ranks over the fake's shared
+ *                                 memory (collectives across ranks, a sharded unit, and a
+ *                                 rank that never arrives).
  * Both modes first check what holds before any loading: built, registered, unusable and
  * saying why, refusing the unique id and bad bootstraps, and naming what fails to load.
  * Neither needs a CUDA or NCCL header. */
@@ -23,6 +26,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "backend.h"
 #include "backend_nccl.h"
@@ -305,6 +310,100 @@ static void fake_world(const char *fake, const char *ending) {
     CHECK(F.contexts() == 1u << DEVICE);
 }
 
+/* One rank of a world of several (forked processes over the fake's shared memory). */
+enum { MAX_TEST_RANKS = 8 };
+static void one_rank(const unsigned char *id, int rank, int n) {
+    hsdp_group *world = NULL, *sub = NULL;
+    int we_init = 0;
+    CHECK(hsdp_nccl_set_bootstrap(id, rank, n, rank % 2) == HSDP_OK);
+    CHECK(hsdp_backend_world("nccl", &world, &we_init) == HSDP_OK && world);
+    if (!world) return;
+    CHECK(world->size == n && world->rank == rank);
+    CHECK(hsdp_barrier(world) == HSDP_OK);
+    CHECK(hsdp_group_split(world, 0, rank, &sub) == HSDP_OK && sub && sub->size == n && sub->rank == rank);
+    if (!sub) return;
+
+    /* host buffers, staged: every rank's contribution lands in rank order */
+    int mine[2] = {rank * 10, rank * 10 + 1}, all[2 * MAX_TEST_RANKS] = {0};
+    CHECK(hsdp_all_gather(sub, mine, all, sizeof mine) == HSDP_OK);
+    for (int r = 0; r < n; r++) CHECK(all[2 * r] == r * 10 && all[2 * r + 1] == r * 10 + 1);
+    int b[2] = {rank, rank};
+    CHECK(hsdp_broadcast(sub, b, sizeof b, n - 1) == HSDP_OK && b[0] == n - 1 && b[1] == n - 1);
+    int send[MAX_TEST_RANKS], recv[MAX_TEST_RANKS];
+    for (int q = 0; q < n; q++) send[q] = rank * 100 + q, recv[q] = -1;
+    CHECK(hsdp_all_to_all(sub, send, recv, sizeof(int)) == HSDP_OK);
+    for (int r = 0; r < n; r++) CHECK(recv[r] == r * 100 + rank);
+
+    /* a unit sharded over the ranks: each keeps its chunk; every gather gives each the whole */
+    hsdp_stats stats;
+    hsdp_stats_init(&stats);
+    const hsdp_backend *b_nccl = hsdp_backend_find("nccl");
+    size_t numels[2] = {40, 6};
+    hsdp_dtype dts[2] = {HSDP_F32, HSDP_BF16};
+    hsdp_unit u;
+    CHECK(hsdp_unit_init(&u, numels, dts, NULL, 2, world, &stats) == HSDP_OK);
+    float w[40];
+    for (int i = 0; i < 40; i++) w[i] = (float)i * 0.25f;
+    CHECK(hsdp_unit_write(&u, 0, 0, 40, w, HSDP_F32) == HSDP_OK);
+    for (int round = 0; round < 2; round++) {
+        void *full = hsdp_device_alloc(&stats, b_nccl, HSDP_DEVICE_CUDA, u.layout.total_bytes);
+        hsdp_gather_req req;
+        memset(&req, 0, sizeof req);
+        CHECK(full && hsdp_unit_gather_start(&u, full, NULL, &req) == HSDP_OK);
+        CHECK(hsdp_unit_gather_wait(&u, &req) == HSDP_OK);
+        device_sync();
+        CHECK(full && memcmp(full, w, sizeof w) == 0);
+        hsdp_buffers_released(b_nccl, HSDP_DEVICE_CUDA);
+        hsdp_device_free(&stats, b_nccl, HSDP_DEVICE_CUDA, full, u.layout.total_bytes);
+    }
+    hsdp_unit_free(&u);
+
+    /* rank 1 never arrives at a collective the others make: they end in an error naming it
+     * within the timeout, and rank 1 ends cleanly */
+    CHECK(hsdp_set_timeout(0.5) == HSDP_OK);
+    if (rank != 1) {
+        CHECK(hsdp_all_gather(world, mine, all, sizeof mine) == HSDP_ECOMM);
+        char want[96];
+        snprintf(want, sizeof want, "an all-gather of 8 bytes per rank over %d ranks", n);
+        CHECK(strstr(hsdp_last_error(), want) != NULL && strstr(hsdp_last_error(), "HSDP_TIMEOUT") != NULL);
+        CHECK(hsdp_barrier(sub) == HSDP_ECOMM);
+    }
+    CHECK(F.get_last_error() == hsdp_cudaSuccess);
+    hsdp_group_free(sub);
+    hsdp_group_free(world);
+    CHECK(hsdp_backend_finalize("nccl") == HSDP_OK);
+    CHECK(F.violations() == 0);
+}
+
+/* A world of n ranks: forked from this process once it has the unique id (the fake's shared
+ * memory is inherited), rank 0 here. */
+static void several_ranks(const char *fake, int n) {
+    CHECK(n >= 2 && n <= MAX_TEST_RANKS);
+    CHECK(hsdp_nccl_load(fake, fake) == HSDP_OK);
+    CHECK(find_fake(fake));
+    unsigned char id[HSDP_NCCL_ID_BYTES];
+    CHECK(hsdp_nccl_unique_id(id) == HSDP_OK);
+    if (check_failed || n < 2 || n > MAX_TEST_RANKS) return;
+    printf("test_nccl: fake NCCL %d, a world of %d ranks\n", hsdp_nccl_version(), n);
+    fflush(stdout);
+    pid_t kids[MAX_TEST_RANKS] = {0};
+    for (int r = 1; r < n; r++) {
+        kids[r] = fork();
+        if (kids[r] == 0) {
+            one_rank(id, r, n);
+            if (check_failed) fprintf(stderr, "test_nccl: rank %d: %d failed\n", r, check_failed);
+            fflush(NULL);
+            _exit(check_failed ? 1 : 0);
+        }
+        CHECK(kids[r] > 0);
+    }
+    one_rank(id, 0, n);
+    for (int r = 1; r < n; r++) {
+        int status = 0;
+        CHECK(kids[r] > 0 && waitpid(kids[r], &status, 0) == kids[r] && WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    }
+}
+
 /* Before any loading, with LIBS as the (nccl, cudart) pair that loads in this mode. */
 static void unloaded(const char *nccl, const char *cudart) {
     CHECK(hsdp_nccl_built());
@@ -352,15 +451,19 @@ static void real_libraries(const char *nccl, const char *cudart) {
 }
 
 int main(int argc, char **argv) {
-    if (argc < 3 || argc > 4 || !*argv[1] || !*argv[2]) {
-        fprintf(stderr, "usage: %s LIBNCCL LIBCUDART | %s --fake FAKE_CUDA_NCCL [stall|race]\n", argv[0], argv[0]);
+    if (argc < 3 || argc > 5 || !*argv[1] || !*argv[2]) {
+        fprintf(stderr, "usage: %s LIBNCCL LIBCUDART | %s --fake FAKE_CUDA_NCCL [stall|race|ranks N]\n", argv[0],
+                argv[0]);
         return 2;
     }
     int fake = strcmp(argv[1], "--fake") == 0;
     const char *nccl = fake ? argv[2] : argv[1], *cudart = argv[2];
     unloaded(nccl, cudart);
     if (fake)
-        fake_world(argv[2], argc == 4 ? argv[3] : "stall");
+        if (argc == 5 && strcmp(argv[3], "ranks") == 0)
+            several_ranks(argv[2], atoi(argv[4]));
+        else
+            fake_world(argv[2], argc >= 4 ? argv[3] : "stall");
     else
         real_libraries(nccl, cudart);
     return check_report();
