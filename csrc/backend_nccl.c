@@ -771,12 +771,18 @@ static hsdp_status nccl_share_read(hsdp_group *g, const void *share, void *out, 
     pthread_mutex_lock(&S.issue);
     hsdp_status st = begin();
     if (st == HSDP_OK && nbytes) {
-        /* on the side stream, after the upload; into host memory, so waited for on the host */
-        hsdp_cudaError_t e = CUDA(cudaMemcpyAsync, out, s->dev, nbytes, hsdp_cudaMemcpyDefault, S.comm);
-        if (e != hsdp_cudaSuccess) st = cuda_fail(e, "reading a shard back from the GPU");
+        /* on the side stream, after the upload and what is queued there, waited for first
+         * (within the timeout: a copy into pageable memory would block behind a hung
+         * collective); then the copy, waited for on the host */
+        const char *what = "reading a shard back from the GPU";
         hsdp_cudaEvent_t ev = NULL;
-        if (st == HSDP_OK) st = track("reading a shard back from the GPU", NULL, 0, &ev);
-        if (st == HSDP_OK) st = host_wait(ev, "reading a shard back from the GPU");
+        st = track(what, NULL, 0, &ev);
+        if (st == HSDP_OK) st = host_wait(ev, what);
+        hsdp_cudaError_t e = st == HSDP_OK ? CUDA(cudaMemcpyAsync, out, s->dev, nbytes, hsdp_cudaMemcpyDefault, S.comm)
+                                           : hsdp_cudaSuccess;
+        if (e != hsdp_cudaSuccess) st = cuda_fail(e, what);
+        if (st == HSDP_OK) st = track(what, NULL, 0, &ev);
+        if (st == HSDP_OK) st = host_wait(ev, what);
     }
     issue_unlock();
     return st;
