@@ -179,11 +179,18 @@ def step_last_error(env: Env) -> dict:
 
 
 def step_ordering(env: Env) -> dict:
-    from hsdp import _C
-
     u, want = _unit(env, "ordering", 4 << 20, 7)
-    u.unshard(), u.reshard()  # the upload, outside the busy window
-    _C.empty_pool()  # the gather below gets a fresh buffer: one not yet written holds no weights
+    # the upload, outside the busy window; then the pooled buffer the next gather reuses is
+    # zeroed, so a consumer that does not wait reads zeros, not the weights of this gather
+    u.unshard()
+    old = u.buffers()[0]
+    if env.dry:
+        env.cudart.cudaStreamSynchronize(None)
+        ctypes.memset(old.address, 0, old.nbytes)  # the fake's device memory is host memory
+    else:
+        env.torch.from_dlpack(old).zero_()  # on the compute stream, before the reshard's release
+    del old
+    u.reshard()
     release = _busy_gather_stream(env)
     u.start_unshard()
     u.wait()  # orders the compute stream only: a consumer elsewhere must order itself

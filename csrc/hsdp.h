@@ -82,7 +82,8 @@ hsdp_status hsdp_cast(void *dst, hsdp_dtype dt, const void *src, hsdp_dtype st, 
 /* Bytes this process holds for hsdp, kept by the core itself. Counters are atomic so the
  * MPI worker thread and the Python thread can both update them. */
 typedef struct {
-    _Atomic size_t sharded_bytes;       /* sum of shard chunks of live units */
+    _Atomic size_t sharded_bytes;       /* sum of the host shard chunks of live units (a chunk
+                                           dropped once on the GPU is not counted) */
     _Atomic size_t unsharded_bytes;     /* live gather/widen buffers */
     _Atomic size_t peak_unsharded_bytes;
     _Atomic size_t whole_bytes;         /* ignored / unshardable parameters kept whole */
