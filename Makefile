@@ -19,7 +19,7 @@ CFLAGS_CHECK := -std=c11 -O1 -g -Wall -Wextra -Werror -Wshadow -fsanitize=addres
 include csrc/sources.mk
 TESTBIN := csrc/tests/bin
 
-.PHONY: all sysdeps venv build cuda-abi-check ctest pytest test demo bench clean fuzz fuzz-smoke fuzz-build fuzz-deps
+.PHONY: all sysdeps venv build cuda-abi-check ctest ctest-clang clang pytest test demo bench clean fuzz fuzz-smoke fuzz-build fuzz-deps
 
 all: build
 
@@ -74,16 +74,17 @@ $(TESTBIN)/test_mpi_preinit: csrc/tests/test_mpi_preinit.c $(CORE_SRC) csrc/*.h 
 
 # The NCCL backend's loading and refusals, built like the package: against csrc/cuda_abi.h,
 # no CUDA or NCCL header. Run against the libraries of torch's nvidia wheels (no GPU needed)
-# when they are installed, and always against fake_cuda_nccl.so.
+# when they are installed, and always against fake_cuda_nccl.so: a world of one ending in a
+# timeout, one ending in an asynchronous error, and a world of 3 forked ranks.
 NCCL_LIB = $$(find $(VENV)/ -name 'libnccl.so.2' -path '*nvidia*' | head -1)
 CUDART_LIB = $$(find $(VENV)/ -name 'libcudart.so.1[0-9]' -path '*nvidia*' | head -1)
 $(TESTBIN)/test_nccl: csrc/tests/test_nccl.c $(CORE_SRC) csrc/*.h csrc/sources.mk csrc/tests/check.h
 	@mkdir -p $(TESTBIN)
-	$(CC) $(CFLAGS_CHECK) -Icsrc $(CORE_SRC) $< -o $@ -ldl -lm -lpthread
+	$(CC) $(CFLAGS_CHECK) -DHSDP_PIN_SLOT_BYTES=16 -Icsrc $(CORE_SRC) $< -o $@ -ldl -lm -lpthread
 
 $(TESTBIN)/fake_cuda_nccl.so: csrc/tests/fake_cuda_nccl.c csrc/cuda_abi.h
 	@mkdir -p $(TESTBIN)
-	$(CC) -std=c11 -O1 -g -Wall -Wextra -Werror -fPIC -shared -Icsrc $< -o $@
+	$(CC) -std=c11 -O1 -g -Wall -Wextra -Werror -fPIC -shared -Icsrc $< -o $@ -lpthread
 
 # csrc/cuda_abi.h against the real headers, each installation found (csrc/cuda_headers.py:
 # HSDP_CUDA_HOME, torch's nvidia wheels, /usr/local/cuda): compiling it is the check.
@@ -119,7 +120,35 @@ ctest: $(TESTBIN)/test_dtype $(TESTBIN)/test_core $(TESTBIN)/test_layout $(TESTB
 	else echo "test_nccl: SKIPPED the real libraries: no libnccl.so.2 and libcudart in $(VENV)'s nvidia wheels"; fi
 	ASAN_OPTIONS=detect_leaks=0 $(TESTBIN)/test_nccl --fake $(TESTBIN)/fake_cuda_nccl.so
 	FAKE_NCCL_VERSION=22700 ASAN_OPTIONS=detect_leaks=0 $(TESTBIN)/test_nccl --fake \
-	  $(TESTBIN)/fake_cuda_nccl.so   # before 2.28.3: all_to_all as grouped sends and receives
+	  $(TESTBIN)/fake_cuda_nccl.so race   # before 2.28.3: all_to_all as grouped sends and receives
+	ASAN_OPTIONS=detect_leaks=0 $(TESTBIN)/test_nccl --fake $(TESTBIN)/fake_cuda_nccl.so ranks 3
+
+# The same C tests (but MPI's) built by clang at -O2: another compiler's choices, e.g. the
+# order it evaluates a call's arguments in (an NCCL join that read the communicator in the
+# same call that wrote it passed under gcc and failed here). Run by .ci/run.
+CLANG ?= clang
+CLANG_CHECK := -std=c11 -O2 -g -Wall -Wextra -Werror -Wshadow -Wunsequenced -Wsequence-point \
+	-fsanitize=address,undefined -fno-sanitize-recover=all
+CLANGBIN := $(TESTBIN)/clang
+clang:
+	@command -v $(CLANG) >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing: clang (apt-get), for ctest-clang"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq clang >/dev/null; \
+	  else echo "missing: $(CLANG) (install clang, e.g. apt-get install clang)"; exit 1; fi; }
+
+ctest-clang: clang
+	@mkdir -p $(CLANGBIN)
+	for t in test_dtype test_core test_layout test_nccl; do \
+	  $(CLANG) $(CLANG_CHECK) -DHSDP_PIN_SLOT_BYTES=16 -Icsrc $(CORE_SRC) csrc/tests/$$t.c -o $(CLANGBIN)/$$t -ldl -lm -lpthread || exit 1; done
+	$(CLANG) -std=c11 -O2 -g -Wall -Wextra -Werror -fPIC -shared -Icsrc csrc/tests/fake_cuda_nccl.c \
+	  -o $(CLANGBIN)/fake_cuda_nccl.so -lpthread
+	$(CLANGBIN)/test_dtype
+	$(CLANGBIN)/test_core
+	$(CLANGBIN)/test_layout
+	ASAN_OPTIONS=detect_leaks=0 $(CLANGBIN)/test_nccl --fake $(CLANGBIN)/fake_cuda_nccl.so stall
+	FAKE_NCCL_VERSION=22700 ASAN_OPTIONS=detect_leaks=0 $(CLANGBIN)/test_nccl --fake $(CLANGBIN)/fake_cuda_nccl.so race
+	ASAN_OPTIONS=detect_leaks=0 $(CLANGBIN)/test_nccl --fake $(CLANGBIN)/fake_cuda_nccl.so ranks 3
 
 pytest: build
 	$(PY) -m pytest -q

@@ -220,6 +220,12 @@ const char *hsdp_share_kind(const hsdp_group *g, const void *share) {
     return g->backend->share_kind ? g->backend->share_kind(share) : "direct";
 }
 
+hsdp_status hsdp_share_read(hsdp_group *g, const void *share, void *out, size_t nbytes) {
+    if (!share || share == &collective_share || !g->backend->share_read)
+        return hsdp_fail(HSDP_ESTATE, "backend '%s' keeps no copy of this chunk to read back", g->backend->name);
+    return g->backend->share_read(g, share, out, nbytes);
+}
+
 void hsdp_buffers_released(const hsdp_backend *b, hsdp_device device) {
     if (b && device != HSDP_DEVICE_HOST && b->buffers_released) b->buffers_released(device);
 }

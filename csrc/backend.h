@@ -95,6 +95,11 @@ struct hsdp_backend {
     void (*share_free)(hsdp_group *g, void *share, void *memory);
     /* "direct" when NULL */
     const char *(*share_kind)(const void *share);
+    /* Copies the chunk a share holds a copy of (NCCL: on the device) into host memory `out`,
+     * once every write to that copy has landed. A backend with this slot sets its share in
+     * gather_start itself (no other thread writes it), and the unit may then drop its host
+     * chunk after the first gather (hsdp_unit_drop_host). NULL: shares hold no copy. */
+    hsdp_status (*share_read)(hsdp_group *g, const void *share, void *out, size_t nbytes);
     hsdp_status (*all_to_all_blocks)(hsdp_group *g, const void *send, const hsdp_blocks *s, void *recv,
                                      const hsdp_blocks *r);
 };
@@ -162,6 +167,8 @@ void hsdp_share_free(hsdp_group *g, void *share, void *memory);
 /* "unset" before the first gather; then "collective", or what the backend's share is
  * ("direct" for MPI peers read in place, "device" for NCCL's device copy). */
 const char *hsdp_share_kind(const hsdp_group *g, const void *share);
+/* The chunk a share holds a copy of, into host memory (see the share_read slot). */
+hsdp_status hsdp_share_read(hsdp_group *g, const void *share, void *out, size_t nbytes);
 /* Tells the backend that buffers of `device` went back to the pool (see the slot). */
 void hsdp_buffers_released(const hsdp_backend *b, hsdp_device device);
 

@@ -60,6 +60,12 @@ hsdp_status hsdp_nccl_set_bootstrap(const unsigned char id[HSDP_NCCL_ID_BYTES], 
     return hsdp_fail(HSDP_EUNSUPPORTED, "%s", not_built);
 }
 void hsdp_nccl_set_compute_stream(void *stream) { (void)stream; }
+hsdp_status hsdp_nccl_stream_wait(void *stream, const void *p, size_t n) {
+    (void)stream, (void)p, (void)n;
+    return HSDP_OK; /* no NCCL buffer can exist */
+}
+void hsdp_nccl_call_stream(void *stream, int set) { (void)stream, (void)set; }
+void hsdp_nccl_set_oom_handler(hsdp_nccl_oom_fn fn, void *arg) { (void)fn, (void)arg; }
 void *hsdp_nccl_comm_stream(void) { return NULL; }
 int hsdp_nccl_device(void) { return 0; }
 
@@ -89,7 +95,8 @@ const hsdp_backend hsdp_backend_nccl = {.name = "nccl", .usable = nccl_usable, .
     X(cudaGetDeviceCount) X(cudaSetDevice) X(cudaMalloc) X(cudaFree) X(cudaMemcpyAsync)                      \
     X(cudaStreamCreateWithPriority) X(cudaDeviceGetStreamPriorityRange) X(cudaStreamDestroy)                 \
     X(cudaStreamWaitEvent) X(cudaStreamSynchronize) X(cudaEventCreateWithFlags) X(cudaEventDestroy)         \
-    X(cudaEventRecord) X(cudaEventQuery) X(cudaPointerGetAttributes) X(cudaGetErrorString)
+    X(cudaEventRecord) X(cudaEventQuery) X(cudaPointerGetAttributes) X(cudaGetErrorString) X(cudaGetLastError) \
+    X(cudaHostAlloc) X(cudaFreeHost)
 
 #define DECLARE(name) hsdp_##name##_fn name;
 static struct {
@@ -100,6 +107,17 @@ static struct {
     CUDA_REQUIRED(DECLARE)
 } api;
 #undef DECLARE
+
+/* Every CUDA call goes through CUDA(): a failure, handled or not, is cleared from the calling
+ * thread's last error at once. hsdp shares the libcudart torch has mapped, so an error left
+ * there (an event's cudaErrorNotReady while polling, a failed cudaMalloc we fall back from)
+ * would be raised by torch's next kernel-launch check (cudaGetLastError) on an unrelated
+ * kernel. A sticky error (a fault in a kernel) cannot be cleared, and is meant to be seen. */
+static hsdp_cudaError_t quiet(hsdp_cudaError_t e) {
+    if (e != hsdp_cudaSuccess && api.cudaGetLastError) (void)api.cudaGetLastError();
+    return e;
+}
+#define CUDA(fn, ...) quiet(api.fn(__VA_ARGS__))
 
 int hsdp_nccl_built(void) { return 1; }
 int hsdp_nccl_loaded(void) { return api.loaded; }
@@ -142,7 +160,7 @@ hsdp_status hsdp_nccl_load(const char *nccl_path, const char *cudart_path) {
         goto fail;
     }
     /* On a machine with no GPU the runtime says so here (35: the driver is missing or too old). */
-    ce = api.cudaGetDeviceCount(&n);
+    ce = CUDA(cudaGetDeviceCount, &n);
     if (ce != hsdp_cudaSuccess || n <= 0) {
         if (ce != hsdp_cudaSuccess)
             hsdp_fail(HSDP_EUNSUPPORTED, "no usable GPU for the NCCL backend: cudaGetDeviceCount failed with CUDA error "
@@ -187,18 +205,25 @@ enum { RING = 256 }; /* collectives in flight that the watchdog watches */
 typedef struct {
     hsdp_cudaEvent_t ev; /* created once, reused once retired */
     uint64_t t0;
+    const char *dst; /* the device memory it writes (NULL: none a consumer sees) */
+    size_t dst_n;
     char what[160];
 } flight;
 
 static struct {
     pthread_mutex_t mu;    /* the ring, the live list, the scratch buffer */
     pthread_mutex_t issue; /* one thread at a time enqueues NCCL work, in program order */
+    pthread_mutex_t calls; /* every NCCL call on a live communicator, and its abort; held only
+                              around NCCL calls, never a CUDA call that may block; before S.mu */
     int world_up, device;
     hsdp_cudaStream_t comm, compute;
     hsdp_cudaEvent_t released, ready;
     int have_released;
     void *scratch; /* device staging for host buffers; owned here, freed at finalize */
     size_t scratch_n;
+    void *pinned;              /* PIN_SLOTS pinned host slots for uploads (cudaHostAlloc); freed at finalize */
+    hsdp_cudaEvent_t pin_ev[2]; /* each slot's last copy; the slot is reused once it has happened */
+    int pin_used[2];
     flight ring[RING];
     unsigned head, count;
     nccl_comm *live;
@@ -211,9 +236,46 @@ static struct {
         unsigned char id[HSDP_NCCL_ID_BYTES];
         int rank, size, device, set;
     } boot;
-} S = {.mu = PTHREAD_MUTEX_INITIALIZER, .issue = PTHREAD_MUTEX_INITIALIZER};
+} S = {.mu = PTHREAD_MUTEX_INITIALIZER, .issue = PTHREAD_MUTEX_INITIALIZER, .calls = PTHREAD_MUTEX_INITIALIZER};
+
+/* The device guard: every thread that enters the backend runs on its device. A thread's
+ * first CUDA call without cudaSetDevice makes a context on device 0 (about 0.5 GiB): the
+ * watchdog's first event query, or a framework's worker thread calling in, would do so on
+ * every rank of an 8-GPU host. One GPU per process, so the thread's device is set and left
+ * so (cached per thread; redone if the backend's device changes). */
+static _Thread_local int thread_device = -1;
+static void device_guard(void) {
+    if (!S.world_up || thread_device == S.device) return;
+    if (CUDA(cudaSetDevice, S.device) == hsdp_cudaSuccess) thread_device = S.device;
+}
 
 void hsdp_nccl_set_compute_stream(void *stream) { S.compute = (hsdp_cudaStream_t)stream; }
+
+/* Device memory comes from cudaMalloc, beside the framework's caching allocator, not from
+ * it: the backend has no framework of its own (NumPy callers, the C tests), and its buffers
+ * live for a unit's life, not a kernel's. What that costs is memory torch caches and we
+ * cannot use: on cudaErrorMemoryAllocation the handler (torch.cuda.empty_cache) gives its
+ * cached blocks back, and the allocation is retried once. */
+static struct {
+    hsdp_nccl_oom_fn fn;
+    void *arg;
+} oom;
+void hsdp_nccl_set_oom_handler(hsdp_nccl_oom_fn fn, void *arg) {
+    oom.fn = fn;
+    oom.arg = arg;
+}
+static hsdp_cudaError_t dev_malloc(void **p, size_t n) {
+    hsdp_cudaError_t e = CUDA(cudaMalloc, p, n); /* a failure is cleared from the last error */
+    if (e == hsdp_cudaErrorMemoryAllocation && oom.fn && oom.fn(oom.arg)) e = CUDA(cudaMalloc, p, n);
+    return e;
+}
+
+static _Thread_local hsdp_cudaStream_t call_stream;
+static _Thread_local int call_stream_set;
+void hsdp_nccl_call_stream(void *stream, int set) {
+    call_stream = (hsdp_cudaStream_t)stream;
+    call_stream_set = set;
+}
 void *hsdp_nccl_comm_stream(void) { return (void *)S.comm; }
 int hsdp_nccl_device(void) { return S.device; }
 
@@ -234,9 +296,19 @@ static hsdp_status cuda_fail(hsdp_cudaError_t e, const char *what) {
 static hsdp_status failed_status(void) {
     return hsdp_fail(HSDP_ECOMM, "the NCCL communicators were aborted: %s", S.why);
 }
+static hsdp_status failed_status_if_failed(void) { return atomic_load(&S.failed) ? failed_status() : HSDP_OK; }
 
-/* Aborts every communicator once, saying why on stderr: peers blocked in a collective with
- * this rank are released by their own watchdogs within the same timeout. S.mu held. */
+/* Failing: the first failure is recorded once, saying why on stderr, and every call from
+ * then on fails with it; peers blocked in a collective with this rank are released by their
+ * own watchdogs within the same timeout. The communicators are then aborted under S.calls,
+ * the lock every NCCL call on a live communicator is made under (but the watchdog's polls of
+ * ncclCommGetAsyncError, which NCCL allows beside them): ncclCommAbort frees the
+ * communicator, so no thread is inside a call on it then. S.calls is held only around NCCL
+ * calls, which return at once (non-blocking communicators) or poll S.failed, never around a
+ * CUDA call that may wait on the side stream (a copy into pageable memory, cudaFree): so the
+ * watchdog takes it within a poll even while the issuing thread is stuck behind a hung
+ * collective, and the abort is what releases that thread. The watchdog aborts (watch_once),
+ * and so does an issuing thread on its way out (issue_unlock), whichever comes first. S.mu held. */
 __attribute__((format(printf, 1, 2))) static void abort_all_locked(const char *fmt, ...) {
     int expected = 0;
     if (!atomic_compare_exchange_strong(&S.failed, &expected, 1)) return;
@@ -245,11 +317,28 @@ __attribute__((format(printf, 1, 2))) static void abort_all_locked(const char *f
     vsnprintf(S.why, sizeof S.why, fmt, ap);
     va_end(ap);
     fprintf(stderr, "hsdp: rank %d (NCCL): %s; aborting the NCCL communicators\n", S.boot.rank, S.why);
+}
+
+/* After a failure: aborts every live communicator not yet aborted (S.calls and S.mu held). */
+static void abort_comms_locked(void) {
     for (nccl_comm *c = S.live; c; c = c->next)
         if (!c->aborted) {
             api.ncclCommAbort(c->comm);
             c->aborted = 1;
         }
+}
+
+/* Every section that issues NCCL calls ends here: after a failure, its thread aborts. */
+static void abort_comms(void) {
+    pthread_mutex_lock(&S.calls);
+    pthread_mutex_lock(&S.mu);
+    abort_comms_locked();
+    pthread_mutex_unlock(&S.mu);
+    pthread_mutex_unlock(&S.calls);
+}
+static void issue_unlock(void) {
+    if (atomic_load(&S.failed)) abort_comms();
+    pthread_mutex_unlock(&S.issue);
 }
 
 /* The same from a caller that does not hold S.mu; returns the failure every call now gets. */
@@ -274,6 +363,7 @@ static hsdp_status nccl_done(nccl_comm *c, hsdp_ncclResult_t rc, const char *wha
         api.ncclCommGetAsyncError(c->comm, &state);
         rc = state;
         if (rc != hsdp_ncclInProgress) break;
+        if (atomic_load(&S.failed)) return failed_status(); /* aborted on the way out (issue_unlock) */
         if (limit && hsdp_now_ns() - t0 > limit)
             return ABORT_ALL("%s did not complete within %g s (HSDP_TIMEOUT)", what, timeout_s());
         nap(&us);
@@ -287,7 +377,7 @@ static hsdp_status nccl_done(nccl_comm *c, hsdp_ncclResult_t rc, const char *wha
 static void retire_locked(void) {
     while (S.count) {
         flight *f = &S.ring[S.head];
-        hsdp_cudaError_t e = api.cudaEventQuery(f->ev);
+        hsdp_cudaError_t e = CUDA(cudaEventQuery, f->ev);
         if (e == hsdp_cudaErrorNotReady) return;
         if (e != hsdp_cudaSuccess)
             abort_all_locked("%s failed on the GPU: CUDA error %d (%s)", f->what, (int)e, api.cudaGetErrorString(e));
@@ -313,11 +403,15 @@ static void watch_once(void) {
         if (state != hsdp_ncclSuccess && state != hsdp_ncclInProgress)
             abort_all_locked("NCCL reported an asynchronous error: %s", nccl_text(state, c));
     }
+    int abort_now = 0;
+    for (nccl_comm *c = S.live; c && atomic_load(&S.failed); c = c->next) abort_now |= !c->aborted;
     pthread_mutex_unlock(&S.mu);
+    if (abort_now) abort_comms(); /* S.calls before S.mu: within a poll of the thread in a call */
 }
 
 static void *watchdog(void *arg) {
     (void)arg;
+    if (CUDA(cudaSetDevice, S.device) == hsdp_cudaSuccess) thread_device = S.device; /* before any CUDA call */
     while (!atomic_load(&S.stop)) {
         watch_once();
         struct timespec ts = {0, 20 * 1000 * 1000};
@@ -328,7 +422,7 @@ static void *watchdog(void *arg) {
 
 /* Records the end of the collective just enqueued on the side stream, in the ring the
  * watchdog watches; *ev gets its event. A full ring waits for the oldest to finish. */
-static hsdp_status track(const char *what, hsdp_cudaEvent_t *ev) {
+static hsdp_status track(const char *what, const void *dst, size_t dst_n, hsdp_cudaEvent_t *ev) {
     pthread_mutex_lock(&S.mu);
     unsigned us = 10;
     for (;;) {
@@ -344,13 +438,15 @@ static hsdp_status track(const char *what, hsdp_cudaEvent_t *ev) {
     }
     flight *f = &S.ring[(S.head + S.count) % RING];
     hsdp_cudaError_t e = hsdp_cudaSuccess;
-    if (!f->ev) e = api.cudaEventCreateWithFlags(&f->ev, hsdp_cudaEventDisableTiming);
-    if (e == hsdp_cudaSuccess) e = api.cudaEventRecord(f->ev, S.comm);
+    if (!f->ev) e = CUDA(cudaEventCreateWithFlags, &f->ev, hsdp_cudaEventDisableTiming);
+    if (e == hsdp_cudaSuccess) e = CUDA(cudaEventRecord, f->ev, S.comm);
     if (e != hsdp_cudaSuccess) {
         pthread_mutex_unlock(&S.mu);
         return cuda_fail(e, "recording a collective's event");
     }
     f->t0 = hsdp_now_ns();
+    f->dst = dst;
+    f->dst_n = dst_n;
     snprintf(f->what, sizeof f->what, "%s", what);
     S.count++;
     *ev = f->ev;
@@ -363,7 +459,7 @@ static hsdp_status host_wait(hsdp_cudaEvent_t ev, const char *what) {
     uint64_t t0 = hsdp_now_ns(), limit = hsdp_timeout_ns();
     unsigned us = 5;
     for (;;) {
-        hsdp_cudaError_t e = api.cudaEventQuery(ev);
+        hsdp_cudaError_t e = CUDA(cudaEventQuery, ev);
         if (e == hsdp_cudaSuccess) return HSDP_OK;
         if (e != hsdp_cudaErrorNotReady) return cuda_fail(e, what);
         if (atomic_load(&S.failed)) return failed_status();
@@ -373,18 +469,35 @@ static hsdp_status host_wait(hsdp_cudaEvent_t ev, const char *what) {
     }
 }
 
+hsdp_status hsdp_nccl_stream_wait(void *stream, const void *p, size_t n) {
+    if (!S.world_up || !p) return HSDP_OK;
+    device_guard();
+    const char *lo = p, *hi = lo + n;
+    pthread_mutex_lock(&S.mu);
+    retire_locked();
+    /* the side stream runs in order: the latest overlapping collective covers the earlier */
+    hsdp_cudaEvent_t last = NULL;
+    for (unsigned i = 0; i < S.count; i++) {
+        const flight *f = &S.ring[(S.head + i) % RING];
+        if (f->dst && f->dst < hi && lo < f->dst + f->dst_n) last = f->ev;
+    }
+    hsdp_cudaError_t e = last ? CUDA(cudaStreamWaitEvent, (hsdp_cudaStream_t)stream, last, 0) : hsdp_cudaSuccess;
+    pthread_mutex_unlock(&S.mu);
+    return e == hsdp_cudaSuccess ? HSDP_OK : cuda_fail(e, "ordering a consumer's stream after a gather");
+}
+
 /* Before enqueuing: no collective after a failure, and none may overwrite a pooled buffer
  * the compute stream may still read. */
 static hsdp_status begin(void) {
     if (atomic_load(&S.failed)) return failed_status();
-    if (S.have_released) CUDA_TRY(api.cudaStreamWaitEvent(S.comm, S.released, 0), "waiting for released buffers");
+    if (S.have_released) CUDA_TRY(CUDA(cudaStreamWaitEvent, S.comm, S.released, 0), "waiting for released buffers");
     return HSDP_OK;
 }
 
 static int on_device(const void *p) {
     if (!p) return 1; /* nothing to stage */
     hsdp_cudaPointerAttributes a;
-    if (api.cudaPointerGetAttributes(&a, p) != hsdp_cudaSuccess) return 0;
+    if (CUDA(cudaPointerGetAttributes, &a, p) != hsdp_cudaSuccess) return 0;
     return a.type == hsdp_cudaMemoryTypeDevice || a.type == hsdp_cudaMemoryTypeManaged;
 }
 
@@ -393,14 +506,14 @@ static hsdp_status scratch(size_t n, void **out) {
     if (n > S.scratch_n) {
         if (S.scratch) {
             hsdp_cudaEvent_t ev = NULL;
-            hsdp_status st = track("the collectives using the staging buffer", &ev);
+            hsdp_status st = track("the collectives using the staging buffer", NULL, 0, &ev);
             if (st == HSDP_OK) st = host_wait(ev, "the collectives using the staging buffer");
             if (st != HSDP_OK) return st;
-            api.cudaFree(S.scratch);
+            CUDA(cudaFree, S.scratch);
             S.scratch = NULL;
             S.scratch_n = 0;
         }
-        CUDA_TRY(api.cudaMalloc(&S.scratch, n), "allocating a device staging buffer");
+        CUDA_TRY(dev_malloc(&S.scratch, n), "allocating a device staging buffer");
         S.scratch_n = n;
     }
     *out = S.scratch;
@@ -410,9 +523,18 @@ static hsdp_status scratch(size_t n, void **out) {
 /* ---------------------------------------------------------------- the collectives */
 typedef enum { OP_GATHER, OP_BCAST, OP_ALLTOALL, OP_BARRIER } op_kind;
 
-/* Enqueues one collective on device buffers (S.issue held). */
+static hsdp_status enqueue_calls(nccl_comm *c, op_kind op, int size, const void *send, void *recv, size_t nbytes,
+                                 int root);
+/* Enqueues one collective on device buffers (S.issue held), under S.calls. */
 static hsdp_status enqueue(nccl_comm *c, op_kind op, int size, const void *send, void *recv, size_t nbytes,
                            int root) {
+    pthread_mutex_lock(&S.calls);
+    hsdp_status st = atomic_load(&S.failed) ? failed_status() : enqueue_calls(c, op, size, send, recv, nbytes, root);
+    pthread_mutex_unlock(&S.calls);
+    return st;
+}
+static hsdp_status enqueue_calls(nccl_comm *c, op_kind op, int size, const void *send, void *recv, size_t nbytes,
+                                 int root) {
     hsdp_ncclResult_t rc = hsdp_ncclSuccess;
     switch (op) {
     case OP_GATHER:
@@ -445,11 +567,13 @@ static hsdp_status enqueue(nccl_comm *c, op_kind op, int size, const void *send,
  * stream made to wait for it; on host buffers, through the staging buffer, once done. */
 static hsdp_status run_sync(hsdp_group *g, op_kind op, const void *send, void *recv, size_t nbytes, int root,
                             const char *what) {
+    device_guard();
     nccl_comm *c = g->impl;
     size_t n = (size_t)g->size;
     size_t send_n = op == OP_GATHER ? nbytes : op == OP_ALLTOALL ? nbytes * n : 0;
     size_t recv_n = op == OP_GATHER || op == OP_ALLTOALL ? nbytes * n : op == OP_BCAST ? nbytes : sizeof(float);
     int direct = op != OP_BARRIER && on_device(send) && on_device(recv);
+    hsdp_cudaStream_t order = call_stream_set ? call_stream : S.compute; /* the consumer's stream */
     pthread_mutex_lock(&S.issue);
     hsdp_status st = begin();
     void *base = NULL;
@@ -457,8 +581,8 @@ static hsdp_status run_sync(hsdp_group *g, op_kind op, const void *send, void *r
     void *r = recv;
     if (st == HSDP_OK && direct) {
         /* the caller's device buffers were written on the compute stream: read them after */
-        hsdp_cudaError_t e = api.cudaEventRecord(S.ready, S.compute);
-        if (e == hsdp_cudaSuccess) e = api.cudaStreamWaitEvent(S.comm, S.ready, 0);
+        hsdp_cudaError_t e = CUDA(cudaEventRecord, S.ready, order);
+        if (e == hsdp_cudaSuccess) e = CUDA(cudaStreamWaitEvent, S.comm, S.ready, 0);
         if (e != hsdp_cudaSuccess) st = cuda_fail(e, "ordering a collective after the compute stream");
     }
     if (st == HSDP_OK && !direct) {
@@ -471,26 +595,30 @@ static hsdp_status run_sync(hsdp_group *g, op_kind op, const void *send, void *r
             if (op == OP_ALLTOALL) s = (char *)base + off;
             hsdp_cudaError_t e = hsdp_cudaSuccess;
             if (op == OP_BCAST && nbytes)
-                e = api.cudaMemcpyAsync(r, recv, nbytes, hsdp_cudaMemcpyDefault, S.comm);
+                e = CUDA(cudaMemcpyAsync, r, recv, nbytes, hsdp_cudaMemcpyDefault, S.comm);
             else if (send_n && send)
-                e = api.cudaMemcpyAsync((void *)s, send, send_n, hsdp_cudaMemcpyDefault, S.comm);
+                e = CUDA(cudaMemcpyAsync, (void *)s, send, send_n, hsdp_cudaMemcpyDefault, S.comm);
             if (e != hsdp_cudaSuccess) st = cuda_fail(e, "staging host memory on the device");
         }
     }
     if (st == HSDP_OK) st = enqueue(c, op, g->size, s, r, nbytes, root);
-    if (st == HSDP_OK && !direct && op != OP_BARRIER && recv_n) {
-        hsdp_cudaError_t e = api.cudaMemcpyAsync(recv, r, recv_n, hsdp_cudaMemcpyDefault, S.comm);
-        if (e != hsdp_cudaSuccess) st = cuda_fail(e, "copying a collective's result to host memory");
-    }
     hsdp_cudaEvent_t ev = NULL;
-    if (st == HSDP_OK) st = track(what, &ev);
+    if (st == HSDP_OK) st = track(what, direct ? recv : NULL, recv_n, &ev);
     if (st == HSDP_OK && direct) {
-        hsdp_cudaError_t e = api.cudaStreamWaitEvent(S.compute, ev, 0);
+        hsdp_cudaError_t e = CUDA(cudaStreamWaitEvent, order, ev, 0);
         if (e != hsdp_cudaSuccess) st = cuda_fail(e, "ordering the compute stream after a collective");
     }
-    /* a staged collective must finish before the staging buffer is reused */
+    /* staged: the collective is waited for (within the timeout) before the copy back, which
+     * into pageable memory blocks the host until the side stream reaches it: behind a
+     * collective a peer never joins, it would block beyond any timeout */
     if (st == HSDP_OK && !direct) st = host_wait(ev, what);
-    pthread_mutex_unlock(&S.issue);
+    if (st == HSDP_OK && !direct && op != OP_BARRIER && recv_n) {
+        hsdp_cudaError_t e = CUDA(cudaMemcpyAsync, recv, r, recv_n, hsdp_cudaMemcpyDefault, S.comm);
+        if (e != hsdp_cudaSuccess) st = cuda_fail(e, "copying a collective's result to host memory");
+        if (st == HSDP_OK) st = track(what, NULL, 0, &ev); /* pinned host memory: the copy is asynchronous */
+        if (st == HSDP_OK) st = host_wait(ev, what);
+    }
+    issue_unlock();
     return st;
 }
 
@@ -533,9 +661,48 @@ static hsdp_status in_place(const void *src, void *recv, size_t nbytes, int rank
     /* NCCL's in-place form (send = recv + rank * chunk) skips its own copy of this rank's
      * chunk; the one copy is ours, on the side stream, device to device */
     char *mine = (char *)recv + (size_t)rank * nbytes;
-    hsdp_cudaError_t e = api.cudaMemcpyAsync(mine, src, nbytes, hsdp_cudaMemcpyDefault, S.comm);
+    hsdp_cudaError_t e = CUDA(cudaMemcpyAsync, mine, src, nbytes, hsdp_cudaMemcpyDefault, S.comm);
     if (e != hsdp_cudaSuccess) return cuda_fail(e, "copying a shard into its gather buffer");
     *send = mine;
+    return HSDP_OK;
+}
+
+/* Uploads n bytes of pageable host memory to dev on the side stream through two pinned slots
+ * (memcpy into one while the other's copy runs): a copy from pageable memory is staged by
+ * the driver through its own small pinned buffer, synchronously and at a fraction of the
+ * bandwidth. Without pinned memory (cudaHostAlloc failed) the copy is a plain one. S.issue held. */
+#ifndef HSDP_PIN_SLOT_BYTES
+#define HSDP_PIN_SLOT_BYTES (8u << 20) /* test_nccl builds with 16, so that a unit spans slots */
+#endif
+enum { PIN_SLOT_BYTES = HSDP_PIN_SLOT_BYTES };
+static hsdp_status upload(void *dev, const void *host, size_t n) {
+    if (!S.pinned) {
+        void *p = NULL;
+        if (CUDA(cudaHostAlloc, &p, 2 * (size_t)PIN_SLOT_BYTES, hsdp_cudaHostAllocDefault) != hsdp_cudaSuccess ||
+            CUDA(cudaEventCreateWithFlags, &S.pin_ev[0], hsdp_cudaEventDisableTiming) != hsdp_cudaSuccess ||
+            CUDA(cudaEventCreateWithFlags, &S.pin_ev[1], hsdp_cudaEventDisableTiming) != hsdp_cudaSuccess) {
+            if (p) CUDA(cudaFreeHost, p);
+            for (int i = 0; i < 2; i++)
+                if (S.pin_ev[i]) CUDA(cudaEventDestroy, S.pin_ev[i]);
+            S.pin_ev[0] = S.pin_ev[1] = NULL;
+            CUDA_TRY(CUDA(cudaMemcpyAsync, dev, host, n, hsdp_cudaMemcpyDefault, S.comm), "copying a shard to the GPU");
+            return HSDP_OK;
+        }
+        S.pinned = p;
+    }
+    for (size_t off = 0, i = 0; off < n; off += PIN_SLOT_BYTES, i ^= 1) {
+        size_t len = n - off < PIN_SLOT_BYTES ? n - off : PIN_SLOT_BYTES;
+        if (S.pin_used[i]) { /* the slot's previous copy must have read it */
+            hsdp_status st = host_wait(S.pin_ev[i], "an upload of a shard through pinned memory");
+            if (st != HSDP_OK) return st;
+        }
+        char *slot = (char *)S.pinned + i * (size_t)PIN_SLOT_BYTES;
+        memcpy(slot, (const char *)host + off, len);
+        CUDA_TRY(CUDA(cudaMemcpyAsync, (char *)dev + off, slot, len, hsdp_cudaMemcpyDefault, S.comm),
+                 "copying a shard to the GPU");
+        CUDA_TRY(CUDA(cudaEventRecord, S.pin_ev[i], S.comm), "recording an upload's event");
+        S.pin_used[i] = 1;
+    }
     return HSDP_OK;
 }
 
@@ -544,12 +711,12 @@ static hsdp_status fixed_source(void **share, const void *send, size_t nbytes, c
     if (!s) {
         s = calloc(1, sizeof *s); /* owned by the unit through *share; freed by share_free */
         if (!s) return hsdp_fail(HSDP_ENOMEM, "could not allocate a shard's device record");
-        hsdp_cudaError_t e = api.cudaMalloc(&s->dev, nbytes);
-        if (e == hsdp_cudaSuccess) e = api.cudaMemcpyAsync(s->dev, send, nbytes, hsdp_cudaMemcpyDefault, S.comm);
-        if (e != hsdp_cudaSuccess) {
-            if (s->dev) api.cudaFree(s->dev);
+        hsdp_cudaError_t e = dev_malloc(&s->dev, nbytes);
+        hsdp_status st = e == hsdp_cudaSuccess ? upload(s->dev, send, nbytes) : cuda_fail(e, "allocating a shard on the GPU");
+        if (st != HSDP_OK) {
+            if (s->dev) CUDA(cudaFree, s->dev);
             free(s);
-            return cuda_fail(e, "copying a shard to the GPU");
+            return st;
         }
         *share = s;
     }
@@ -559,7 +726,10 @@ static hsdp_status fixed_source(void **share, const void *send, size_t nbytes, c
 
 static hsdp_status nccl_gather_fixed(hsdp_group *g, void **share, const void *send, void *recv, size_t nbytes,
                                      const char *label) {
+    device_guard();
     if (!on_device(recv)) { /* a host unit: staged each time, and fixed from now on like any other */
+        /* a unit already on the device is gathered from its device copy (its host chunk may be gone) */
+        if (*share && *share != hsdp_share_collective()) send = ((nccl_share *)*share)->dev;
         hsdp_status st = nccl_all_gather(g, send, recv, nbytes);
         if (st == HSDP_OK && !*share) *share = hsdp_share_collective();
         return st;
@@ -573,24 +743,49 @@ static hsdp_status nccl_gather_fixed(hsdp_group *g, void **share, const void *se
     if (st == HSDP_OK) st = in_place(src, recv, nbytes, g->rank, &src);
     if (st == HSDP_OK) st = enqueue(g->impl, OP_GATHER, g->size, src, recv, nbytes, 0);
     hsdp_cudaEvent_t ev = NULL;
-    if (st == HSDP_OK) st = track(what, &ev);
+    if (st == HSDP_OK) st = track(what, recv, nbytes * (size_t)g->size, &ev);
     if (st == HSDP_OK) {
-        hsdp_cudaError_t e = api.cudaStreamWaitEvent(S.compute, ev, 0);
+        hsdp_cudaError_t e = CUDA(cudaStreamWaitEvent, S.compute, ev, 0);
         if (e != hsdp_cudaSuccess) st = cuda_fail(e, "ordering the compute stream after a gather");
     }
-    pthread_mutex_unlock(&S.issue);
+    issue_unlock();
     return st;
 }
 
 static void nccl_share_free(hsdp_group *g, void *share, void *memory) {
+    device_guard();
     (void)g;
     nccl_share *s = share;
     free(memory);
     if (!s) return;
     /* a gather may still read the device copy: drain the side stream first (unless aborted) */
-    if (!atomic_load(&S.failed)) (void)api.cudaStreamSynchronize(S.comm);
-    api.cudaFree(s->dev);
+    if (!atomic_load(&S.failed)) (void)CUDA(cudaStreamSynchronize, S.comm);
+    CUDA(cudaFree, s->dev);
     free(s);
+}
+
+static hsdp_status nccl_share_read(hsdp_group *g, const void *share, void *out, size_t nbytes) {
+    (void)g;
+    device_guard();
+    const nccl_share *s = share;
+    pthread_mutex_lock(&S.issue);
+    hsdp_status st = begin();
+    if (st == HSDP_OK && nbytes) {
+        /* on the side stream, after the upload and what is queued there, waited for first
+         * (within the timeout: a copy into pageable memory would block behind a hung
+         * collective); then the copy, waited for on the host */
+        const char *what = "reading a shard back from the GPU";
+        hsdp_cudaEvent_t ev = NULL;
+        st = track(what, NULL, 0, &ev);
+        if (st == HSDP_OK) st = host_wait(ev, what);
+        hsdp_cudaError_t e = st == HSDP_OK ? CUDA(cudaMemcpyAsync, out, s->dev, nbytes, hsdp_cudaMemcpyDefault, S.comm)
+                                           : hsdp_cudaSuccess;
+        if (e != hsdp_cudaSuccess) st = cuda_fail(e, what);
+        if (st == HSDP_OK) st = track(what, NULL, 0, &ev);
+        if (st == HSDP_OK) st = host_wait(ev, what);
+    }
+    issue_unlock();
+    return st;
 }
 
 static const char *nccl_share_kind(const void *share) {
@@ -605,6 +800,7 @@ typedef struct {
 _Static_assert(sizeof(nccl_task) <= HSDP_REQ_STATE_BYTES, "nccl_task must fit in hsdp_req.state");
 
 static hsdp_status nccl_gather_start(hsdp_req *r, const void *send, void *recv, size_t nbytes) {
+    device_guard();
     nccl_task *t = (nccl_task *)r->state;
     t->ev = NULL;
     r->start_ns = hsdp_now_ns();
@@ -626,19 +822,20 @@ static hsdp_status nccl_gather_start(hsdp_req *r, const void *send, void *recv, 
     if (st == HSDP_OK && src != (const char *)recv + (size_t)r->g->rank * nbytes)
         st = in_place(src, recv, nbytes, r->g->rank, &src);
     if (st == HSDP_OK) st = enqueue(r->g->impl, OP_GATHER, r->g->size, src, recv, nbytes, 0);
-    if (st == HSDP_OK) st = track(what, &t->ev);
-    pthread_mutex_unlock(&S.issue);
+    if (st == HSDP_OK) st = track(what, recv, nbytes * (size_t)r->g->size, &t->ev);
+    issue_unlock();
     return st;
 }
 
 static void nccl_gather_wait(hsdp_req *r) {
+    device_guard();
     nccl_task *t = (nccl_task *)r->state;
     hsdp_status st = HSDP_OK;
     if (atomic_load(&S.failed)) {
         st = failed_status();
     } else if (t->ev) {
         /* the compute stream waits; the host does not */
-        hsdp_cudaError_t e = api.cudaStreamWaitEvent(S.compute, t->ev, 0);
+        hsdp_cudaError_t e = CUDA(cudaStreamWaitEvent, S.compute, t->ev, 0);
         if (e != hsdp_cudaSuccess) st = cuda_fail(e, "ordering the compute stream after a gather");
     }
     r->end_ns = hsdp_now_ns();
@@ -654,17 +851,20 @@ static int nccl_overlaps(const hsdp_group *g) {
 static void *nccl_buffer_alloc(size_t nbytes, hsdp_device device) {
     void *p = NULL;
     if (device != HSDP_DEVICE_CUDA || !api.loaded) return NULL;
-    return api.cudaMalloc(&p, nbytes ? nbytes : 1) == hsdp_cudaSuccess ? p : NULL;
+    device_guard();
+    return dev_malloc(&p, nbytes ? nbytes : 1) == hsdp_cudaSuccess ? p : NULL;
 }
 
 static void nccl_buffer_free(void *p, size_t nbytes, hsdp_device device) {
+    device_guard();
     (void)nbytes, (void)device;
-    if (p) api.cudaFree(p);
+    if (p) CUDA(cudaFree, p);
 }
 
 static void nccl_buffers_released(hsdp_device device) {
     if (device != HSDP_DEVICE_CUDA || !S.world_up) return;
-    if (api.cudaEventRecord(S.released, S.compute) == hsdp_cudaSuccess) S.have_released = 1;
+    device_guard();
+    if (CUDA(cudaEventRecord, S.released, S.compute) == hsdp_cudaSuccess) S.have_released = 1;
 }
 
 /* ---------------------------------------------------------------- communicators */
@@ -701,9 +901,18 @@ static hsdp_status join_done(hsdp_ncclComm_t comm, hsdp_ncclResult_t rc, const c
     uint64_t t0 = hsdp_now_ns(), limit = hsdp_timeout_ns();
     unsigned us = 50;
     for (;;) {
-        hsdp_ncclResult_t state = hsdp_ncclSuccess;
-        api.ncclCommGetAsyncError(comm, &state);
+        hsdp_ncclResult_t state = hsdp_ncclInProgress;
+        hsdp_ncclResult_t qrc = api.ncclCommGetAsyncError(comm, &state);
+        if (qrc != hsdp_ncclSuccess) {
+            if (comm) api.ncclCommAbort(comm);
+            return hsdp_fail(HSDP_ECOMM, "%s failed: ncclCommGetAsyncError on the new communicator said NCCL error "
+                             "%d (%s)", what, (int)qrc, api.ncclGetErrorString(qrc));
+        }
         if (state == hsdp_ncclSuccess) return HSDP_OK;
+        if (atomic_load(&S.failed)) { /* another communicator failed: this one is not live yet */
+            api.ncclCommAbort(comm);
+            return failed_status();
+        }
         if (state != hsdp_ncclInProgress) {
             hsdp_status st = hsdp_fail(HSDP_ECOMM, "%s failed: NCCL error %d (%s)", what, (int)state,
                                        nccl_text(state, &tmp));
@@ -754,19 +963,20 @@ static int nccl_usable(const char **why) {
 
 static hsdp_status start_process_state(int device) {
     int n = 0;
-    CUDA_TRY(api.cudaGetDeviceCount(&n), "cudaGetDeviceCount");
+    CUDA_TRY(CUDA(cudaGetDeviceCount, &n), "cudaGetDeviceCount");
     if (device >= n)
         return hsdp_fail(HSDP_EINVAL, "CUDA device %d does not exist: this machine shows %d (LOCAL_RANK must be below "
                          "the number of visible GPUs)", device, n);
-    CUDA_TRY(api.cudaSetDevice(device), "cudaSetDevice");
+    CUDA_TRY(CUDA(cudaSetDevice, device), "cudaSetDevice");
     S.device = device;
+    thread_device = device;
     if (!S.comm) {
         int least = 0, greatest = 0;
-        CUDA_TRY(api.cudaDeviceGetStreamPriorityRange(&least, &greatest), "cudaDeviceGetStreamPriorityRange");
-        CUDA_TRY(api.cudaStreamCreateWithPriority(&S.comm, hsdp_cudaStreamNonBlocking, greatest),
+        CUDA_TRY(CUDA(cudaDeviceGetStreamPriorityRange, &least, &greatest), "cudaDeviceGetStreamPriorityRange");
+        CUDA_TRY(CUDA(cudaStreamCreateWithPriority, &S.comm, hsdp_cudaStreamNonBlocking, greatest),
                  "creating the gather stream");
-        CUDA_TRY(api.cudaEventCreateWithFlags(&S.released, hsdp_cudaEventDisableTiming), "creating the release event");
-        CUDA_TRY(api.cudaEventCreateWithFlags(&S.ready, hsdp_cudaEventDisableTiming), "creating the ordering event");
+        CUDA_TRY(CUDA(cudaEventCreateWithFlags, &S.released, hsdp_cudaEventDisableTiming), "creating the release event");
+        CUDA_TRY(CUDA(cudaEventCreateWithFlags, &S.ready, hsdp_cudaEventDisableTiming), "creating the ordering event");
     }
     if (!S.watchdog_on) {
         atomic_store(&S.stop, 0);
@@ -794,7 +1004,10 @@ static hsdp_status nccl_world(hsdp_group **out, int *we_init) {
     snprintf(what, sizeof what, "joining the NCCL world of %d ranks as rank %d", S.boot.size, S.boot.rank);
     if (api.ncclCommInitRankConfig) {
         hsdp_ncclConfig_t cfg = comm_config();
-        st = join_done(comm, api.ncclCommInitRankConfig(&comm, S.boot.size, id, S.boot.rank, &cfg), what);
+        /* two statements: the call writes comm, join_done reads it (one call's arguments
+         * would leave the order unspecified, and clang passes the NULL from before) */
+        hsdp_ncclResult_t rc = api.ncclCommInitRankConfig(&comm, S.boot.size, id, S.boot.rank, &cfg);
+        st = join_done(comm, rc, what);
     } else { /* before 2.14: blocking, so not bounded by the timeout */
         hsdp_ncclResult_t rc = api.ncclCommInitRank(&comm, S.boot.size, id, S.boot.rank);
         st = rc == hsdp_ncclSuccess ? HSDP_OK
@@ -807,6 +1020,7 @@ static hsdp_status nccl_world(hsdp_group **out, int *we_init) {
 }
 
 static hsdp_status nccl_split(hsdp_group *g, int color, int key, hsdp_group **out) {
+    device_guard();
     *out = NULL;
     if (!api.ncclCommSplit)
         return hsdp_fail(HSDP_EUNSUPPORTED, "subgroups need ncclCommSplit (NCCL 2.18 or later); the loaded NCCL is %d",
@@ -818,8 +1032,14 @@ static hsdp_status nccl_split(hsdp_group *g, int color, int key, hsdp_group **ou
     char what[96];
     snprintf(what, sizeof what, "ncclCommSplit (color %d, key %d)", color, key);
     pthread_mutex_lock(&S.issue);
-    hsdp_status st = join_done(comm, api.ncclCommSplit(c->comm, color, key, &comm, &cfg), what);
-    pthread_mutex_unlock(&S.issue);
+    pthread_mutex_lock(&S.calls);
+    hsdp_status st = failed_status_if_failed();
+    if (st == HSDP_OK) {
+        hsdp_ncclResult_t rc = api.ncclCommSplit(c->comm, color, key, &comm, &cfg); /* writes comm: see nccl_world */
+        st = join_done(comm, rc, what);
+    }
+    pthread_mutex_unlock(&S.calls);
+    issue_unlock();
     if (st != HSDP_OK) return st;
     int rank = -1, size = -1;
     if (api.ncclCommUserRank(comm, &rank) != hsdp_ncclSuccess || api.ncclCommCount(comm, &size) != hsdp_ncclSuccess) {
@@ -833,14 +1053,15 @@ static hsdp_status nccl_split(hsdp_group *g, int color, int key, hsdp_group **ou
  * order (Python's garbage collector decides), and ncclCommAbort tears down locally once
  * this rank's collectives on it are done. */
 static void nccl_free(hsdp_group *g) {
+    device_guard();
     nccl_comm *c = g->impl;
     if (c) {
         if (!atomic_load(&S.failed) && S.comm) {
             hsdp_cudaEvent_t ev = NULL;
             pthread_mutex_lock(&S.issue);
-            if (track("the last collectives of a group being freed", &ev) == HSDP_OK)
+            if (track("the last collectives of a group being freed", NULL, 0, &ev) == HSDP_OK)
                 (void)host_wait(ev, "the last collectives of a group being freed");
-            pthread_mutex_unlock(&S.issue);
+            issue_unlock();
         }
         pthread_mutex_lock(&S.mu);
         for (nccl_comm **p = &S.live; *p; p = &(*p)->next)
@@ -856,25 +1077,33 @@ static void nccl_free(hsdp_group *g) {
 }
 
 static hsdp_status nccl_finalize(void) {
+    device_guard();
     if (S.watchdog_on) {
         atomic_store(&S.stop, 1);
         pthread_join(S.watchdog, NULL);
         S.watchdog_on = 0;
     }
-    if (S.comm && !atomic_load(&S.failed)) (void)api.cudaStreamSynchronize(S.comm);
-    if (S.scratch) api.cudaFree(S.scratch);
+    if (S.comm && !atomic_load(&S.failed)) (void)CUDA(cudaStreamSynchronize, S.comm);
+    if (S.scratch) CUDA(cudaFree, S.scratch);
     S.scratch = NULL;
+    if (S.pinned) CUDA(cudaFreeHost, S.pinned);
+    S.pinned = NULL;
+    for (int i = 0; i < 2; i++) {
+        if (S.pin_ev[i]) CUDA(cudaEventDestroy, S.pin_ev[i]);
+        S.pin_ev[i] = NULL;
+        S.pin_used[i] = 0;
+    }
     S.scratch_n = 0;
     for (unsigned i = 0; i < RING; i++)
         if (S.ring[i].ev) {
-            api.cudaEventDestroy(S.ring[i].ev);
+            CUDA(cudaEventDestroy, S.ring[i].ev);
             S.ring[i].ev = NULL;
         }
     S.head = S.count = 0;
-    if (S.released) api.cudaEventDestroy(S.released);
-    if (S.ready) api.cudaEventDestroy(S.ready);
+    if (S.released) CUDA(cudaEventDestroy, S.released);
+    if (S.ready) CUDA(cudaEventDestroy, S.ready);
     S.ready = NULL;
-    if (S.comm) api.cudaStreamDestroy(S.comm);
+    if (S.comm) CUDA(cudaStreamDestroy, S.comm);
     S.released = NULL;
     S.comm = NULL;
     S.have_released = 0;
@@ -902,5 +1131,6 @@ const hsdp_backend hsdp_backend_nccl = {
     .gather_fixed = nccl_gather_fixed,
     .share_free = nccl_share_free,
     .share_kind = nccl_share_kind,
+    .share_read = nccl_share_read,
 };
 #endif

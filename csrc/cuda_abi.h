@@ -42,7 +42,7 @@ enum {
     hsdp_cudaMemoryTypeDevice = 2,
     hsdp_cudaMemoryTypeManaged = 3,
 };
-enum { hsdp_cudaStreamNonBlocking = 0x01, hsdp_cudaEventDisableTiming = 0x02 };
+enum { hsdp_cudaStreamNonBlocking = 0x01, hsdp_cudaEventDisableTiming = 0x02, hsdp_cudaHostAllocDefault = 0x00 };
 
 /* What cudaPointerGetAttributes writes. CUDA 13 appended `long reserved[8]` to the CUDA 11/12
  * layout; the runtime writes the whole of its own struct, so ours carries the reserve (and
@@ -74,6 +74,9 @@ typedef hsdp_cudaError_t (*hsdp_cudaEventDestroy_fn)(hsdp_cudaEvent_t event);
 typedef hsdp_cudaError_t (*hsdp_cudaEventRecord_fn)(hsdp_cudaEvent_t event, hsdp_cudaStream_t stream);
 typedef hsdp_cudaError_t (*hsdp_cudaEventQuery_fn)(hsdp_cudaEvent_t event);
 typedef const char *(*hsdp_cudaGetErrorString_fn)(hsdp_cudaError_t error);
+typedef hsdp_cudaError_t (*hsdp_cudaGetLastError_fn)(void);
+typedef hsdp_cudaError_t (*hsdp_cudaHostAlloc_fn)(void **ptr, size_t size, unsigned int flags);
+typedef hsdp_cudaError_t (*hsdp_cudaFreeHost_fn)(void *ptr);
 /* The functions taking one of the structs above, written once over the struct's type so that
  * the check can instantiate them with the real struct and compare with the real prototypes. */
 #define HSDP_CUDA_STRUCT_FNS(PREFIX, ATTRIBUTES) \

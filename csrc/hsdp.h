@@ -82,7 +82,8 @@ hsdp_status hsdp_cast(void *dst, hsdp_dtype dt, const void *src, hsdp_dtype st, 
 /* Bytes this process holds for hsdp, kept by the core itself. Counters are atomic so the
  * MPI worker thread and the Python thread can both update them. */
 typedef struct {
-    _Atomic size_t sharded_bytes;       /* sum of shard chunks of live units */
+    _Atomic size_t sharded_bytes;       /* sum of the host shard chunks of live units (a chunk
+                                           dropped once on the GPU is not counted) */
     _Atomic size_t unsharded_bytes;     /* live gather/widen buffers */
     _Atomic size_t peak_unsharded_bytes;
     _Atomic size_t whole_bytes;         /* ignored / unshardable parameters kept whole */
@@ -222,8 +223,14 @@ hsdp_status hsdp_unit_write(hsdp_unit *u, size_t i, size_t first, size_t count, 
 /* HSDP_ESTATE once the unit has been gathered: from then on its shard is fixed (peers may
  * read it directly), so write, read and broadcast into it are refused. */
 hsdp_status hsdp_unit_check_writable(const hsdp_unit *u);
-/* All-gathers every rank's chunk into `full` (layout.total_bytes). */
+/* All-gathers every rank's chunk into `full` (layout.total_bytes). On a backend that keeps
+ * its own copy of the chunk (NCCL: on the device, after the first gather) the host chunk is
+ * then freed (u->shard NULL), unless HSDP_KEEP_HOST_SHARDS=1; the same after the first
+ * gather_start or gather_now. */
 hsdp_status hsdp_unit_gather(hsdp_unit *u, void *full);
+/* This rank's chunk (layout.chunk_bytes) into host memory `out`: the host chunk, or, once
+ * dropped, read back from the backend's copy. */
+hsdp_status hsdp_unit_read_shard(hsdp_unit *u, void *out);
 
 /* A unit's gather in flight: the collective request plus what the conversion needs. */
 typedef struct {

@@ -103,10 +103,33 @@ hsdp_status hsdp_unit_write(hsdp_unit *u, size_t i, size_t first, size_t count, 
     return hsdp_cast(dst, p->dtype, s, src_dt, hi - lo);
 }
 
+/* After a gather: once the backend holds its own copy of the chunk (NCCL: on the device), the
+ * host chunk is dropped, unless HSDP_KEEP_HOST_SHARDS=1. It can no longer be written (the
+ * share fixes it), gathers read the backend's copy, and readers of the chunk itself
+ * (Unit.shard_bytes) read it back from there (hsdp_share_read). */
+static hsdp_status drop_host(hsdp_unit *u, hsdp_status st) {
+    if (st != HSDP_OK || !u->shard || !u->share || !u->group->backend->share_read) return st;
+    if (strcmp(hsdp_share_kind(u->group, u->share), "collective") == 0) return st;
+    const char *keep = getenv("HSDP_KEEP_HOST_SHARDS");
+    if (keep && strcmp(keep, "1") == 0) return st;
+    free(u->shard); /* the upload has read it: copies from host memory return once staged */
+    u->shard = NULL;
+    if (u->stats) atomic_fetch_sub(&u->stats->sharded_bytes, u->layout.chunk_bytes);
+    return st;
+}
+
+hsdp_status hsdp_unit_read_shard(hsdp_unit *u, void *out) {
+    if (u->shard) {
+        memcpy(out, u->shard, u->layout.chunk_bytes);
+        return HSDP_OK;
+    }
+    return hsdp_share_read(u->group, u->share, out, u->layout.chunk_bytes);
+}
+
 hsdp_status hsdp_unit_gather(hsdp_unit *u, void *full) {
     atomic_fetch_add(&u->stats->gathers, 1);
     if (u->layout.total_bytes == 0) return HSDP_OK;
-    return hsdp_gather_fixed(u->group, &u->share, u->shard, full, u->layout.chunk_bytes, u->label, u->ident);
+    return drop_host(u, hsdp_gather_fixed(u->group, &u->share, u->shard, full, u->layout.chunk_bytes, u->label, u->ident));
 }
 
 hsdp_status hsdp_unit_widen(const hsdp_unit *u, const void *full, void *widened) {
@@ -137,14 +160,14 @@ static void req_init(hsdp_gather_req *r, hsdp_unit *u, void *full, void *widened
 
 hsdp_status hsdp_unit_gather_start(hsdp_unit *u, void *full, void *widened, hsdp_gather_req *r) {
     req_init(r, u, full, widened);
-    return hsdp_gather_start(&r->req, u->group, &u->share, u->shard, full, u->layout.chunk_bytes,
-                             u->widened_bytes ? convert_job : NULL, r);
+    return drop_host(u, hsdp_gather_start(&r->req, u->group, &u->share, u->shard, full, u->layout.chunk_bytes,
+                                          u->widened_bytes ? convert_job : NULL, r));
 }
 
 hsdp_status hsdp_unit_gather_now(hsdp_unit *u, void *full, void *widened, hsdp_gather_req *r) {
     req_init(r, u, full, widened);
-    return hsdp_gather_now(&r->req, u->group, &u->share, u->shard, full, u->layout.chunk_bytes,
-                           u->widened_bytes ? convert_job : NULL, r);
+    return drop_host(u, hsdp_gather_now(&r->req, u->group, &u->share, u->shard, full, u->layout.chunk_bytes,
+                                        u->widened_bytes ? convert_job : NULL, r));
 }
 
 hsdp_status hsdp_unit_gather_wait(hsdp_unit *u, hsdp_gather_req *r) {

@@ -236,3 +236,30 @@ def test_rank0_names_the_ranks_that_never_read_the_id():
     codes, out = _collect(_torchrun_ranks(3, _free_port(), [0, 1], timeout=2))
     assert codes[0] == 3, out
     assert "rank 0: ranks [2] of 3 did not read the NCCL unique id" in out and "within 2 s" in out
+
+
+def test_oom_handler_takes_a_callable_or_none():
+    """torch.cuda.empty_cache is what init_world registers; anything else callable works, and
+    None removes it (the retry itself runs in csrc/tests/test_nccl.c against the fake)."""
+    with pytest.raises(TypeError, match="must be callable or None, got 5"):
+        _C.nccl_set_oom_handler(5)
+    _C.nccl_set_oom_handler(lambda: None)
+    _C.nccl_set_oom_handler(None)
+
+
+def test_gpu_check_dry_run_against_the_fake():
+    """bench/gpu_check.py --dry-run: every step that can run without a GPU passes against the
+    fake CUDA/NCCL (the DLPack stream argument and all_gather_device's stream among them: a
+    consumer stream that does not wait reads a fresh buffer's zeros), and the others say
+    they need one."""
+    root = Path(__file__).resolve().parent.parent
+    built = subprocess.run(["make", "-s", "csrc/tests/bin/fake_cuda_nccl.so"], cwd=root, capture_output=True,
+                           text=True, timeout=120)
+    assert built.returncode == 0, built.stdout + built.stderr
+    out = subprocess.run([sys.executable, str(root / "bench" / "gpu_check.py"), "--dry-run"], cwd=root,
+                         capture_output=True, text=True, timeout=300, env=_clean_env())
+    assert out.returncode == 0, out.stdout + out.stderr
+    verdicts = dict(line.split()[:2] for line in out.stdout.splitlines()[1:])
+    assert verdicts == {"last_error": "PASS", "ordering": "PASS", "init": "PASS", "buffers_flat": "PASS",
+                        "parity_bf16": "NEEDS-GPU", "start_unshard_us": "NEEDS-GPU", "overlap": "NEEDS-GPU",
+                        "gather_vs_copy": "NEEDS-GPU"}, out.stdout

@@ -99,7 +99,6 @@ static PyObject *buffer_dlpack(BufferObject *self, PyObject *args, PyObject *kw)
     PyObject *stream = Py_None, *max_version = Py_None, *dl_device = Py_None, *copy = Py_None;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "|$OOOO", kwlist, &stream, &max_version, &dl_device, &copy))
         return NULL;
-    (void)stream; /* host buffers need no stream; device buffers are complete when unsharded */
     if (copy == Py_True)
         return PyErr_Format(PyExc_BufferError, "an hsdp buffer is exported without a copy (copy=True refused)");
     if (dl_device != Py_None) { /* the consumer names a device: it must be this buffer's own */
@@ -111,6 +110,29 @@ static PyObject *buffer_dlpack(BufferObject *self, PyObject *args, PyObject *kw)
             return PyErr_Format(PyExc_BufferError, "an hsdp %s buffer lives on DLPack device (%d, %d), not (%d, %d); "
                                 "it is exported without a copy", hsdp_device_name(self->device), own.device_type,
                                 own.device_id, type, id);
+    }
+    if (self->device == HSDP_DEVICE_CUDA) {
+        /* The consumer's stream waits for the gather writing this buffer (the host does not):
+         * DLPack's CUDA streams are None or 1 (the legacy default stream), 2 (per-thread
+         * default), -1 (the consumer orders itself) or a stream handle; 0 is ambiguous. */
+        void *handle = NULL;
+        int order = 1;
+        if (stream != Py_None) {
+            long long v = PyLong_AsLongLong(stream);
+            if (v == -1 && PyErr_Occurred()) return NULL;
+            if (v == 0 || v < -1)
+                return PyErr_Format(PyExc_BufferError, "__dlpack__(stream=%lld): a CUDA consumer's stream is None, -1, "
+                                    "1, 2 or a stream handle (DLPack forbids 0)", v);
+            order = v != -1;
+            handle = v == 1 ? NULL : (void *)(uintptr_t)v;
+        }
+        if (order) {
+            hsdp_status st;
+            Py_BEGIN_ALLOW_THREADS
+            st = hsdp_nccl_stream_wait(handle, self->p, self->n);
+            Py_END_ALLOW_THREADS
+            if (st != HSDP_OK) return hsdp_py_raise(st);
+        }
     }
     long major = 0;
     if (max_version != Py_None) {
@@ -159,7 +181,8 @@ static PyObject *buffer_dlpack_device(BufferObject *self, PyObject *unused) {
 PyMethodDef hsdp_py_dlpack_methods[] = {
     {"__dlpack__", (PyCFunction)(void (*)(void))buffer_dlpack, METH_VARARGS | METH_KEYWORDS,
      "__dlpack__(*, stream=None, max_version=None, dl_device=None, copy=None): the buffer as a 1-D uint8 "
-     "DLPack tensor, zero-copy; it keeps the buffer alive until the consumer lets go. The read-only flag is set, "
+     "DLPack tensor, zero-copy; it keeps the buffer alive until the consumer lets go. A CUDA buffer makes the "
+     "consumer's stream wait for the gather writing it (stream=-1: no ordering). The read-only flag is set, "
      "but torch ignores it: a write through the tensor changes the gathered weights until the next reshard."},
     {"__dlpack_device__", (PyCFunction)buffer_dlpack_device, METH_NOARGS, "(device type, device id) for DLPack."},
     {NULL, NULL, 0, NULL},

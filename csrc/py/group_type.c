@@ -214,12 +214,19 @@ static PyObject *group_all_to_all_blocks(GroupObject *self, PyObject *args) {
 }
 
 /* The same collectives on device memory given as addresses (torch's data_ptr()), for a
- * backend whose buffers live on a device: the caller keeps the memory alive, and the result
- * is ordered before later work on the compute stream. */
+ * backend whose buffers live on a device: the caller keeps the memory alive. The collective
+ * runs after the work already on `stream` (the caller's current stream, an int handle; None:
+ * the compute stream) and before its later work. */
 static PyObject *device_call(GroupObject *self, PyObject *args, int send_blocks, block_collective fn) {
     unsigned long long s, r;
     Py_ssize_t block;
-    if (!PyArg_ParseTuple(args, "KKn", &s, &r, &block)) return NULL;
+    PyObject *stream = Py_None;
+    if (!PyArg_ParseTuple(args, "KKn|O", &s, &r, &block, &stream)) return NULL;
+    void *handle = NULL;
+    if (stream != Py_None) {
+        handle = PyLong_AsVoidPtr(stream);
+        if (!handle && PyErr_Occurred()) return NULL;
+    }
     if (!self->g->backend->buffer_alloc)
         return PyErr_Format(PyExc_ValueError, "device addresses need a GPU backend (nccl); this group runs on '%s'",
                             self->g->backend->name);
@@ -228,7 +235,9 @@ static PyObject *device_call(GroupObject *self, PyObject *args, int send_blocks,
     (void)send_blocks;
     hsdp_status st;
     Py_BEGIN_ALLOW_THREADS
+    hsdp_nccl_call_stream(handle, stream != Py_None);
     st = fn(self->g, (const void *)(uintptr_t)s, (void *)(uintptr_t)r, (size_t)block);
+    hsdp_nccl_call_stream(NULL, 0);
     Py_END_ALLOW_THREADS
     if (st != HSDP_OK) return hsdp_py_raise(st);
     Py_RETURN_NONE;
@@ -272,9 +281,11 @@ static PyMethodDef group_methods[] = {
      "all_to_all_blocks(send, send_layout, recv, recv_layout): all_to_all between strided layouts, each "
      "(inner, step, ((count, stride), ...)) in bytes: block j is `inner` bytes at j * step plus the strides."},
     {"all_gather_device", (PyCFunction)group_all_gather_device, METH_VARARGS,
-     "all_gather_device(send_addr, recv_addr, block_bytes): all_gather on device memory (nccl)."},
+     "all_gather_device(send_addr, recv_addr, block_bytes, stream=None): all_gather on device memory (nccl), "
+     "ordered on `stream` (a CUDA stream handle; None: the compute stream)."},
     {"all_to_all_device", (PyCFunction)group_all_to_all_device, METH_VARARGS,
-     "all_to_all_device(send_addr, recv_addr, block_bytes): all_to_all on device memory (nccl)."},
+     "all_to_all_device(send_addr, recv_addr, block_bytes, stream=None): all_to_all on device memory (nccl), "
+     "ordered on `stream` (a CUDA stream handle; None: the compute stream)."},
     {NULL, NULL, 0, NULL},
 };
 

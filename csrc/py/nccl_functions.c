@@ -62,7 +62,42 @@ static PyObject *mod_nccl_comm_stream(PyObject *m, PyObject *unused) {
     return PyLong_FromVoidPtr(hsdp_nccl_comm_stream());
 }
 
+/* The Python callable the backend calls when a cudaMalloc runs out of memory (torch's
+ * empty_cache), owned here (one strong reference) until replaced. */
+static PyObject *oom_handler;
+
+static int call_oom_handler(void *arg) {
+    (void)arg;
+    if (!Py_IsInitialized()) return 0;
+    PyGILState_STATE g = PyGILState_Ensure(); /* the caller may hold the GIL or have let it go */
+    int retry = 0;
+    if (oom_handler) {
+        PyObject *r = PyObject_CallNoArgs(oom_handler);
+        if (r) {
+            retry = 1;
+            Py_DECREF(r);
+        } else {
+            PyErr_WriteUnraisable(oom_handler); /* the allocation then fails as it would have */
+        }
+    }
+    PyGILState_Release(g);
+    return retry;
+}
+
+static PyObject *mod_nccl_set_oom_handler(PyObject *m, PyObject *fn) {
+    (void)m;
+    if (fn != Py_None && !PyCallable_Check(fn))
+        return PyErr_Format(PyExc_TypeError, "the out-of-memory handler must be callable or None, got %R", fn);
+    hsdp_nccl_set_oom_handler(NULL, NULL);
+    Py_XSETREF(oom_handler, fn == Py_None ? NULL : Py_NewRef(fn));
+    if (oom_handler) hsdp_nccl_set_oom_handler(call_oom_handler, NULL);
+    Py_RETURN_NONE;
+}
+
 PyMethodDef hsdp_py_nccl_functions[] = {
+    {"nccl_set_oom_handler", mod_nccl_set_oom_handler, METH_O,
+     "nccl_set_oom_handler(fn or None): called (no arguments) when a device allocation of the NCCL backend runs "
+     "out of memory, before one retry; torch's is torch.cuda.empty_cache."},
     {"nccl_built", mod_nccl_built, METH_NOARGS, "Whether this build has the NCCL backend."},
     {"nccl_load", mod_nccl_load, METH_VARARGS, "nccl_load(libnccl_path, libcudart_path): open both and find a GPU."},
     {"nccl_version", mod_nccl_version, METH_NOARGS, "ncclGetVersion of the loaded NCCL (0 before loading)."},

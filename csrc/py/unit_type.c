@@ -455,6 +455,20 @@ static PyObject *unit_broadcast_shard(UnitObject *self, PyObject *args, PyObject
 static PyObject *unit_shard_bytes_view(UnitObject *self, PyObject *unused) {
     (void)unused;
     npy_intp dim = (npy_intp)self->u.layout.chunk_bytes;
+    if (!self->u.shard) { /* dropped once on the device: a copy read back from there */
+        if (unit_check_idle(self) < 0) return NULL;
+        PyObject *copy = PyArray_SimpleNew(1, &dim, NPY_UINT8);
+        if (!copy) return NULL;
+        hsdp_status st;
+        void *out = PyArray_DATA((PyArrayObject *)copy);
+        HSDP_PY_BUSY_NOGIL(self->busy, st = hsdp_unit_read_shard(&self->u, out));
+        if (st != HSDP_OK) {
+            Py_DECREF(copy);
+            return hsdp_py_raise(st);
+        }
+        PyArray_CLEARFLAGS((PyArrayObject *)copy, NPY_ARRAY_WRITEABLE);
+        return copy;
+    }
     PyObject *arr = PyArray_New(&PyArray_Type, 1, &dim, NPY_UINT8, NULL, self->u.shard, 0,
                                 NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED, NULL);
     if (!arr) return NULL;
@@ -629,7 +643,9 @@ static PyMethodDef unit_methods[] = {
      "Drop the full buffer (to the pool when no view holds it) and unset every parameter's _data."},
     {"broadcast_shard", (PyCFunction)(void (*)(void))unit_broadcast_shard, METH_VARARGS | METH_KEYWORDS,
      "broadcast_shard(group, root=0): copy the shard of group rank `root` to the group (replicas)."},
-    {"shard_bytes", (PyCFunction)unit_shard_bytes_view, METH_NOARGS, "A read-only uint8 view of this rank's chunk."},
+    {"shard_bytes", (PyCFunction)unit_shard_bytes_view, METH_NOARGS,
+     "A read-only uint8 view of this rank's chunk (a copy read back from the GPU once the NCCL backend has "
+     "dropped the host chunk after its first gather)."},
     {"buffers", (PyCFunction)unit_buffers, METH_NOARGS,
      "(gathered, converted or None) while unsharded, else None: what an adapter that binds itself views."},
     {NULL, NULL, 0, NULL},

@@ -1,172 +1,573 @@
-/* fake_cuda_nccl.c - a stand-in for libcudart and libnccl with one "GPU" whose memory is host
- * memory and a world of one rank, so that the NCCL backend's own logic (loading, joining,
- * the side stream's ordering, staging, shares, the watchdog) runs under ASan on a machine
- * without a GPU. Built as a shared library and passed as both libraries to test_nccl.
- * Written against cuda_abi.h, the declarations the backend uses (no CUDA headers needed);
- * the end of this file asserts that each function here has the type the backend calls it by.
+/* fake_cuda_nccl.c - a stand-in for libcudart and libnccl, so that the NCCL backend's own
+ * logic (loading, joining, ordering across streams, staging, shares, the watchdog, aborts)
+ * runs under ASan on a machine without a GPU. Built as a shared library and passed as both
+ * libraries to test_nccl. Written against cuda_abi.h, the declarations the backend uses (no
+ * CUDA headers needed); the end of this file asserts that each function here has the type
+ * the backend calls it by.
+ *
+ * It behaves like CUDA where the backend can get it wrong:
+ * - Streams really defer work: each has a worker thread that runs its copies, collectives,
+ *   event records and event waits in order, so a missing wait reads stale bytes. Copies from
+ *   pageable host memory snapshot their source when enqueued, copies into pageable host
+ *   memory return once done (as CUDA's do); pinned memory (cudaHostAlloc) is asynchronous.
+ * - An event completes when its stream reaches it; cudaEventQuery says cudaErrorNotReady
+ *   until then.
+ * - The last error and the current device are per thread. Every failing call, NotReady
+ *   included, leaves its error for cudaGetLastError (as the runtime does: the next
+ *   kernel-launch check of a framework sharing the runtime would raise it). A thread's first
+ *   call without cudaSetDevice makes a context on device 0 (fake_contexts() says which).
+ * - Non-blocking NCCL init and split return ncclInProgress, and ncclCommGetAsyncError says
+ *   ncclInProgress for a few polls; a NULL communicator is ncclInvalidArgument.
+ * - ncclCommAbort kills the communicator: any later call on it, or one racing with the
+ *   abort, is counted (fake_violations()) and fails; so is a call needing a communicator
+ *   whose non-blocking init or split was not polled to its end.
+ * A world of one rank, or of several forked processes (see "worlds of ranks"), on
+ * FAKE_DEVICES devices (default 2) whose memory is host memory.
  *
  * Controls, by environment: FAKE_NCCL_VERSION (default 23007); FAKE_STALL=1 makes every
- * event recorded from then on never complete (a peer that never arrives). */
+ * event recorded from then on never complete (a peer that never arrives). By the fake_*
+ * functions at the end (test_nccl finds them with dlsym): holding a stream, failing the
+ * next cudaMalloc calls, a communicator's asynchronous error or hang. */
+#define _DEFAULT_SOURCE /* MAP_ANONYMOUS */
 #define _POSIX_C_SOURCE 200809L
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <time.h>
 
 #include "cuda_abi.h"
 
-/* ---------------------------------------------------------------- device memory: a list */
+/* One lock for the whole fake device, one condition for every change of its state. */
+static pthread_mutex_t G = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t C = PTHREAD_COND_INITIALIZER;
+
+static _Thread_local hsdp_cudaError_t last_error;
+static _Thread_local int current_device = -1; /* -1: no cudaSetDevice on this thread yet */
+static atomic_uint contexts;                    /* bit d: a context exists on device d */
+static atomic_int fail_mallocs, pageable_uploads;
+
+static hsdp_cudaError_t err(hsdp_cudaError_t e) {
+    if (e != hsdp_cudaSuccess) last_error = e;
+    return e;
+}
+/* What every call that needs a context does first: the thread's device, else device 0. */
+static void context(void) {
+    if (current_device < 0) current_device = 0;
+    atomic_fetch_or(&contexts, 1u << current_device);
+}
+static int ndevices(void) {
+    const char *s = getenv("FAKE_DEVICES");
+    int n = s ? atoi(s) : 2;
+    return n > 0 && n <= 8 ? n : 2;
+}
+
+/* ---------------------------------------------------------------- memory: device and pinned */
 typedef struct block {
     void *p;
     size_t n;
+    int pinned; /* cudaHostAlloc: host memory the device reaches asynchronously */
     struct block *next;
 } block;
-static block *blocks;
+static block *blocks; /* under G */
 
 static block *find(const void *p) {
     for (block *b = blocks; b; b = b->next)
         if ((const char *)p >= (const char *)b->p && (const char *)p < (const char *)b->p + (b->n ? b->n : 1)) return b;
     return NULL;
 }
+static int is_device(const void *p) {
+    block *b = find(p);
+    return b && !b->pinned;
+}
+static int is_pageable(const void *p) { return p && !find(p); }
 
 hsdp_cudaError_t cudaGetDeviceCount(int *n) {
-    *n = 1;
+    *n = ndevices();
     return hsdp_cudaSuccess;
 }
-hsdp_cudaError_t cudaSetDevice(int d) { return d == 0 ? hsdp_cudaSuccess : hsdp_cudaErrorInvalidDevice; }
-hsdp_cudaError_t cudaMalloc(void **p, size_t n) {
+hsdp_cudaError_t cudaSetDevice(int d) {
+    if (d < 0 || d >= ndevices()) return err(hsdp_cudaErrorInvalidDevice);
+    current_device = d;
+    context();
+    return hsdp_cudaSuccess;
+}
+hsdp_cudaError_t cudaGetLastError(void) {
+    hsdp_cudaError_t e = last_error;
+    last_error = hsdp_cudaSuccess;
+    return e;
+}
+static hsdp_cudaError_t alloc(void **p, size_t n, int pinned) {
+    context();
+    *p = NULL;
+    int left = atomic_load(&fail_mallocs);
+    while (left > 0 && !atomic_compare_exchange_weak(&fail_mallocs, &left, left - 1)) {
+    }
+    if (left > 0) return err(hsdp_cudaErrorMemoryAllocation);
     block *b = malloc(sizeof *b);
-    if (!b) return hsdp_cudaErrorMemoryAllocation;
-    b->p = calloc(1, n ? n : 1);
-    b->n = n;
+    void *mem = calloc(1, n ? n : 1);
+    if (!b || !mem) {
+        free(b);
+        free(mem);
+        return err(hsdp_cudaErrorMemoryAllocation);
+    }
+    *b = (block){.p = mem, .n = n, .pinned = pinned};
+    pthread_mutex_lock(&G);
     b->next = blocks;
     blocks = b;
-    *p = b->p;
-    return b->p ? hsdp_cudaSuccess : hsdp_cudaErrorMemoryAllocation;
+    pthread_mutex_unlock(&G);
+    *p = mem;
+    return hsdp_cudaSuccess;
 }
-hsdp_cudaError_t cudaFree(void *p) {
+static void settle_all(void);
+static hsdp_cudaError_t release(void *p, int pinned) {
+    context();
+    if (!p) return hsdp_cudaSuccess;
+    pthread_mutex_lock(&G);
+    settle_all(); /* cudaFree synchronizes the device (with work that can still run) */
     for (block **b = &blocks; *b; b = &(*b)->next)
-        if ((*b)->p == p) {
+        if ((*b)->p == p && (*b)->pinned == pinned) {
             block *dead = *b;
             *b = dead->next;
+            pthread_mutex_unlock(&G);
             free(dead->p);
             free(dead);
             return hsdp_cudaSuccess;
         }
-    return p ? hsdp_cudaErrorInvalidValue : hsdp_cudaSuccess;
+    pthread_mutex_unlock(&G);
+    return err(hsdp_cudaErrorInvalidValue);
 }
-hsdp_cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, hsdp_cudaMemcpyKind k, hsdp_cudaStream_t s) {
-    (void)k, (void)s;
-    memmove(dst, src, n);
-    return hsdp_cudaSuccess;
+hsdp_cudaError_t cudaMalloc(void **p, size_t n) { return alloc(p, n, 0); }
+hsdp_cudaError_t cudaFree(void *p) { return release(p, 0); }
+hsdp_cudaError_t cudaHostAlloc(void **p, size_t n, unsigned flags) {
+    (void)flags;
+    return alloc(p, n, 1);
 }
+hsdp_cudaError_t cudaFreeHost(void *p) { return release(p, 1); }
 hsdp_cudaError_t cudaPointerGetAttributes(hsdp_cudaPointerAttributes *a, const void *p) {
+    context();
     memset(a, 0, sizeof *a);
-    a->type = find(p) ? hsdp_cudaMemoryTypeDevice : hsdp_cudaMemoryTypeUnregistered;
+    pthread_mutex_lock(&G);
+    block *b = find(p);
+    a->type = !b ? hsdp_cudaMemoryTypeUnregistered : b->pinned ? hsdp_cudaMemoryTypeHost : hsdp_cudaMemoryTypeDevice;
+    pthread_mutex_unlock(&G);
     return hsdp_cudaSuccess;
 }
 
 /* ---------------------------------------------------------------- streams and events */
-static int stream_tokens[64], nstreams;
+typedef struct fake_event {
+    uint64_t recorded, done; /* done: the latest record its stream has reached */
+    int stalled;             /* the latest record never completes (FAKE_STALL) */
+    int refs, destroyed;     /* ops pending on it; freed once destroyed and unreferenced */
+} fake_event;
+
+typedef enum { K_COPY, K_RECORD, K_WAIT, K_FN } op_kind;
+typedef struct op {
+    op_kind kind;
+    void *dst;
+    const void *src;
+    size_t n;
+    void *owned; /* a snapshot of a pageable source, freed once copied; K_FN: fn's argument */
+    void (*fn)(void *arg); /* K_FN: work that may block (a collective with other ranks), run outside G */
+    fake_event *ev;
+    uint64_t gen;
+    int stalled;
+    uint64_t seq; /* the stream's count of ops enqueued, this one included */
+    struct op *next;
+} op;
+
+typedef struct fake_stream {
+    pthread_t worker;
+    op *head, *tail;
+    uint64_t enqueued, ran;
+    int held, quit;
+    struct fake_stream *next; /* every live stream, under G */
+} fake_stream;
+static fake_stream *legacy; /* the NULL stream, made on first use */
+static fake_stream *streams;
+
+static void unref(fake_event *e) {
+    if (e && --e->refs == 0 && e->destroyed) free(e);
+}
+static int runnable(const fake_stream *s, const op *o) {
+    return o && !s->held && (o->kind != K_WAIT || o->ev->done >= o->gen);
+}
+static int stuck(const fake_stream *s, const op *o) { /* never runnable again */
+    return o && (s->held || (o->kind == K_WAIT && o->ev->stalled && o->ev->done < o->gen));
+}
+
+static void *worker(void *arg) {
+    fake_stream *s = arg;
+    pthread_mutex_lock(&G);
+    for (;;) {
+        op *o = s->head;
+        if (!runnable(s, o)) {
+            if (s->quit && (!o || stuck(s, o))) break;
+            pthread_cond_wait(&C, &G);
+            continue;
+        }
+        if (o->kind == K_COPY) memmove(o->dst, o->src, o->n);
+        if (o->kind == K_FN) { /* the op stays at the head, so nothing behind it runs meanwhile */
+            pthread_mutex_unlock(&G);
+            o->fn(o->owned);
+            pthread_mutex_lock(&G);
+        }
+        if (o->kind == K_RECORD && !o->stalled && o->ev->done < o->gen) o->ev->done = o->gen;
+        s->head = o->next;
+        if (!s->head) s->tail = NULL;
+        s->ran = o->seq;
+        unref(o->ev);
+        free(o->owned);
+        free(o);
+        pthread_cond_broadcast(&C);
+    }
+    for (op *o = s->head, *next; o; o = next) { /* destroyed while stuck: dropped */
+        next = o->next;
+        unref(o->ev);
+        free(o->owned);
+        free(o);
+    }
+    s->head = s->tail = NULL;
+    pthread_mutex_unlock(&G);
+    return NULL;
+}
+
+static fake_stream *stream_new(void) { /* G held */
+    fake_stream *s = calloc(1, sizeof *s);
+    if (s && pthread_create(&s->worker, NULL, worker, s) != 0) {
+        free(s);
+        s = NULL;
+    }
+    if (s) {
+        s->next = streams;
+        streams = s;
+    }
+    return s;
+}
+static void settle_all(void) { /* G held */
+    for (fake_stream *s = streams; s; s = s->next)
+        while (runnable(s, s->head)) pthread_cond_wait(&C, &G);
+}
+static fake_stream *stream_of(hsdp_cudaStream_t h) { /* G held */
+    if (h) return (fake_stream *)h;
+    if (!legacy) legacy = stream_new();
+    return legacy;
+}
+/* Appends o to h's queue; returns its sequence number (G held). */
+static uint64_t push(hsdp_cudaStream_t h, op *o) {
+    fake_stream *s = stream_of(h);
+    o->seq = ++s->enqueued;
+    if (o->ev) o->ev->refs++;
+    if (s->tail)
+        s->tail->next = o;
+    else
+        s->head = o;
+    s->tail = o;
+    pthread_cond_broadcast(&C);
+    return o->seq;
+}
+static void wait_ran(hsdp_cudaStream_t h, uint64_t seq) { /* G held */
+    fake_stream *s = stream_of(h);
+    while (s->ran < seq) pthread_cond_wait(&C, &G);
+}
+/* A copy on a stream, as CUDA orders it (also what the fake collectives enqueue). */
+static hsdp_cudaError_t copy_on(hsdp_cudaStream_t h, void *dst, const void *src, size_t n) {
+    if (!n) return hsdp_cudaSuccess;
+    op *o = calloc(1, sizeof *o);
+    if (!o) return err(hsdp_cudaErrorMemoryAllocation);
+    *o = (op){.kind = K_COPY, .dst = dst, .src = src, .n = n};
+    pthread_mutex_lock(&G);
+    int from_pageable = is_pageable(src), to_pageable = is_pageable(dst);
+    if (from_pageable) { /* staged at once: the caller may reuse its memory on return */
+        o->owned = malloc(n);
+        if (!o->owned) {
+            pthread_mutex_unlock(&G);
+            free(o);
+            return err(hsdp_cudaErrorMemoryAllocation);
+        }
+        memcpy(o->owned, src, n);
+        o->src = o->owned;
+        if (!to_pageable) atomic_fetch_add(&pageable_uploads, 1);
+    }
+    uint64_t seq = push(h, o);
+    if (to_pageable) wait_ran(h, seq); /* into pageable memory: returns once done */
+    pthread_mutex_unlock(&G);
+    return hsdp_cudaSuccess;
+}
+hsdp_cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, hsdp_cudaMemcpyKind k, hsdp_cudaStream_t s) {
+    (void)k;
+    context();
+    return copy_on(s, dst, src, n);
+}
+
 hsdp_cudaError_t cudaDeviceGetStreamPriorityRange(int *least, int *greatest) {
+    context();
     *least = 0, *greatest = -1;
     return hsdp_cudaSuccess;
 }
 hsdp_cudaError_t cudaStreamCreateWithPriority(hsdp_cudaStream_t *s, unsigned flags, int prio) {
     (void)flags, (void)prio;
-    *s = (hsdp_cudaStream_t)&stream_tokens[nstreams++ % 64];
+    context();
+    pthread_mutex_lock(&G);
+    *s = (hsdp_cudaStream_t)stream_new();
+    pthread_mutex_unlock(&G);
+    return *s ? hsdp_cudaSuccess : err(hsdp_cudaErrorMemoryAllocation);
+}
+hsdp_cudaError_t cudaStreamDestroy(hsdp_cudaStream_t h) {
+    context();
+    if (!h) return err(hsdp_cudaErrorInvalidValue);
+    fake_stream *s = (fake_stream *)h;
+    pthread_mutex_lock(&G);
+    s->quit = 1; /* its work still runs, unless it can never run */
+    for (fake_stream **p = &streams; *p; p = &(*p)->next)
+        if (*p == s) {
+            *p = s->next;
+            break;
+        }
+    pthread_cond_broadcast(&C);
+    pthread_mutex_unlock(&G);
+    pthread_join(s->worker, NULL);
+    free(s);
     return hsdp_cudaSuccess;
 }
-hsdp_cudaError_t cudaStreamDestroy(hsdp_cudaStream_t s) {
-    (void)s;
-    return hsdp_cudaSuccess;
-}
-hsdp_cudaError_t cudaStreamWaitEvent(hsdp_cudaStream_t s, hsdp_cudaEvent_t e, unsigned flags) {
-    (void)s, (void)e, (void)flags;
-    return hsdp_cudaSuccess;
-}
-hsdp_cudaError_t cudaStreamSynchronize(hsdp_cudaStream_t s) {
-    (void)s;
+hsdp_cudaError_t cudaStreamSynchronize(hsdp_cudaStream_t h) {
+    context();
+    pthread_mutex_lock(&G);
+    fake_stream *s = stream_of(h);
+    wait_ran(h, s->enqueued);
+    pthread_mutex_unlock(&G);
     return hsdp_cudaSuccess;
 }
 
-typedef struct {
-    int pending; /* never completes (FAKE_STALL) */
-} fake_event;
 hsdp_cudaError_t cudaEventCreateWithFlags(hsdp_cudaEvent_t *e, unsigned flags) {
     (void)flags;
+    context();
     *e = (hsdp_cudaEvent_t)calloc(1, sizeof(fake_event));
-    return *e ? hsdp_cudaSuccess : hsdp_cudaErrorMemoryAllocation;
+    return *e ? hsdp_cudaSuccess : err(hsdp_cudaErrorMemoryAllocation);
 }
-hsdp_cudaError_t cudaEventDestroy(hsdp_cudaEvent_t e) {
-    free(e);
+hsdp_cudaError_t cudaEventDestroy(hsdp_cudaEvent_t h) {
+    context();
+    if (!h) return err(hsdp_cudaErrorInvalidValue);
+    pthread_mutex_lock(&G);
+    fake_event *e = (fake_event *)h;
+    e->destroyed = 1; /* as CUDA: pending work that uses it still completes */
+    if (e->refs == 0) free(e);
+    pthread_mutex_unlock(&G);
     return hsdp_cudaSuccess;
 }
-hsdp_cudaError_t cudaEventRecord(hsdp_cudaEvent_t e, hsdp_cudaStream_t s) {
-    (void)s;
+hsdp_cudaError_t cudaEventRecord(hsdp_cudaEvent_t h, hsdp_cudaStream_t s) {
+    context();
     const char *stall = getenv("FAKE_STALL");
-    ((fake_event *)e)->pending = stall && *stall == '1';
+    op *o = calloc(1, sizeof *o);
+    if (!o) return err(hsdp_cudaErrorMemoryAllocation);
+    pthread_mutex_lock(&G);
+    fake_event *e = (fake_event *)h;
+    e->stalled = stall && *stall == '1';
+    *o = (op){.kind = K_RECORD, .ev = e, .gen = ++e->recorded, .stalled = e->stalled};
+    push(s, o);
+    pthread_mutex_unlock(&G);
     return hsdp_cudaSuccess;
 }
-hsdp_cudaError_t cudaEventQuery(hsdp_cudaEvent_t e) {
-    return ((fake_event *)e)->pending ? hsdp_cudaErrorNotReady : hsdp_cudaSuccess;
+hsdp_cudaError_t cudaStreamWaitEvent(hsdp_cudaStream_t s, hsdp_cudaEvent_t h, unsigned flags) {
+    (void)flags;
+    context();
+    op *o = calloc(1, sizeof *o);
+    if (!o) return err(hsdp_cudaErrorMemoryAllocation);
+    pthread_mutex_lock(&G);
+    fake_event *e = (fake_event *)h;
+    *o = (op){.kind = K_WAIT, .ev = e, .gen = e->recorded}; /* the record most recent now */
+    push(s, o);
+    pthread_mutex_unlock(&G);
+    return hsdp_cudaSuccess;
+}
+static uint64_t queries; /* cudaEventQuery calls, under G */
+hsdp_cudaError_t cudaEventQuery(hsdp_cudaEvent_t h) {
+    context();
+    pthread_mutex_lock(&G);
+    queries++;
+    pthread_cond_broadcast(&C);
+    fake_event *e = (fake_event *)h;
+    int done = e->done >= e->recorded;
+    pthread_mutex_unlock(&G);
+    return done ? hsdp_cudaSuccess : err(hsdp_cudaErrorNotReady);
 }
 const char *cudaGetErrorString(hsdp_cudaError_t e) { return e == hsdp_cudaSuccess ? "no error" : "fake CUDA error"; }
 
-/* ---------------------------------------------------------------- a world of one */
+/* ---------------------------------------------------------------- worlds of ranks
+ * A world of one needs nothing shared. A world of several: ranks are processes forked from
+ * the one that made the unique id, which maps (MAP_SHARED) a region they all inherit and
+ * names its address in the id. Each communicator is a channel there; a collective on a
+ * stream is an op its worker runs outside G: it puts this rank's contribution in its slot,
+ * waits for every rank's (a peer that never arrives keeps it waiting, so the events behind
+ * it never complete), computes its result, and waits for every rank to have read before the
+ * slots are reused. An abort of the communicator releases it. */
+enum { MAX_RANKS = 8, MAX_CHANNELS = 8, SLOT_BYTES = 1 << 16 };
 typedef struct {
-    int rank, size;
-    const void *sent; /* the grouped send to self, matched by the next receive */
+    pthread_mutex_t mu; /* process-shared */
+    pthread_cond_t cv;
+    uint64_t arrived[MAX_CHANNELS][MAX_RANKS], left[MAX_CHANNELS][MAX_RANKS];
+    unsigned char slot[MAX_CHANNELS][MAX_RANKS][SLOT_BYTES];
+} shared_world;
+
+enum { MAX_COMMS = 64 };
+typedef struct {
+    int rank, size, index;
+    shared_world *world; /* NULL in a world of one */
+    int channel;         /* its part of the shared world */
+    uint64_t seq;        /* collectives enqueued on it (under G) */
+    int splits;          /* communicators split from it so far: every rank splits in the same order */
+    int polls_left;        /* a non-blocking init or split: ncclInProgress for this many polls */
+    atomic_int dead;       /* aborted: any use from now on is counted */
+    atomic_int in_call;    /* threads inside a call on it (an abort then races with them) */
+    const void *sent;      /* the grouped send to self, matched by the next receive */
     size_t sent_n;
 } fake_comm;
+static fake_comm *comms[MAX_COMMS]; /* every communicator made, by index; freed at unload */
+static atomic_int ncomms, violations;
+static hsdp_ncclResult_t async_error[MAX_COMMS];
+static atomic_int hang[MAX_COMMS];
+
+/* Every call on a communicator: a dead one, or one being aborted, is a violation. */
+static fake_comm *enter(hsdp_ncclComm_t h);
+/* A call that needs the communicator ready: one whose non-blocking init has not been seen
+ * to finish (ncclCommGetAsyncError still said ncclInProgress) is a violation too. */
+static fake_comm *enter_ready(hsdp_ncclComm_t h) {
+    fake_comm *c = enter(h);
+    if (!c) return NULL;
+    pthread_mutex_lock(&G);
+    int ready = c->polls_left == 0;
+    pthread_mutex_unlock(&G);
+    if (!ready) {
+        atomic_fetch_add(&violations, 1);
+        atomic_fetch_sub(&c->in_call, 1);
+        return NULL;
+    }
+    return c;
+}
+static fake_comm *enter(hsdp_ncclComm_t h) {
+    fake_comm *c = (fake_comm *)h;
+    if (!c) return NULL;
+    atomic_fetch_add(&c->in_call, 1);
+    if (atomic_load(&c->dead)) {
+        atomic_fetch_add(&violations, 1);
+        atomic_fetch_sub(&c->in_call, 1);
+        return NULL;
+    }
+    return c;
+}
+static void leave(fake_comm *c) {
+    if (c) atomic_fetch_sub(&c->in_call, 1);
+}
 
 hsdp_ncclResult_t ncclGetVersion(int *v) {
     const char *s = getenv("FAKE_NCCL_VERSION");
     *v = s ? atoi(s) : 23007;
     return hsdp_ncclSuccess;
 }
+enum { ID_WORLD_AT = 16 }; /* where the id carries the shared world's address */
 hsdp_ncclResult_t ncclGetUniqueId(hsdp_ncclUniqueId *id) {
     for (size_t i = 0; i < sizeof id->internal; i++) id->internal[i] = (char)(i * 7 + 1);
+    /* the region forked ranks share; mapped for the life of the process */
+    shared_world *w = mmap(NULL, sizeof *w, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    if (w == MAP_FAILED) return hsdp_ncclSystemError;
+    pthread_mutexattr_t ma;
+    pthread_condattr_t ca;
+    pthread_mutexattr_init(&ma);
+    pthread_mutexattr_setpshared(&ma, PTHREAD_PROCESS_SHARED);
+    pthread_condattr_init(&ca);
+    pthread_condattr_setpshared(&ca, PTHREAD_PROCESS_SHARED);
+    pthread_mutex_init(&w->mu, &ma);
+    pthread_cond_init(&w->cv, &ca);
+    memcpy(id->internal + ID_WORLD_AT, &w, sizeof w);
     return hsdp_ncclSuccess;
 }
-static hsdp_ncclResult_t new_comm(hsdp_ncclComm_t *out, int n, int rank) {
-    if (n != 1 || rank != 0) return hsdp_ncclInvalidArgument; /* one process: a world of one */
+static hsdp_ncclResult_t new_comm(hsdp_ncclComm_t *out, int n, int rank, int polls, shared_world *world,
+                                  int channel) {
+    if (!out) return hsdp_ncclInvalidArgument;
+    if (n < 1 || n > MAX_RANKS || rank < 0 || rank >= n || (n > 1 && !world) || channel >= MAX_CHANNELS)
+        return hsdp_ncclInvalidArgument;
+    int index = atomic_fetch_add(&ncomms, 1);
+    if (index >= MAX_COMMS) return hsdp_ncclSystemError;
     fake_comm *c = calloc(1, sizeof *c);
     if (!c) return hsdp_ncclSystemError;
-    c->size = 1;
-    *out = (hsdp_ncclComm_t)c;
-    return hsdp_ncclSuccess;
+    c->size = n;
+    c->rank = rank;
+    c->world = n > 1 ? world : NULL;
+    c->channel = channel;
+    c->index = index;
+    c->polls_left = polls;
+    comms[index] = c;
+    *out = (hsdp_ncclComm_t)c; /* set at once, as NCCL does, so a non-blocking init can be polled */
+    return polls ? hsdp_ncclInProgress : hsdp_ncclSuccess;
+}
+static int config_ok(const hsdp_ncclConfig_t *cfg) { /* what NCCL checks first */
+    return cfg && cfg->magic == HSDP_NCCL_API_MAGIC && cfg->version >= 21400;
+}
+static shared_world *world_of(const hsdp_ncclUniqueId *id) {
+    shared_world *w;
+    memcpy(&w, id->internal + ID_WORLD_AT, sizeof w);
+    return w;
 }
 hsdp_ncclResult_t ncclCommInitRank(hsdp_ncclComm_t *c, int n, hsdp_ncclUniqueId id, int rank) {
-    (void)id;
-    return new_comm(c, n, rank);
+    context();
+    return new_comm(c, n, rank, 0, world_of(&id), 0);
 }
 hsdp_ncclResult_t ncclCommInitRankConfig(hsdp_ncclComm_t *c, int n, hsdp_ncclUniqueId id, int rank,
                                          hsdp_ncclConfig_t *cfg) {
-    (void)id;
-    /* what NCCL checks first: a config made by its initializer, of a version it reads */
-    if (!cfg || cfg->magic != HSDP_NCCL_API_MAGIC || cfg->version < 21400) return hsdp_ncclInvalidArgument;
-    hsdp_ncclResult_t rc = new_comm(c, n, rank);
-    return rc == hsdp_ncclSuccess && cfg && !cfg->blocking ? hsdp_ncclInProgress : rc; /* done by the next poll */
+    context();
+    if (!config_ok(cfg)) return hsdp_ncclInvalidArgument;
+    return new_comm(c, n, rank, cfg->blocking ? 0 : 3, world_of(&id), 0);
 }
-hsdp_ncclResult_t ncclCommSplit(hsdp_ncclComm_t c, int color, int key, hsdp_ncclComm_t *out, hsdp_ncclConfig_t *cfg) {
-    (void)c, (void)color, (void)key, (void)cfg;
-    return new_comm(out, 1, 0);
+/* Every rank of the parent in one color, ordered by rank (key is the rank): a channel of its own. */
+hsdp_ncclResult_t ncclCommSplit(hsdp_ncclComm_t h, int color, int key, hsdp_ncclComm_t *out, hsdp_ncclConfig_t *cfg) {
+    context();
+    fake_comm *c = enter_ready(h);
+    if (!c || !config_ok(cfg) || color != 0 || key != c->rank) {
+        leave(c);
+        return hsdp_ncclInvalidArgument;
+    }
+    hsdp_ncclResult_t rc = new_comm(out, c->size, c->rank, cfg->blocking ? 0 : 2, c->world, c->world ? ++c->splits : 0);
+    leave(c);
+    return rc;
 }
-hsdp_ncclResult_t ncclCommUserRank(const hsdp_ncclComm_t c, int *r) {
-    *r = ((fake_comm *)c)->rank;
+hsdp_ncclResult_t ncclCommUserRank(const hsdp_ncclComm_t h, int *r) {
+    fake_comm *c = enter_ready(h);
+    if (!c) return hsdp_ncclInvalidArgument;
+    *r = c->rank;
+    leave(c);
     return hsdp_ncclSuccess;
 }
-hsdp_ncclResult_t ncclCommCount(const hsdp_ncclComm_t c, int *n) {
-    *n = ((fake_comm *)c)->size;
+hsdp_ncclResult_t ncclCommCount(const hsdp_ncclComm_t h, int *n) {
+    fake_comm *c = enter_ready(h);
+    if (!c) return hsdp_ncclInvalidArgument;
+    *n = c->size;
+    leave(c);
     return hsdp_ncclSuccess;
 }
-hsdp_ncclResult_t ncclCommGetAsyncError(hsdp_ncclComm_t c, hsdp_ncclResult_t *e) {
-    (void)c;
-    *e = hsdp_ncclSuccess;
+hsdp_ncclResult_t ncclCommGetAsyncError(hsdp_ncclComm_t h, hsdp_ncclResult_t *e) {
+    fake_comm *c = enter(h);
+    if (!c) return hsdp_ncclInvalidArgument; /* *e untouched, as NCCL leaves it */
+    pthread_mutex_lock(&G);
+    if (c->polls_left > 0) {
+        c->polls_left--;
+        *e = hsdp_ncclInProgress;
+    } else {
+        *e = async_error[c->index] ? async_error[c->index]
+             : atomic_load(&hang[c->index]) ? hsdp_ncclInProgress : hsdp_ncclSuccess;
+    }
+    pthread_mutex_unlock(&G);
+    leave(c);
     return hsdp_ncclSuccess;
 }
-hsdp_ncclResult_t ncclCommAbort(hsdp_ncclComm_t c) {
-    free(c);
+hsdp_ncclResult_t ncclCommAbort(hsdp_ncclComm_t h) {
+    fake_comm *c = enter(h);
+    if (!c) return hsdp_ncclInvalidArgument;
+    /* another thread inside a call on it: NCCL would free the communicator under it */
+    if (atomic_load(&c->in_call) > 1) atomic_fetch_add(&violations, 1);
+    atomic_store(&c->dead, 1);
+    leave(c);
     return hsdp_ncclSuccess;
 }
 const char *ncclGetErrorString(hsdp_ncclResult_t r) { return r == hsdp_ncclSuccess ? "no error" : "fake NCCL error"; }
@@ -176,55 +577,200 @@ const char *ncclGetLastError(hsdp_ncclComm_t c) {
 }
 
 static size_t nbytes(size_t count, hsdp_ncclDataType_t t) { return count * (t == hsdp_ncclFloat32 ? 4 : 1); }
-static hsdp_ncclResult_t need_device(const void *p) { return !p || find(p) ? hsdp_ncclSuccess : hsdp_ncclInvalidUsage; }
 
+typedef enum { C_GATHER, C_BCAST, C_SUM, C_ALLTOALL } coll_kind;
+typedef struct {
+    fake_comm *c;
+    coll_kind kind;
+    const void *send;
+    void *recv;
+    size_t n; /* bytes per rank (all-to-all: per peer) */
+    int root;
+    uint64_t seq;
+} coll;
+
+/* Waits under w->mu until every rank's counter in `of` reaches seq; 0 if the communicator
+ * was aborted meanwhile (an abort releases what waits for peers that never come). */
+static int all_reached(shared_world *w, uint64_t of[MAX_RANKS], fake_comm *c, uint64_t seq) {
+    for (;;) {
+        int all = 1;
+        for (int r = 0; r < c->size; r++) all = all && of[r] >= seq;
+        if (all) return 1;
+        if (atomic_load(&c->dead)) return 0;
+        struct timespec until;
+        clock_gettime(CLOCK_REALTIME, &until);
+        until.tv_nsec += 5 * 1000 * 1000;
+        if (until.tv_nsec >= 1000000000L) until.tv_sec++, until.tv_nsec -= 1000000000L;
+        pthread_cond_timedwait(&w->cv, &w->mu, &until);
+    }
+}
+
+static void run_coll(void *arg) { /* on the stream's worker, outside G */
+    coll *k = arg;
+    fake_comm *c = k->c;
+    shared_world *w = c->world;
+    int ch = c->channel, me = c->rank, n = c->size;
+    size_t in = k->kind == C_ALLTOALL ? k->n * (size_t)n : k->n;
+    pthread_mutex_lock(&w->mu);
+    if (k->send && (k->kind != C_BCAST || me == k->root)) memcpy(w->slot[ch][me], k->send, in);
+    w->arrived[ch][me] = k->seq;
+    pthread_cond_broadcast(&w->cv);
+    if (all_reached(w, w->arrived[ch], c, k->seq)) {
+        for (int r = 0; r < n; r++) {
+            if (k->kind == C_GATHER) memcpy((char *)k->recv + (size_t)r * k->n, w->slot[ch][r], k->n);
+            if (k->kind == C_ALLTOALL)
+                memcpy((char *)k->recv + (size_t)r * k->n, w->slot[ch][r] + (size_t)me * k->n, k->n);
+        }
+        if (k->kind == C_BCAST) memcpy(k->recv, w->slot[ch][k->root], k->n);
+        if (k->kind == C_SUM) {
+            float sum = 0, v;
+            for (int r = 0; r < n; r++) memcpy(&v, w->slot[ch][r], sizeof v), sum += v;
+            memcpy(k->recv, &sum, sizeof sum);
+        }
+        w->left[ch][me] = k->seq; /* read: the slots may be reused once every rank has */
+        pthread_cond_broadcast(&w->cv);
+        (void)all_reached(w, w->left[ch], c, k->seq);
+    }
+    pthread_mutex_unlock(&w->mu); /* k is the op's, freed with it */
+}
+
+/* Enqueues a collective of a world of several ranks on stream st. */
+static hsdp_ncclResult_t enqueue_coll(fake_comm *c, coll_kind kind, const void *s, void *r, size_t n, int root,
+                                      hsdp_cudaStream_t st) {
+    if ((kind == C_ALLTOALL ? n * (size_t)c->size : n) > SLOT_BYTES) return hsdp_ncclInvalidUsage; /* the fake's limit */
+    coll *k = malloc(sizeof *k);
+    op *o = calloc(1, sizeof *o);
+    if (!k || !o) {
+        free(k);
+        free(o);
+        return hsdp_ncclSystemError;
+    }
+    pthread_mutex_lock(&G);
+    *k = (coll){.c = c, .kind = kind, .send = s, .recv = r, .n = n, .root = root, .seq = ++c->seq};
+    *o = (op){.kind = K_FN, .fn = run_coll, .owned = k};
+    push(st, o);
+    pthread_mutex_unlock(&G);
+    return hsdp_ncclSuccess;
+}
+/* A collective: NCCL reads and writes device memory only; the copy runs on the stream. A
+ * hanging communicator takes the call but reports ncclInProgress (a non-blocking one). */
+static hsdp_ncclResult_t collective(hsdp_ncclComm_t h, coll_kind kind, const void *s, void *r, size_t n, int root,
+                                    hsdp_cudaStream_t st) {
+    context();
+    fake_comm *c = enter_ready(h);
+    if (!c) return hsdp_ncclInvalidArgument;
+    pthread_mutex_lock(&G);
+    int ok = (!s || is_device(s)) && (!r || is_device(r));
+    pthread_mutex_unlock(&G);
+    hsdp_ncclResult_t rc = hsdp_ncclSuccess;
+    if (!ok)
+        rc = hsdp_ncclInvalidUsage;
+    else if (c->world)
+        rc = enqueue_coll(c, kind, s, r, n, root, st);
+    else if (s && r && s != r && copy_on(st, r, s, n) != hsdp_cudaSuccess) /* a world of one: a copy */
+        rc = hsdp_ncclSystemError;
+    if (rc == hsdp_ncclSuccess && atomic_load(&hang[c->index])) rc = hsdp_ncclInProgress;
+    leave(c);
+    return rc;
+}
 hsdp_ncclResult_t ncclAllGather(const void *s, void *r, size_t count, hsdp_ncclDataType_t t, hsdp_ncclComm_t c,
                                 hsdp_cudaStream_t st) {
-    (void)c, (void)st;
-    if (need_device(s) || need_device(r)) return hsdp_ncclInvalidUsage; /* NCCL cannot read host memory */
-    memmove(r, s, nbytes(count, t));
-    return hsdp_ncclSuccess;
+    return collective(c, C_GATHER, s, r, nbytes(count, t), 0, st);
 }
 hsdp_ncclResult_t ncclBroadcast(const void *s, void *r, size_t count, hsdp_ncclDataType_t t, int root,
                                 hsdp_ncclComm_t c, hsdp_cudaStream_t st) {
-    (void)c, (void)st;
-    if (root != 0 || need_device(s) || need_device(r)) return hsdp_ncclInvalidUsage;
-    memmove(r, s, nbytes(count, t));
-    return hsdp_ncclSuccess;
+    return collective(c, C_BCAST, s, r, nbytes(count, t), root, st);
 }
 hsdp_ncclResult_t ncclAllReduce(const void *s, void *r, size_t count, hsdp_ncclDataType_t t, hsdp_ncclRedOp_t op,
                                 hsdp_ncclComm_t c, hsdp_cudaStream_t st) {
-    (void)op, (void)c, (void)st;
-    if (need_device(s) || need_device(r)) return hsdp_ncclInvalidUsage;
-    memmove(r, s, nbytes(count, t));
-    return hsdp_ncclSuccess;
+    (void)op; /* the barrier's: a float sum */
+    return collective(c, C_SUM, s, r, nbytes(count, t), 0, st);
 }
 hsdp_ncclResult_t ncclAlltoAll(const void *s, void *r, size_t count, hsdp_ncclDataType_t t, hsdp_ncclComm_t c,
                                hsdp_cudaStream_t st) {
-    (void)c, (void)st;
-    if (need_device(s) || need_device(r)) return hsdp_ncclInvalidUsage;
-    memmove(r, s, nbytes(count, t));
-    return hsdp_ncclSuccess;
+    return collective(c, C_ALLTOALL, s, r, nbytes(count, t), 0, st);
 }
-hsdp_ncclResult_t ncclSend(const void *s, size_t count, hsdp_ncclDataType_t t, int peer, hsdp_ncclComm_t c,
+hsdp_ncclResult_t ncclSend(const void *s, size_t count, hsdp_ncclDataType_t t, int peer, hsdp_ncclComm_t h,
                            hsdp_cudaStream_t st) {
     (void)st;
-    if (peer != 0 || need_device(s)) return hsdp_ncclInvalidUsage;
-    ((fake_comm *)c)->sent = s;
-    ((fake_comm *)c)->sent_n = nbytes(count, t);
-    return hsdp_ncclSuccess;
+    fake_comm *c = enter_ready(h);
+    if (!c) return hsdp_ncclInvalidArgument;
+    pthread_mutex_lock(&G);
+    int ok = peer == 0 && c->size == 1 && is_device(s); /* grouped sends: a world of one only */
+    pthread_mutex_unlock(&G);
+    if (ok) {
+        c->sent = s;
+        c->sent_n = nbytes(count, t);
+    }
+    leave(c);
+    return ok ? hsdp_ncclSuccess : hsdp_ncclInvalidUsage;
 }
-hsdp_ncclResult_t ncclRecv(void *r, size_t count, hsdp_ncclDataType_t t, int peer, hsdp_ncclComm_t c,
+hsdp_ncclResult_t ncclRecv(void *r, size_t count, hsdp_ncclDataType_t t, int peer, hsdp_ncclComm_t h,
                            hsdp_cudaStream_t st) {
-    (void)st;
-    fake_comm *fc = (fake_comm *)c;
-    if (peer != 0 || need_device(r) || !fc->sent || fc->sent_n != nbytes(count, t)) return hsdp_ncclInvalidUsage;
-    memmove(r, fc->sent, fc->sent_n);
-    fc->sent = NULL;
-    return hsdp_ncclSuccess;
+    fake_comm *c = enter_ready(h);
+    if (!c) return hsdp_ncclInvalidArgument;
+    pthread_mutex_lock(&G);
+    int ok = peer == 0 && is_device(r) && c->sent && c->sent_n == nbytes(count, t);
+    pthread_mutex_unlock(&G);
+    hsdp_ncclResult_t rc = ok && copy_on(st, r, c->sent, c->sent_n) == hsdp_cudaSuccess ? hsdp_ncclSuccess
+                                                                                      : hsdp_ncclInvalidUsage;
+    c->sent = NULL;
+    leave(c);
+    return rc;
 }
 hsdp_ncclResult_t ncclGroupStart(void) { return hsdp_ncclSuccess; }
 hsdp_ncclResult_t ncclGroupEnd(void) { return hsdp_ncclSuccess; }
+
+/* ---------------------------------------------------------------- controls, for test_nccl */
+/* Holds a stream (its queued work waits) or lets it go. */
+void fake_stream_hold(hsdp_cudaStream_t h, int on) {
+    pthread_mutex_lock(&G);
+    stream_of(h)->held = on;
+    pthread_cond_broadcast(&C);
+    pthread_mutex_unlock(&G);
+}
+/* Waits until a stream has run all it can now; returns how many of its ops still wait. */
+int fake_stream_settle(hsdp_cudaStream_t h) {
+    pthread_mutex_lock(&G);
+    fake_stream *s = stream_of(h);
+    while (runnable(s, s->head)) pthread_cond_wait(&C, &G);
+    int n = (int)(s->enqueued - s->ran);
+    pthread_mutex_unlock(&G);
+    return n;
+}
+/* Waits (at most 5 s) until other threads have made n more cudaEventQuery calls; 1 if they did. */
+int fake_wait_queries(int n) {
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += 5;
+    pthread_mutex_lock(&G);
+    uint64_t goal = queries + (uint64_t)n;
+    while (queries < goal && pthread_cond_timedwait(&C, &G, &until) == 0) {
+    }
+    int ok = queries >= goal;
+    pthread_mutex_unlock(&G);
+    return ok;
+}
+/* The devices with a context (bit d for device d). */
+unsigned fake_contexts(void) { return atomic_load(&contexts); }
+/* The next n cudaMalloc/cudaHostAlloc calls fail with cudaErrorMemoryAllocation. */
+void fake_fail_mallocs(int n) { atomic_store(&fail_mallocs, n); }
+/* Copies enqueued from pageable host memory to the device so far. */
+int fake_pageable_uploads(void) { return atomic_load(&pageable_uploads); }
+/* Calls on an aborted communicator, and aborts racing with another call on it. */
+int fake_violations(void) { return atomic_load(&violations); }
+/* Communicator `index` (in order of creation: the world is 0) reports `error` from
+ * ncclCommGetAsyncError (0: none), and hangs (its calls stay ncclInProgress) while `hangs`. */
+void fake_comm_control(int index, int error, int hangs) {
+    if (index < 0 || index >= MAX_COMMS) return;
+    pthread_mutex_lock(&G);
+    async_error[index] = (hsdp_ncclResult_t)error;
+    atomic_store(&hang[index], hangs);
+    pthread_mutex_unlock(&G);
+}
+__attribute__((destructor)) static void free_comms(void) {
+    for (int i = 0; i < MAX_COMMS; i++) free(comms[i]);
+}
 
 /* ---------------------------------------------------------------- the backend's view of these */
 #define SAME_FN(name) _Static_assert(__builtin_types_compatible_p(__typeof__(&name), hsdp_##name##_fn), #name)
@@ -244,6 +790,9 @@ SAME_FN(cudaEventDestroy);
 SAME_FN(cudaEventRecord);
 SAME_FN(cudaEventQuery);
 SAME_FN(cudaGetErrorString);
+SAME_FN(cudaGetLastError);
+SAME_FN(cudaHostAlloc);
+SAME_FN(cudaFreeHost);
 SAME_FN(ncclGetVersion);
 SAME_FN(ncclGetUniqueId);
 SAME_FN(ncclCommInitRank);

@@ -41,6 +41,7 @@ SAME(cudaMemoryTypeDevice, hsdp_cudaMemoryTypeDevice);
 SAME(cudaMemoryTypeManaged, hsdp_cudaMemoryTypeManaged);
 SAME(cudaStreamNonBlocking, hsdp_cudaStreamNonBlocking);
 SAME(cudaEventDisableTiming, hsdp_cudaEventDisableTiming);
+SAME(cudaHostAllocDefault, hsdp_cudaHostAllocDefault);
 
 /* the runtime writes its whole struct: ours holds it, with the fields where the runtime puts them */
 SAME_FIELD(hsdp_cudaPointerAttributes, struct cudaPointerAttributes, type);
@@ -72,6 +73,9 @@ SAME_FN(cudaEventDestroy);
 SAME_FN(cudaEventRecord);
 SAME_FN(cudaEventQuery);
 SAME_FN(cudaGetErrorString);
+SAME_FN(cudaGetLastError);
+SAME_FN(cudaHostAlloc);
+SAME_FN(cudaFreeHost);
 /* with the real struct in place of ours, the prototype is the real one ... */
 HSDP_CUDA_STRUCT_FNS(real_, struct cudaPointerAttributes)
 SAME_TYPE(__typeof__(&cudaPointerGetAttributes), real_cudaPointerGetAttributes_fn);

@@ -3,39 +3,121 @@
  *   test_nccl LIBNCCL LIBCUDART   the real libraries: libraries that are not there are named,
  *                                 and a machine with no GPU is said to have none (nothing stays
  *                                 loaded); with a GPU, the library loads.
- *   test_nccl --fake FAKE         fake_cuda_nccl.so (one "GPU" of host memory, a world of one)
- *                                 as both libraries: the backend's own logic runs, whether or
- *                                 not the machine has a GPU: joining, splits, unit gathers from
- *                                 the shard's device copy, staging of host buffers, both
- *                                 all-to-all forms, and the watchdog's timeout.
+ *   test_nccl --fake FAKE [ENDING]
+ *                                 fake_cuda_nccl.so (GPUs of host memory whose streams really
+ *                                 defer work, a world of one) as both libraries: the backend's
+ *                                 own logic runs, whether or not the machine has a GPU: joining,
+ *                                 splits, unit gathers from the shard's device copy, staging of
+ *                                 host buffers, both all-to-all forms, ordering across streams,
+ *                                 no CUDA error left for the framework, no context on a device
+ *                                 not chosen, then one ending (a process aborts once): "stall",
+ *                                 the watchdog's timeout; "race", an asynchronous error while
+ *                                 another communicator's collective is in progress; or
+ *                                 "ranks N": a world of N forked ranks over the fake's shared
+ *                                 memory (collectives across ranks, a sharded unit, and a
+ *                                 rank that never arrives).
  * Both modes first check what holds before any loading: built, registered, unusable and
  * saying why, refusing the unique id and bad bootstraps, and naming what fails to load.
  * Neither needs a CUDA or NCCL header. */
 #define _POSIX_C_SOURCE 200809L /* setenv */
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "backend.h"
 #include "backend_nccl.h"
 #include "check.h"
+#include "cuda_abi.h"
 
-static void fake_world(const char *fake) {
+/* The fake's own entry points (the CUDA runtime's as the test's "framework" calls them, and
+ * its controls), found in the library the backend loaded. */
+static struct {
+    hsdp_cudaError_t (*get_last_error)(void);
+    hsdp_cudaError_t (*stream_sync)(hsdp_cudaStream_t);
+    hsdp_cudaError_t (*stream_create)(hsdp_cudaStream_t *, unsigned, int);
+    hsdp_cudaError_t (*stream_destroy)(hsdp_cudaStream_t);
+    hsdp_cudaError_t (*memcpy_async)(void *, const void *, size_t, hsdp_cudaMemcpyKind, hsdp_cudaStream_t);
+    void (*hold)(hsdp_cudaStream_t, int);
+    int (*settle)(hsdp_cudaStream_t);
+    unsigned (*contexts)(void);
+    void (*fail_mallocs)(int);
+    int (*violations)(void);
+    void (*comm_control)(int, int, int);
+    int (*wait_queries)(int);
+    int (*pageable_uploads)(void);
+} F;
+
+static int find_fake(const char *path) {
+    void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    if (!h) return 0;
+#define SYM(field, name) *(void **)&F.field = dlsym(h, name), ok = ok && F.field
+    int ok = 1;
+    SYM(get_last_error, "cudaGetLastError");
+    SYM(stream_sync, "cudaStreamSynchronize");
+    SYM(stream_create, "cudaStreamCreateWithPriority");
+    SYM(stream_destroy, "cudaStreamDestroy");
+    SYM(memcpy_async, "cudaMemcpyAsync");
+    SYM(hold, "fake_stream_hold");
+    SYM(settle, "fake_stream_settle");
+    SYM(contexts, "fake_contexts");
+    SYM(fail_mallocs, "fake_fail_mallocs");
+    SYM(violations, "fake_violations");
+    SYM(comm_control, "fake_comm_control");
+    SYM(wait_queries, "fake_wait_queries");
+    SYM(pageable_uploads, "fake_pageable_uploads");
+#undef SYM
+    return ok;
+}
+
+/* What the framework does before the host reads what its stream computed. */
+static void device_sync(void) { CHECK(F.stream_sync(NULL) == hsdp_cudaSuccess); }
+
+/* Another thread entering the backend (a framework's worker, say): it runs on the backend's
+ * device, not on device 0. */
+static void *other_thread(void *arg) {
+    hsdp_group *g = arg;
+    int send[2] = {5, 6}, recv[2] = {0};
+    hsdp_status st = hsdp_all_gather(g, send, recv, sizeof send);
+    return (void *)(intptr_t)(st == HSDP_OK && recv[1] == 6 && F.get_last_error() == hsdp_cudaSuccess);
+}
+
+static int cache_emptied;
+static int empty_cache(void *arg) { /* what torch.cuda.empty_cache is to the backend */
+    (void)arg;
+    cache_emptied++;
+    return 1;
+}
+
+enum { DEVICE = 1 }; /* the fake has two: device 0 must get no context from anything here */
+
+static void fake_world(const char *fake, const char *ending) {
     CHECK(hsdp_nccl_load(fake, fake) == HSDP_OK);
+    CHECK(find_fake(fake));
+    if (!F.violations) return;
     int version = hsdp_nccl_version();
-    printf("test_nccl: fake NCCL %d\n", version);
+    printf("test_nccl: fake NCCL %d, ending: %s\n", version, ending);
     unsigned char id[HSDP_NCCL_ID_BYTES];
     CHECK(hsdp_nccl_unique_id(id) == HSDP_OK && id[1] == 8);
     hsdp_group *world = NULL, *sub = NULL;
     int we_init = 0;
     CHECK(hsdp_backend_world("nccl", &world, &we_init) == HSDP_ESTATE); /* no bootstrap yet */
     CHECK(strstr(hsdp_last_error(), "needs its bootstrap first") != NULL);
-    CHECK(hsdp_nccl_set_bootstrap(id, 0, 1, 0) == HSDP_OK);
+    CHECK(hsdp_nccl_set_bootstrap(id, 0, 1, DEVICE) == HSDP_OK);
+    /* the join is non-blocking: polled through ncclInProgress on the communicator it made */
     CHECK(hsdp_backend_world("nccl", &world, &we_init) == HSDP_OK && we_init == 1);
     if (!world) return;
     CHECK(world->size == 1 && world->rank == 0 && hsdp_group_overlaps(world));
+    CHECK(hsdp_barrier(world) == HSDP_OK); /* the world's communicator is the one NCCL made */
     CHECK(hsdp_group_split(world, 0, 0, &sub) == HSDP_OK && sub && sub->size == 1 && sub->rank == 0);
-    CHECK(hsdp_nccl_comm_stream() != NULL);
+    if (!sub) return;
+    CHECK(hsdp_barrier(sub) == HSDP_OK);
+    hsdp_cudaStream_t comm = hsdp_nccl_comm_stream();
+    CHECK(comm != NULL);
 
     /* host buffers are staged through the device */
     int host_send[4] = {1, 2, 3, 4}, host_recv[4] = {0};
@@ -47,8 +129,9 @@ static void fake_world(const char *fake) {
     memset(host_recv, 0, sizeof host_recv);
     CHECK(hsdp_all_to_all(sub, host_send, host_recv, sizeof host_send) == HSDP_OK); /* AlltoAll or grouped */
     CHECK(memcmp(host_send, host_recv, sizeof host_send) == 0);
+    CHECK(F.get_last_error() == hsdp_cudaSuccess); /* polling left no error for the framework */
 
-    /* device buffers go straight to NCCL */
+    /* device buffers go straight to NCCL, ordered after the compute stream and before it */
     hsdp_stats stats;
     hsdp_stats_init(&stats);
     const hsdp_backend *b = hsdp_backend_find("nccl");
@@ -56,10 +139,25 @@ static void fake_world(const char *fake) {
     CHECK(dsend && drecv);
     if (dsend && drecv) {
         memset(dsend, 7, 64);
-        CHECK(hsdp_all_to_all(sub, dsend, drecv, 64) == HSDP_OK && drecv[63] == 7);
+        CHECK(hsdp_all_to_all(sub, dsend, drecv, 64) == HSDP_OK);
+        device_sync();
+        CHECK(drecv[63] == 7);
         hsdp_device_free(&stats, b, HSDP_DEVICE_CUDA, dsend, 64);
         hsdp_device_free(&stats, b, HSDP_DEVICE_CUDA, drecv, 64);
     }
+
+    /* out of device memory: the framework's cache is emptied and the allocation retried once;
+     * a failure is handled, and leaves no error behind for the framework */
+    hsdp_nccl_set_oom_handler(empty_cache, NULL);
+    F.fail_mallocs(1);
+    void *after_retry = hsdp_device_alloc(&stats, b, HSDP_DEVICE_CUDA, 64);
+    CHECK(after_retry != NULL && cache_emptied == 1);
+    CHECK(F.get_last_error() == hsdp_cudaSuccess);
+    if (after_retry) hsdp_device_free(&stats, b, HSDP_DEVICE_CUDA, after_retry, 64);
+    F.fail_mallocs(2);
+    CHECK(hsdp_device_alloc(&stats, b, HSDP_DEVICE_CUDA, 64) == NULL && cache_emptied == 2);
+    CHECK(F.get_last_error() == hsdp_cudaSuccess);
+    F.fail_mallocs(0);
 
     /* a unit: written on the host, copied to the device by its first gather, gathered from there */
     size_t numels[2] = {10, 3};
@@ -71,22 +169,98 @@ static void fake_world(const char *fake) {
     CHECK(hsdp_unit_write(&u, 0, 0, 10, w, HSDP_F32) == HSDP_OK);
     snprintf(u.label, sizeof u.label, "blocks.0");
     CHECK(strcmp(hsdp_share_kind(sub, u.share), "unset") == 0);
+    int pageable = F.pageable_uploads();
     for (int round = 0; round < 3; round++) {
         void *full = hsdp_device_alloc(&stats, b, HSDP_DEVICE_CUDA, u.layout.total_bytes);
         hsdp_gather_req req;
         memset(&req, 0, sizeof req);
         CHECK(full && hsdp_unit_gather_start(&u, full, NULL, &req) == HSDP_OK);
         CHECK(hsdp_unit_gather_wait(&u, &req) == HSDP_OK);
+        device_sync(); /* the compute stream waited for the gather */
         CHECK(full && memcmp(full, w, sizeof w) == 0);
         CHECK(strcmp(hsdp_share_kind(sub, u.share), "device") == 0);
         hsdp_buffers_released(b, HSDP_DEVICE_CUDA);
         hsdp_device_free(&stats, b, HSDP_DEVICE_CUDA, full, u.layout.total_bytes);
     }
+    CHECK(F.pageable_uploads() == pageable); /* the shard went up through pinned memory (in 16-byte slots) */
+    /* the host chunk was dropped once on the device; the chunk reads back from there */
+    CHECK(u.shard == NULL);
+    unsigned char *chunk = malloc(u.layout.chunk_bytes);
+    CHECK(chunk && hsdp_unit_read_shard(&u, chunk) == HSDP_OK && memcmp(chunk, w, sizeof w) == 0);
+    free(chunk);
+    /* a consumer on another stream (DLPack's stream=, a collective on torch's current stream):
+     * it reads what a collective writes only once it has landed, never the bytes from before */
+    hsdp_cudaStream_t consumer = NULL;
+    CHECK(F.stream_create(&consumer, hsdp_cudaStreamNonBlocking, 0) == hsdp_cudaSuccess);
+    char *g3 = hsdp_device_alloc(&stats, b, HSDP_DEVICE_CUDA, u.layout.total_bytes);
+    char *seen = hsdp_device_alloc(&stats, b, HSDP_DEVICE_CUDA, u.layout.total_bytes);
+    CHECK(g3 && seen);
+    F.hold(comm, 1); /* the side stream is busy: the gather has not landed */
+    hsdp_gather_req req3;
+    memset(&req3, 0, sizeof req3);
+    CHECK(hsdp_unit_gather_start(&u, g3, NULL, &req3) == HSDP_OK);
+    CHECK(hsdp_nccl_stream_wait(consumer, g3 + 4, 8) == HSDP_OK);
+    CHECK(F.memcpy_async(seen, g3, sizeof w, hsdp_cudaMemcpyDefault, consumer) == hsdp_cudaSuccess);
+    CHECK(F.settle(consumer) > 0); /* it waits for the gather */
+    F.hold(comm, 0);
+    CHECK(F.stream_sync(consumer) == hsdp_cudaSuccess);
+    CHECK(memcmp(seen, w, sizeof w) == 0);
+    CHECK(hsdp_unit_gather_wait(&u, &req3) == HSDP_OK);
+    hsdp_buffers_released(b, HSDP_DEVICE_CUDA);
+    char *dsrc = hsdp_device_alloc(&stats, b, HSDP_DEVICE_CUDA, 16), *ddst = hsdp_device_alloc(&stats, b, HSDP_DEVICE_CUDA, 16);
+    CHECK(dsrc && ddst && F.memcpy_async(dsrc, host_send, 16, hsdp_cudaMemcpyDefault, consumer) == hsdp_cudaSuccess);
+    F.hold(comm, 1);
+    hsdp_nccl_call_stream(consumer, 1);
+    CHECK(hsdp_all_gather(sub, dsrc, ddst, 16) == HSDP_OK); /* after the consumer's copy, before its next */
+    hsdp_nccl_call_stream(NULL, 0);
+    CHECK(F.memcpy_async(seen, ddst, 16, hsdp_cudaMemcpyDefault, consumer) == hsdp_cudaSuccess);
+    CHECK(F.settle(consumer) > 0);
+    F.hold(comm, 0);
+    CHECK(F.stream_sync(consumer) == hsdp_cudaSuccess);
+    CHECK(memcmp(seen, host_send, 16) == 0);
+    hsdp_device_free(&stats, b, HSDP_DEVICE_CUDA, dsrc, 16);
+    hsdp_device_free(&stats, b, HSDP_DEVICE_CUDA, ddst, 16);
+    hsdp_device_free(&stats, b, HSDP_DEVICE_CUDA, g3, u.layout.total_bytes);
+    hsdp_device_free(&stats, b, HSDP_DEVICE_CUDA, seen, u.layout.total_bytes);
+    CHECK(F.stream_destroy(consumer) == hsdp_cudaSuccess);
+
     CHECK(hsdp_unit_write(&u, 0, 0, 10, w, HSDP_F32) == HSDP_ESTATE); /* fixed from the first gather */
     void *host_full = malloc(u.layout.total_bytes);
     CHECK(host_full && hsdp_unit_gather(&u, host_full) == HSDP_OK && memcmp(host_full, w, sizeof w) == 0);
     free(host_full);
+
+    /* gathers in flight while the side stream is busy: the backend's polling of their events
+     * (cudaErrorNotReady) leaves no error for the framework's next launch check, and the
+     * watchdog polls them from its own thread on the backend's device */
+    void *full2[2] = {hsdp_device_alloc(&stats, b, HSDP_DEVICE_CUDA, u.layout.total_bytes),
+                      hsdp_device_alloc(&stats, b, HSDP_DEVICE_CUDA, u.layout.total_bytes)};
+    CHECK(full2[0] && full2[1]);
+    F.hold(comm, 1);
+    hsdp_gather_req reqs[2];
+    memset(reqs, 0, sizeof reqs);
+    for (int i = 0; i < 2; i++) CHECK(hsdp_unit_gather_start(&u, full2[i], NULL, &reqs[i]) == HSDP_OK);
+    CHECK(F.get_last_error() == hsdp_cudaSuccess);
+    CHECK(F.wait_queries(3)); /* the watchdog has polled the pending gathers */
+    for (int i = 0; i < 2; i++) CHECK(hsdp_unit_gather_wait(&u, &reqs[i]) == HSDP_OK);
+    F.hold(comm, 0);
+    device_sync();
+    CHECK(memcmp(full2[1], w, sizeof w) == 0);
+    hsdp_buffers_released(b, HSDP_DEVICE_CUDA);
+    for (int i = 0; i < 2; i++) hsdp_device_free(&stats, b, HSDP_DEVICE_CUDA, full2[i], u.layout.total_bytes);
     hsdp_unit_free(&u);
+
+    /* asked to, the unit keeps its host chunk */
+    setenv("HSDP_KEEP_HOST_SHARDS", "1", 1);
+    hsdp_unit ku;
+    CHECK(hsdp_unit_init(&ku, numels, dts, NULL, 2, sub, &stats) == HSDP_OK);
+    CHECK(hsdp_unit_write(&ku, 0, 0, 10, w, HSDP_F32) == HSDP_OK);
+    void *kfull = hsdp_device_alloc(&stats, b, HSDP_DEVICE_CUDA, ku.layout.total_bytes);
+    CHECK(kfull && hsdp_unit_gather(&ku, kfull) == HSDP_OK && ku.shard != NULL);
+    CHECK(ku.shard && memcmp(ku.shard, w, sizeof w) == 0);
+    unsetenv("HSDP_KEEP_HOST_SHARDS");
+    hsdp_buffers_released(b, HSDP_DEVICE_CUDA);
+    hsdp_device_free(&stats, b, HSDP_DEVICE_CUDA, kfull, ku.layout.total_bytes);
+    hsdp_unit_free(&ku);
 
     /* a unit gathered into host memory on NCCL: staged, and fixed after its first gather too */
     hsdp_unit hu;
@@ -99,18 +273,135 @@ static void fake_world(const char *fake) {
     free(hfull);
     hsdp_unit_free(&hu);
 
-    /* a collective that never completes: the watchdog (or the waiting call) aborts, naming it */
-    CHECK(hsdp_set_timeout(0.3) == HSDP_OK);
-    setenv("FAKE_STALL", "1", 1);
-    CHECK(hsdp_all_gather(sub, host_send, host_recv, sizeof host_send) == HSDP_ECOMM);
-    CHECK(strstr(hsdp_last_error(), "all-gather of 16 bytes per rank over 1 ranks") != NULL);
-    CHECK(strstr(hsdp_last_error(), "HSDP_TIMEOUT") != NULL);
-    setenv("FAKE_STALL", "0", 1);
+    /* a thread that never chose a device enters the backend */
+    pthread_t t;
+    void *thread_ok = NULL;
+    CHECK(pthread_create(&t, NULL, other_thread, sub) == 0 && pthread_join(t, &thread_ok) == 0);
+    CHECK(thread_ok == (void *)1);
+    CHECK(F.contexts() == 1u << DEVICE); /* no thread made a context on device 0 */
+
+    if (strcmp(ending, "race") == 0) {
+        /* the world's communicator fails while this thread is inside a collective on another
+         * (non-blocking, still in progress): the watchdog must not abort it under this thread */
+        CHECK(hsdp_set_timeout(30) == HSDP_OK);
+        char *d = hsdp_device_alloc(&stats, b, HSDP_DEVICE_CUDA, 64);
+        F.comm_control(1, 0, 1);                     /* sub: its collectives stay in progress */
+        F.comm_control(0, hsdp_ncclSystemError, 0); /* world: an asynchronous error */
+        CHECK(d && hsdp_all_gather(sub, d, d, 64) == HSDP_ECOMM);
+        CHECK(strstr(hsdp_last_error(), "asynchronous error") != NULL);
+        CHECK(F.violations() == 0); /* no call on an aborted communicator, no abort under a call */
+        hsdp_device_free(&stats, b, HSDP_DEVICE_CUDA, d, 64);
+    } else {
+        /* a collective that never completes: the watchdog (or the waiting call) aborts, naming it */
+        CHECK(hsdp_set_timeout(0.3) == HSDP_OK);
+        setenv("FAKE_STALL", "1", 1);
+        CHECK(hsdp_all_gather(sub, host_send, host_recv, sizeof host_send) == HSDP_ECOMM);
+        CHECK(strstr(hsdp_last_error(), "all-gather of 16 bytes per rank over 1 ranks") != NULL);
+        CHECK(strstr(hsdp_last_error(), "HSDP_TIMEOUT") != NULL);
+        setenv("FAKE_STALL", "0", 1);
+    }
     CHECK(hsdp_barrier(world) == HSDP_ECOMM); /* every later call: the communicators are aborted */
     CHECK(strstr(hsdp_last_error(), "the NCCL communicators were aborted") != NULL);
+    CHECK(F.get_last_error() == hsdp_cudaSuccess);
     hsdp_group_free(sub);
     hsdp_group_free(world);
     CHECK(hsdp_backend_finalize("nccl") == HSDP_OK);
+    CHECK(F.violations() == 0);
+    CHECK(F.contexts() == 1u << DEVICE);
+}
+
+/* One rank of a world of several (forked processes over the fake's shared memory). */
+enum { MAX_TEST_RANKS = 8 };
+static void one_rank(const unsigned char *id, int rank, int n) {
+    hsdp_group *world = NULL, *sub = NULL;
+    int we_init = 0;
+    CHECK(hsdp_nccl_set_bootstrap(id, rank, n, rank % 2) == HSDP_OK);
+    CHECK(hsdp_backend_world("nccl", &world, &we_init) == HSDP_OK && world);
+    if (!world) return;
+    CHECK(world->size == n && world->rank == rank);
+    CHECK(hsdp_barrier(world) == HSDP_OK);
+    CHECK(hsdp_group_split(world, 0, rank, &sub) == HSDP_OK && sub && sub->size == n && sub->rank == rank);
+    if (!sub) return;
+
+    /* host buffers, staged: every rank's contribution lands in rank order */
+    int mine[2] = {rank * 10, rank * 10 + 1}, all[2 * MAX_TEST_RANKS] = {0};
+    CHECK(hsdp_all_gather(sub, mine, all, sizeof mine) == HSDP_OK);
+    for (int r = 0; r < n; r++) CHECK(all[2 * r] == r * 10 && all[2 * r + 1] == r * 10 + 1);
+    int b[2] = {rank, rank};
+    CHECK(hsdp_broadcast(sub, b, sizeof b, n - 1) == HSDP_OK && b[0] == n - 1 && b[1] == n - 1);
+    int send[MAX_TEST_RANKS], recv[MAX_TEST_RANKS];
+    for (int q = 0; q < n; q++) send[q] = rank * 100 + q, recv[q] = -1;
+    CHECK(hsdp_all_to_all(sub, send, recv, sizeof(int)) == HSDP_OK);
+    for (int r = 0; r < n; r++) CHECK(recv[r] == r * 100 + rank);
+
+    /* a unit sharded over the ranks: each keeps its chunk; every gather gives each the whole */
+    hsdp_stats stats;
+    hsdp_stats_init(&stats);
+    const hsdp_backend *b_nccl = hsdp_backend_find("nccl");
+    size_t numels[2] = {40, 6};
+    hsdp_dtype dts[2] = {HSDP_F32, HSDP_BF16};
+    hsdp_unit u;
+    CHECK(hsdp_unit_init(&u, numels, dts, NULL, 2, world, &stats) == HSDP_OK);
+    float w[40];
+    for (int i = 0; i < 40; i++) w[i] = (float)i * 0.25f;
+    CHECK(hsdp_unit_write(&u, 0, 0, 40, w, HSDP_F32) == HSDP_OK);
+    for (int round = 0; round < 2; round++) {
+        void *full = hsdp_device_alloc(&stats, b_nccl, HSDP_DEVICE_CUDA, u.layout.total_bytes);
+        hsdp_gather_req req;
+        memset(&req, 0, sizeof req);
+        CHECK(full && hsdp_unit_gather_start(&u, full, NULL, &req) == HSDP_OK);
+        CHECK(hsdp_unit_gather_wait(&u, &req) == HSDP_OK);
+        device_sync();
+        CHECK(full && memcmp(full, w, sizeof w) == 0);
+        hsdp_buffers_released(b_nccl, HSDP_DEVICE_CUDA);
+        hsdp_device_free(&stats, b_nccl, HSDP_DEVICE_CUDA, full, u.layout.total_bytes);
+    }
+    hsdp_unit_free(&u);
+
+    /* rank 1 never arrives at a collective the others make: they end in an error naming it
+     * within the timeout, and rank 1 ends cleanly */
+    CHECK(hsdp_set_timeout(0.5) == HSDP_OK);
+    if (rank != 1) {
+        CHECK(hsdp_all_gather(world, mine, all, sizeof mine) == HSDP_ECOMM);
+        char want[96];
+        snprintf(want, sizeof want, "an all-gather of 8 bytes per rank over %d ranks", n);
+        CHECK(strstr(hsdp_last_error(), want) != NULL && strstr(hsdp_last_error(), "HSDP_TIMEOUT") != NULL);
+        CHECK(hsdp_barrier(sub) == HSDP_ECOMM);
+    }
+    CHECK(F.get_last_error() == hsdp_cudaSuccess);
+    hsdp_group_free(sub);
+    hsdp_group_free(world);
+    CHECK(hsdp_backend_finalize("nccl") == HSDP_OK);
+    CHECK(F.violations() == 0);
+}
+
+/* A world of n ranks: forked from this process once it has the unique id (the fake's shared
+ * memory is inherited), rank 0 here. */
+static void several_ranks(const char *fake, int n) {
+    CHECK(n >= 2 && n <= MAX_TEST_RANKS);
+    CHECK(hsdp_nccl_load(fake, fake) == HSDP_OK);
+    CHECK(find_fake(fake));
+    unsigned char id[HSDP_NCCL_ID_BYTES];
+    CHECK(hsdp_nccl_unique_id(id) == HSDP_OK);
+    if (check_failed || n < 2 || n > MAX_TEST_RANKS) return;
+    printf("test_nccl: fake NCCL %d, a world of %d ranks\n", hsdp_nccl_version(), n);
+    fflush(stdout);
+    pid_t kids[MAX_TEST_RANKS] = {0};
+    for (int r = 1; r < n; r++) {
+        kids[r] = fork();
+        if (kids[r] == 0) {
+            one_rank(id, r, n);
+            if (check_failed) fprintf(stderr, "test_nccl: rank %d: %d failed\n", r, check_failed);
+            fflush(NULL);
+            _exit(check_failed ? 1 : 0);
+        }
+        CHECK(kids[r] > 0);
+    }
+    one_rank(id, 0, n);
+    for (int r = 1; r < n; r++) {
+        int status = 0;
+        CHECK(kids[r] > 0 && waitpid(kids[r], &status, 0) == kids[r] && WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    }
 }
 
 /* Before any loading, with LIBS as the (nccl, cudart) pair that loads in this mode. */
@@ -160,15 +451,19 @@ static void real_libraries(const char *nccl, const char *cudart) {
 }
 
 int main(int argc, char **argv) {
-    if (argc != 3 || !*argv[1] || !*argv[2]) {
-        fprintf(stderr, "usage: %s LIBNCCL LIBCUDART | %s --fake FAKE_CUDA_NCCL\n", argv[0], argv[0]);
+    if (argc < 3 || argc > 5 || !*argv[1] || !*argv[2]) {
+        fprintf(stderr, "usage: %s LIBNCCL LIBCUDART | %s --fake FAKE_CUDA_NCCL [stall|race|ranks N]\n", argv[0],
+                argv[0]);
         return 2;
     }
     int fake = strcmp(argv[1], "--fake") == 0;
     const char *nccl = fake ? argv[2] : argv[1], *cudart = argv[2];
     unloaded(nccl, cudart);
     if (fake)
-        fake_world(argv[2]);
+        if (argc == 5 && strcmp(argv[3], "ranks") == 0)
+            several_ranks(argv[2], atoi(argv[4]));
+        else
+            fake_world(argv[2], argc >= 4 ? argv[3] : "stall");
     else
         real_libraries(nccl, cudart);
     return check_report();

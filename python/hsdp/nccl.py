@@ -287,6 +287,9 @@ def init_world() -> Any:
             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}); run at most {count} ranks per host"
         )
     torch.cuda.set_device(local)
+    # hsdp's device buffers come from cudaMalloc, beside torch's caching allocator: when one
+    # runs out of memory, torch gives back what it caches and the allocation is retried once
+    _C.nccl_set_oom_handler(torch.cuda.empty_cache)
     _C.nccl_bootstrap(uid, rank, size, local)
     # torch computes on its current stream; the gathers make that stream wait, not the host
     _C.nccl_set_stream(torch.cuda.current_stream().cuda_stream)

@@ -36,11 +36,18 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return (t.view(raw) if raw is not None else t).numpy()
 
 
+def _stream(t: torch.Tensor) -> int:
+    """torch's current stream on t's device: a device collective runs after the work that
+    made its input there, and before the work that reads its output."""
+    return int(torch.cuda.current_stream(t.device).cuda_stream)
+
+
 def _all_to_all(sp: Ulysses, send: torch.Tensor) -> torch.Tensor:
     send = send.contiguous()
     recv = torch.empty_like(send)
-    if send.is_cuda:  # NCCL, on the tensors themselves, ordered on the compute stream
-        sp.group.all_to_all_device(send.data_ptr(), recv.data_ptr(), send.numel() * send.element_size() // sp.degree)
+    if send.is_cuda:  # NCCL, on the tensors themselves, ordered on torch's current stream
+        sp.group.all_to_all_device(send.data_ptr(), recv.data_ptr(), send.numel() * send.element_size() // sp.degree,
+                                   _stream(send))
     else:
         sp.group.all_to_all(_np(send), _np(recv))
     return recv
@@ -51,7 +58,7 @@ def _all_gather_tokens(sp: Ulysses, x: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     recv = torch.empty((sp.degree, *x.shape), dtype=x.dtype, device=x.device)
     if x.is_cuda:
-        sp.group.all_gather_device(x.data_ptr(), recv.data_ptr(), x.numel() * x.element_size())
+        sp.group.all_gather_device(x.data_ptr(), recv.data_ptr(), x.numel() * x.element_size(), _stream(x))
     else:
         sp.group.all_gather(_np(x), _np(recv))
     return recv.transpose(0, 1).reshape(x.shape[0], sp.degree * x.shape[1], *x.shape[2:])
@@ -152,7 +159,8 @@ def cfg_combine(groups: ParallelGroups, branch: Callable[[int], torch.Tensor], g
         mine = branch(groups.cfg_rank).float().contiguous()
         both = torch.empty((groups.cfg_degree, *mine.shape), dtype=torch.float32, device=mine.device)
         if mine.is_cuda:
-            groups.cfg.all_gather_device(mine.data_ptr(), both.data_ptr(), mine.numel() * mine.element_size())
+            groups.cfg.all_gather_device(mine.data_ptr(), both.data_ptr(), mine.numel() * mine.element_size(),
+                                         _stream(mine))
         else:
             groups.cfg.all_gather(mine.numpy(), both.numpy())
         cond, uncond = both[0], both[1]
