@@ -94,7 +94,9 @@ def test_bad_input_exits_2_naming_what_is_wrong(folders, tmp_path, capsys):
         (["--model", wan, "--prompt", "a cat", "--ring-degree", "2"], "ring attention (ring_degree=2) is not built"),
         (["--model", wan, "--prompt", "a cat", "--cfg-parallel-size", "2", "--guidance-scale", "1"],
          "--guidance-scale 1 turns guidance off"),
-        (["--model", flux, "--prompt", "a cat", "--cfg-parallel-size", "2"], "FluxPipeline runs one transformer call"),
+        (["--model", flux, "--prompt", "a cat", "--cfg-parallel-size", "2"],
+         "FluxPipeline guides only with --true-cfg-scale above 1 and a --negative-prompt"),
+        (["--model", wan, "--prompt", "a cat", "--true-cfg-scale", "4"], "--true-cfg-scale is for Flux pipelines"),
         (["--model", wan, "--prompt", "a cat", "--dtype", "int8"], "invalid choice: 'int8'"),
     ]
     for argv, message in cases:

@@ -33,7 +33,6 @@ class PipelineFolder:
     takes_image: bool  # image-to-video
     spatial_multiple: int  # height and width must be multiples of this (VAE x patch)
     temporal_factor: int | None  # num_frames - 1 must be a multiple of this (video models)
-    has_guidance: bool  # classifier-free guidance with a negative prompt (CFG parallel can split it)
 
     def describe_multiple(self) -> str:
         return f"{self.spatial_multiple} (the VAE's spatial factor x the transformer's patch)"
@@ -102,10 +101,8 @@ def read_folder(path: str | Path) -> PipelineFolder:
     if class_name.startswith("Wan"):
         spatial = int(vae.get("scale_factor_spatial", 8))
         temporal: int | None = int(vae.get("scale_factor_temporal", 4))
-        has_guidance = True
     else:  # Flux: the VAE halves the size per level after the first, latents are packed 2 x 2
         spatial = 2 ** (len(vae.get("block_out_channels", [0, 0, 0, 0])) - 1)
         patch = 2
         temporal = None
-        has_guidance = False
-    return PipelineFolder(root, class_name, output, takes_image, spatial * patch, temporal, has_guidance)
+    return PipelineFolder(root, class_name, output, takes_image, spatial * patch, temporal)

@@ -67,7 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-inference-steps", type=int, default=None, metavar="N",
                    help="denoising steps (default: the pipeline's)")
     p.add_argument("--guidance-scale", type=float, default=None, metavar="G",
-                   help="guidance scale (default: the pipeline's)")
+                   help="guidance scale (default: the pipeline's); Wan: classifier-free guidance, off at 1; "
+                   "Flux: the distilled guidance embedding")
+    p.add_argument("--true-cfg-scale", type=float, default=None, metavar="G",
+                   help="Flux only: classifier-free guidance with --negative-prompt, on above 1 "
+                   "(default: the pipeline's, 1)")
     p.add_argument("--height", type=int, default=None, help="pixels (default: the pipeline's)")
     p.add_argument("--width", type=int, default=None, help="pixels (default: the pipeline's)")
     p.add_argument("--num-frames", type=int, default=None, metavar="N",
@@ -79,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES,
                    help="torch_dtype of the pipeline, and of the shards (default: %(default)s)")
     p.add_argument("--device", default=None,
-                   help="cpu or cuda (one GPU per rank); default: load_pipeline's choice")
+                   help="cpu (default) or cuda: one GPU per rank, the NCCL backend")
     p.add_argument("--replicate-text-encoders", action="store_true",
                    help="keep whole text encoders on every rank instead of sharding them")
     p.add_argument("--output", type=Path, default=None, metavar="FILE",
@@ -153,14 +157,22 @@ def check_args(args: argparse.Namespace) -> tuple[PipelineFolder, DiffusionParal
         config.require_supported()
     except (ValueError, NotImplementedError) as exc:
         raise UsageError(str(exc)) from None
+    flux = folder.class_name.startswith("Flux")
+    if args.true_cfg_scale is not None:
+        if not flux:
+            raise UsageError(f"--true-cfg-scale is for Flux pipelines; {folder.class_name} takes --guidance-scale")
+        if not (args.true_cfg_scale > 0 and math.isfinite(args.true_cfg_scale)):
+            raise UsageError(f"--true-cfg-scale must be a positive number, got {args.true_cfg_scale}")
     if config.cfg_parallel_size == 2:
-        if not folder.has_guidance:
-            raise UsageError(f"--cfg-parallel-size 2 splits classifier-free guidance's two branches across ranks, "
-                             f"but {folder.class_name} runs one transformer call per step; use --cfg-parallel-size 1")
-        if args.guidance_scale is not None and args.guidance_scale <= 1.0:
+        # The two branches exist only with guidance on; split nothing rather than run it twice.
+        why = "use --cfg-parallel-size 1, or turn guidance on"
+        if flux and not (args.true_cfg_scale is not None and args.true_cfg_scale > 1 and args.negative_prompt):
+            raise UsageError("--cfg-parallel-size 2 runs the two branches of classifier-free guidance on separate "
+                             "ranks, but FluxPipeline guides only with --true-cfg-scale above 1 and a "
+                             f"--negative-prompt; {why}")
+        if not flux and args.guidance_scale is not None and args.guidance_scale <= 1.0:
             raise UsageError(f"--cfg-parallel-size 2 runs the two branches of classifier-free guidance on separate "
-                             f"ranks, but --guidance-scale {args.guidance_scale:g} turns guidance off; use a scale "
-                             "above 1 or --cfg-parallel-size 1")
+                             f"ranks, but --guidance-scale {args.guidance_scale:g} turns guidance off; {why}")
     return folder, config
 
 
@@ -220,7 +232,8 @@ def call_kwargs(args: argparse.Namespace, folder: PipelineFolder) -> dict[str, A
     """The stock pipeline call's keyword arguments, as a diffusers user writes them (without the
     generator, which is fresh for each call)."""
     kwargs: dict[str, Any] = {"prompt": args.prompt, "output_type": "np"}
-    for name in ("negative_prompt", "num_inference_steps", "guidance_scale", "height", "width", "num_frames"):
+    for name in ("negative_prompt", "num_inference_steps", "guidance_scale", "true_cfg_scale", "height", "width",
+                 "num_frames"):
         value = getattr(args, name)
         if value is not None:
             kwargs[name] = value
@@ -247,12 +260,11 @@ def frames_of(result: Any, folder: PipelineFolder) -> Any:
     return np.asarray(out, dtype=np.float32)
 
 
-def _held_per_component(pipe: Any) -> dict[str, int]:
-    """Bytes of weights this rank holds, by component (the sharded ones' shards, the rest whole)."""
+def _held_per_component(pipe: Any) -> dict[str, tuple[int, int, bool]]:
+    """By component: (bytes this rank holds outside a forward, bytes of the whole model, sharded)."""
     from hsdp.pipelines import pipeline_state
 
-    state = pipeline_state(pipe)
-    return {name: int(n) for name, n in state.held_bytes().items()}
+    return {name: (c.local_bytes, c.bytes, c.sharded) for name, c in pipeline_state(pipe).components.items()}
 
 
 def _verify(args: argparse.Namespace, folder: PipelineFolder, frames: Any, dtype: Any,
@@ -279,10 +291,11 @@ def _verify(args: argparse.Namespace, folder: PipelineFolder, frames: Any, dtype
 def run(args: argparse.Namespace, folder: PipelineFolder, config: DiffusionParallelConfig) -> int:
     from hsdp import distributed
 
-    if not distributed.launched_by_mpi():
-        import torch  # noqa: F401 - under torchrun, the NCCL backend is chosen only once torch is in
-
-    world = distributed.init_process_group()
+    on_gpu = (args.device or "cpu").startswith("cuda")
+    if on_gpu or not distributed.launched_by_mpi():
+        import torch  # noqa: F401 - NCCL (torchrun, or --device cuda) needs torch loaded first
+    # load_pipeline picks the same backend: NCCL for GPUs, otherwise what launched the job
+    world = distributed.init_process_group("nccl" if on_gpu else "auto")
     try:  # before torch is imported: a job of the wrong size costs nothing
         config.check_world(world.size)
     except ValueError as exc:
@@ -311,10 +324,10 @@ def run(args: argparse.Namespace, folder: PipelineFolder, config: DiffusionParal
     timing = clock.timing()
     held = _held_per_component(pipe)
     cuda_peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else -1
-    per_rank = gather_ints(world, [load_peak, peak_rss_bytes(), sum(held.values()), int(load_seconds * 1e6),
-                                   cuda_peak])
+    per_rank = gather_ints(world, [load_peak, peak_rss_bytes(), sum(h[0] for h in held.values()),
+                                   int(load_seconds * 1e6), cuda_peak])
     components = list(held)
-    held_rows = gather_ints(world, [held[c] for c in components]) if components else None
+    held_rows = gather_ints(world, [held[c][0] for c in components]) if components else None
 
     if not rank0:
         return 0
@@ -340,6 +353,7 @@ def run(args: argparse.Namespace, folder: PipelineFolder, config: DiffusionParal
         "held_bytes_per_component_per_rank": (
             {c: [int(v) for v in held_rows[:, i]] for i, c in enumerate(components)} if held_rows is not None else {}
         ),
+        "components": {c: {"bytes": held[c][1], "sharded": held[c][2]} for c in components},
         "timing": timing,
         "verify": verify,
     }
@@ -363,7 +377,9 @@ def _rows(report: dict[str, Any], fmt_bytes: Any) -> list[tuple[str, str]]:
         ("load (seconds, slowest rank)", f"{max(report['load_seconds_per_rank']):.2f}"),
     ]
     for comp, per in report["held_bytes_per_component_per_rank"].items():
-        rows.append((f"held per rank: {comp}", _span(per, fmt_bytes)))
+        info = report["components"][comp]
+        how = f"sharded, of {fmt_bytes(info['bytes'])}" if info["sharded"] else "whole"
+        rows.append((f"held per rank: {comp}", f"{_span(per, fmt_bytes)} ({how})"))
     for rank, (load, peak) in enumerate(zip(report["load_peak_rss_bytes_per_rank"], report["peak_rss_bytes_per_rank"])):
         rows.append((f"peak RSS, rank {rank}", f"{fmt_bytes(peak)} (after loading: {fmt_bytes(load)})"))
     if report["cuda_peak_bytes_per_rank"]:
