@@ -303,15 +303,16 @@ def reference_pipeline(folder: Path, pipe: Any, dtype: Any, device: str | None =
     return stock
 
 
-def _verify(args: argparse.Namespace, folder: PipelineFolder, pipe: Any, frames: Any, dtype: Any,
-            device: str | None) -> dict[str, Any]:
-    """Rank 0: the reference pipeline, same call, same seed; the verdict."""
+def _verify(args: argparse.Namespace, folder: PipelineFolder, pipe: Any, kwargs: dict[str, Any], frames: Any,
+            dtype: Any) -> dict[str, Any]:
+    """Rank 0: the reference pipeline, the same call with a fresh generator of the same seed;
+    the verdict."""
     import numpy as np
 
-    stock = reference_pipeline(folder.path, pipe, dtype, device)
+    stock = reference_pipeline(folder.path, pipe, dtype, args.device)
     stock.set_progress_bar_config(disable=True)
     started = time.perf_counter()
-    reference = frames_of(stock(**call_kwargs(args, folder), generator=_generator(args.seed)), folder)
+    reference = frames_of(stock(**kwargs, generator=_generator(args.seed)), folder)
     seconds = time.perf_counter() - started
     tolerance = args.verify_tolerance
     if reference.shape != frames.shape:
@@ -339,6 +340,7 @@ def run(args: argparse.Namespace, folder: PipelineFolder, config: DiffusionParal
 
     from hsdp.cli.report import fmt_bytes, format_table, gather_ints, peak_rss_bytes, write_json
     from hsdp.pipelines import generate, load_pipeline
+
     rank0 = world.rank == 0
     logging.basicConfig(level=logging.INFO if rank0 else logging.WARNING, format="%(name)s: %(message)s")
     if rank0:  # the folder for the output exists before anything heavy runs
@@ -352,12 +354,12 @@ def run(args: argparse.Namespace, folder: PipelineFolder, config: DiffusionParal
     load_peak = peak_rss_bytes()
     pipe.set_progress_bar_config(disable=not rank0)  # diffusers' step bar, once
 
+    kwargs = call_kwargs(args, folder)
     clock = StepClock()
-    result = generate(pipe, **call_kwargs(args, folder), generator=_generator(args.seed),
-                      callback_on_step_end=clock)
+    result = generate(pipe, **kwargs, generator=_generator(args.seed), callback_on_step_end=clock)
     timing = clock.timing()
     held = _held_per_component(pipe)
-    cuda_peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else -1
+    cuda_peak = torch.cuda.max_memory_allocated() if on_gpu else -1
     per_rank = gather_ints(world, [load_peak, peak_rss_bytes(), sum(h[0] for h in held.values()),
                                    int(load_seconds * 1e6), cuda_peak])
     components = list(held)
@@ -367,7 +369,7 @@ def run(args: argparse.Namespace, folder: PipelineFolder, config: DiffusionParal
         return 0
     frames = frames_of(result, folder)
     write_output(frames, args.output, args.fps or 16)
-    verify = _verify(args, folder, pipe, frames, dtype, args.device) if args.verify else None
+    verify = _verify(args, folder, pipe, kwargs, frames, dtype) if args.verify else None
     report = {
         "pipeline": folder.class_name,
         "model": str(folder.path),
@@ -376,7 +378,8 @@ def run(args: argparse.Namespace, folder: PipelineFolder, config: DiffusionParal
         "world_size": world.size,
         "dtype": args.dtype,
         "seed": args.seed,
-        "call": {k: v for k, v in call_kwargs(args, folder).items() if k not in ("image", "output_type")},
+        "call": {k: v for k, v in kwargs.items() if k not in ("image", "output_type")},
+        "image": str(args.image) if args.image is not None else None,
         "output": str(args.output),
         "frames_shape": list(frames.shape),
         "load_seconds_per_rank": [int(v) / 1e6 for v in per_rank[:, 3]],
