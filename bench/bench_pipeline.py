@@ -4,8 +4,8 @@
 
 Writes (once, cached under outputs/bench/) a Wan2.2-style folder: tiny_pipeline's tokenizer,
 text encoder and VAE, and two ``WanTransformer3DModel`` experts big enough to matter here
-(``--heads`` x 64 wide, ``--layers`` blocks; the default is 113 M parameters, 453 MB in
-float32, per transformer), saved in float32 as ``save_pretrained`` does. Then, in one run:
+(``--heads`` x 64 wide, ``--layers`` blocks; the default is 118.5 M parameters, 452 MiB
+in float32, per transformer), saved in float32 as ``save_pretrained`` does. Then, in one run:
 
 - **stock**: N ranks, each ``DiffusionPipeline.from_pretrained(folder, torch_dtype=...)``
   and the same call: a replicated job, whose ranks compete for the cores as the sharded
