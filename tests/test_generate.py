@@ -108,6 +108,21 @@ def test_bad_input_exits_2_naming_what_is_wrong(folders, tmp_path, capsys):
     assert not (tmp_path / "outputs").exists()
 
 
+def test_the_hsdp_command_and_its_packaging(capsys):
+    from hsdp.__main__ import main
+
+    assert main([]) == 2 and "commands:" in capsys.readouterr().err
+    assert main(["--help"]) == 0 and "generate" in capsys.readouterr().out
+    assert main(["serve-nothing"]) == 2 and "unknown command 'serve-nothing'" in capsys.readouterr().err
+    assert main(["generate", "--help"]) == 0 and "--hsdp-shard-size" in capsys.readouterr().out
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["scripts"]["hsdp"] == "hsdp.__main__:main"
+    for extra in ("diffusers", "test"):  # what a pipeline folder and a video file need
+        names = {req.split(">")[0].split("=")[0] for req in project["optional-dependencies"][extra]}
+        assert {"transformers", "tokenizers", "ftfy", "imageio", "imageio-ffmpeg", "diffusers"} <= names, extra
+
+
 def test_bad_input_and_wrong_job_size_fail_on_every_rank(folders, tmp_path):
     # Inside mpiexec: each rank refuses, says so with its rank, and the job exits 2.
     base = [mpiexec(), "-n", "2", sys.executable, "-m", "hsdp", "generate"]
