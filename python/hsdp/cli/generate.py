@@ -345,6 +345,12 @@ def run(args: argparse.Namespace, folder: PipelineFolder, config: DiffusionParal
     logging.basicConfig(level=logging.INFO if rank0 else logging.WARNING, format="%(name)s: %(message)s")
     if rank0:  # the folder for the output exists before anything heavy runs
         args.output.parent.mkdir(parents=True, exist_ok=True)
+    else:  # diffusers' and transformers' loading bars, once for the job
+        import diffusers
+        import transformers
+
+        diffusers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.disable_progress_bar()
     dtype = getattr(torch, args.dtype)
 
     started = time.perf_counter()
