@@ -23,8 +23,9 @@ import numpy as np
 import torch
 
 from hsdp import distributed
-from hsdp.cli.generate import UsageError, build_parser, call_kwargs, check_args, frames_of, reference_pipeline
+from hsdp.cli.generate import UsageError, build_parser, call_kwargs, check_args, frames_of
 from hsdp.cli.media import write_output
+from hsdp.cli.verify import reference_pipeline
 from hsdp.pipelines import generate, load_pipeline, pipeline_state
 
 

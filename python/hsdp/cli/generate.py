@@ -14,7 +14,8 @@ job must have the size the flags ask for).
 ``--verify`` makes rank 0 also run the stock, unsharded pipeline from the same folder with
 the same seed and compare the frames (largest absolute difference on [0, 1] values). In
 bfloat16 or float16 the reference's sharded components store their weights and cast their
-inputs as hsdp does (:func:`reference_pipeline`), so the frames agree there too.
+inputs as hsdp does (:func:`hsdp.cli.verify.reference_pipeline`), so the frames agree
+there too.
 
 Exit status: 0 on success, 1 when ``--verify`` finds a difference above the tolerance, 2 for
 bad input (refused on every rank before anything is loaded).
@@ -34,6 +35,7 @@ from typing import Any
 from hsdp.cli.folder import FolderError, PipelineFolder, read_folder
 from hsdp.cli.media import SUFFIXES, check_suffix, write_output
 from hsdp.cli.ranks import inside_launched_job, launch_self
+from hsdp.cli.verify import reference_pipeline
 from hsdp.config import DiffusionParallelConfig, add_parallel_args
 
 __all__ = ["build_parser", "main"]
@@ -266,41 +268,6 @@ def _held_per_component(pipe: Any) -> dict[str, tuple[int, int, bool]]:
     from hsdp.pipelines import pipeline_state
 
     return {name: (c.local_bytes, c.bytes, c.sharded) for name, c in pipeline_state(pipe).components.items()}
-
-
-def reference_pipeline(folder: Path, pipe: Any, dtype: Any, device: str | None = None) -> Any:
-    """The stock, unsharded pipeline from ``folder`` that computes what the sharded ``pipe``
-    computes. In float32 that is ``DiffusionPipeline.from_pretrained`` as is. In a narrower
-    dtype, each component ``pipe`` holds sharded is loaded in float32 and made by
-    :func:`hsdp.adapters.torch.unsharded_reference` to store its weights as hsdp stores them
-    and to cast its units' floating inputs as hsdp's hooks do (FSDP2's
-    ``cast_forward_inputs``); the other components load as ``load_pipeline`` loads them."""
-    import importlib
-    import json
-
-    import diffusers
-    import torch
-
-    from hsdp.adapters.torch import unsharded_reference
-    from hsdp.pipelines import pipeline_state
-
-    index = json.loads((folder / "model_index.json").read_text(encoding="utf-8"))
-    parts: dict[str, Any] = {}
-    if dtype != torch.float32:
-        for name in pipeline_state(pipe).sharded:
-            library, class_name = index[name]
-            cls = getattr(importlib.import_module(library), class_name)
-            model = cls.from_pretrained(str(folder / name), dtype=torch.float32).eval()
-            sharded = getattr(pipe, name)
-            # the unit choice and the float32-kept modules load_pipeline set on its instance
-            model._hsdp_shard_conditions = list(sharded._hsdp_shard_conditions)
-            model._keep_in_fp32_modules = getattr(sharded, "_keep_in_fp32_modules", None)
-            parts[name] = unsharded_reference(model, str(dtype).removeprefix("torch."))
-    # the folder's own class: DiffusionPipeline.from_pretrained reloads some passed components
-    stock = getattr(diffusers, index["_class_name"]).from_pretrained(str(folder), dtype=dtype, **parts)
-    if device is not None:
-        stock.to(device)
-    return stock
 
 
 def _verify(args: argparse.Namespace, folder: PipelineFolder, pipe: Any, kwargs: dict[str, Any], frames: Any,
