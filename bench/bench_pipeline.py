@@ -14,8 +14,9 @@ in float32, per transformer), saved in float32 as ``save_pretrained`` does. Then
   ``--use-hsdp --hsdp-shard-size N``: both transformers and the text encoder sharded and
   streamed rank-locally, the VAE replicated.
 
-Each process reports its load time, its peak resident set (VmHWM) after loading and after
-the denoising loop, and its baseline (VmHWM after the imports, before any weight). Both run
+The two kinds of job run interleaved, ``--repeat`` times each (times: the median per rank;
+memory: the highest). Each process reports its load time, its peak resident set (VmHWM)
+after loading and after the denoising loop, and its baseline (VmHWM after the imports, before any weight). Both run
 the same call (``output_type="latent"``: the loop, not the VAE decode) for ``--steps``
 steps; seconds per step is the mean of steps 2.. (the first also encodes the prompt and
 records the prefetch order). The load peak of each rank is checked against
@@ -31,6 +32,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -147,6 +149,19 @@ def run(mode: str, n: int, folder: Path, args: argparse.Namespace) -> list[dict[
         return sorted((json.loads(f.read_text()) for f in Path(out).glob(f"{mode}*.json")), key=lambda r: r["rank"])
 
 
+def _per_rank(reps: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Each rank's record over the repeats: median times, highest memory."""
+    out = []
+    for records in zip(*reps):
+        merged = dict(records[0])
+        for key in ("load_seconds", "seconds_per_step"):
+            merged[key] = statistics.median(r[key] for r in records)
+        for key in ("load_peak", "peak", "baseline"):
+            merged[key] = max(r[key] for r in records)
+        out.append(merged)
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, default=2, help="ranks of the sharded job (default %(default)s)")
@@ -156,6 +171,7 @@ def main() -> int:
     p.add_argument("--frames", type=int, default=9, help="video frames (default %(default)s)")
     p.add_argument("--size", type=int, default=64, help="height and width in pixels (default %(default)s)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--repeat", type=int, default=3, help="jobs of each kind, interleaved (default %(default)s)")
     p.add_argument("--folder", type=Path, default=None, help="the pipeline folder (default: under outputs/bench/)")
     p.add_argument("--worker", choices=("stock", "sharded"), help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -169,8 +185,13 @@ def main() -> int:
         print(f"writing {folder} (float32) ...", file=sys.stderr, flush=True)
         make_folder(folder, args.heads, args.layers)
     on_disk = sum(f.stat().st_size for f in folder.rglob("*.safetensors"))
-    stocks = run("stock", args.ranks, folder, args)
-    sharded = run("sharded", args.ranks, folder, args)
+    # Interleaved, job after job, so the drift of a shared machine hits both alike; per rank,
+    # the median time over the repeats and the highest memory
+    runs: dict[str, list[list[dict[str, Any]]]] = {"stock": [], "sharded": []}
+    for _ in range(args.repeat):
+        for mode in runs:
+            runs[mode].append(run(mode, args.ranks, folder, args))
+    stocks, sharded = (_per_rank(runs[mode]) for mode in ("stock", "sharded"))
 
     rows = [[f"stock, rank {r['rank']} of {args.ranks}", f"{r['load_seconds']:.2f}", f"{r['load_peak'] / MIB:.0f}",
              f"{r['peak'] / MIB:.0f}", f"{r['baseline'] / MIB:.0f}", "", "", f"{r['seconds_per_step']:.3f}"]
@@ -185,7 +206,8 @@ def main() -> int:
                      f"{r['held'] / MIB:.0f} + {r['block'] / MIB:.0f} + {r['replicated'] / MIB:.2f}",
                      f"{r['load_peak'] / bound:.2f}", f"{r['seconds_per_step']:.3f}"])
     print(f"machine: {machine()}; folder {folder.name}: {on_disk / MIB:.0f} MiB of safetensors (float32), "
-          f"loaded as {args.dtype}; {args.frames} frames of {args.size}x{args.size}, {args.steps} steps\n")
+          f"loaded as {args.dtype}; {args.frames} frames of {args.size}x{args.size}, {args.steps} steps; "
+          f"times: median of {args.repeat} interleaved jobs of each kind\n")
     print(table(["process", "load s", "load peak MiB", "run peak MiB", "baseline MiB",
                  "shards + block + replicated MiB", "load peak / 1.1 x bound", "s/step"], rows))
     worst = max(sharded, key=lambda r: r["load_peak"])
