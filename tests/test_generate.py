@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -71,7 +72,8 @@ def _check_sharded(report: dict, world: int, verified: bool = True) -> None:
 # ------------------------------------------------------------------------- bad input
 
 
-def test_bad_input_exits_2_naming_what_is_wrong(folders, tmp_path, capsys):
+def test_bad_input_exits_2_naming_what_is_wrong(folders, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # where the default --output (outputs/...) would go
     wan, i2v, flux = (str(folders[k]) for k in ("wan22", "wan22-i2v", "flux"))
     not_image = tmp_path / "notes.png"
     not_image.write_text("not an image")
@@ -83,6 +85,7 @@ def test_bad_input_exits_2_naming_what_is_wrong(folders, tmp_path, capsys):
         (["--model", wan, "--prompt", "a cat", "--num-frames", "6"], "num_frames - 1 to be a multiple of 4"),
         (["--model", wan, "--prompt", "a cat", "--output", "x.png"], ".png is not an output of WanPipeline"),
         (["--model", wan, "--prompt", "a cat", "--output", "x.webm"], "unsupported suffix '.webm'"),
+        (["--model", wan, "--prompt", "a cat", "--output", str(not_image / "x.mp4")], "is not a folder"),
         (["--model", flux, "--prompt", "a cat", "--output", "x.mp4"], ".mp4 is not an output of FluxPipeline"),
         (["--model", flux, "--prompt", "a cat", "--num-frames", "5"], "--num-frames is for video pipelines"),
         (["--model", wan, "--prompt", "a cat", "--image", str(not_image)], "--image is for image-to-video folders"),
@@ -101,6 +104,13 @@ def test_bad_input_exits_2_naming_what_is_wrong(folders, tmp_path, capsys):
         (["--model", wan, "--prompt", "a cat", "--dtype", "int8"], "invalid choice: 'int8'"),
         (["--model", wan, "--prompt", "a cat", "--verify-tolerance", "-1"], "--verify-tolerance must be >= 0"),
     ]
+    # Found by load_pipeline, still before any weight is read: a sharded model without safetensors
+    no_weights = tmp_path / "no-weights"
+    shutil.copytree(folders["wan22"], no_weights)
+    for f in (no_weights / "transformer_2").glob("*.safetensors*"):
+        f.unlink()
+    cases.append((["--model", str(no_weights), "--prompt", "a cat", "--use-hsdp", "--hsdp-shard-size", "1"],
+                  "holds no safetensors weights"))
     for argv, message in cases:
         assert cli.main(argv) == 2, argv
         err = capsys.readouterr().err

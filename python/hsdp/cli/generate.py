@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -126,6 +127,7 @@ def check_args(args: argparse.Namespace) -> tuple[PipelineFolder, DiffusionParal
         raise UsageError(message)
     if args.output.exists() and args.output.is_dir():
         raise UsageError(f"--output {args.output} is a folder; give a file name ({', '.join(SUFFIXES[kind])})")
+    _check_writable(args.output)
     _positive(args, "num_inference_steps", "height", "width", "num_frames", "fps")
     if not args.prompt.strip():
         raise UsageError("--prompt is empty")
@@ -177,6 +179,18 @@ def check_args(args: argparse.Namespace) -> tuple[PipelineFolder, DiffusionParal
             raise UsageError(f"--cfg-parallel-size 2 runs the two branches of classifier-free guidance on separate "
                              f"ranks, but --guidance-scale {args.guidance_scale:g} turns guidance off; {why}")
     return folder, config
+
+
+def _check_writable(output: Path) -> None:
+    """The file can be made: its nearest existing folder is a writable folder (rank 0 makes
+    the missing ones when it writes)."""
+    folder = output.absolute().parent
+    while not folder.exists():
+        folder = folder.parent
+    if not folder.is_dir():
+        raise UsageError(f"--output {output}: {folder} is not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UsageError(f"--output {output}: cannot write in {folder}")
 
 
 def _check_image(path: Path) -> None:
@@ -306,13 +320,11 @@ def run(args: argparse.Namespace, folder: PipelineFolder, config: DiffusionParal
     import torch
 
     from hsdp.cli.report import fmt_bytes, format_table, gather_ints, peak_rss_bytes, write_json
-    from hsdp.pipelines import generate, load_pipeline
+    from hsdp.pipelines import PipelineFolderError, generate, load_pipeline
 
     rank0 = world.rank == 0
     logging.basicConfig(level=logging.INFO if rank0 else logging.WARNING, format="%(name)s: %(message)s")
-    if rank0:  # the folder for the output exists before anything heavy runs
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-    else:  # diffusers' and transformers' loading bars, once for the job
+    if not rank0:  # diffusers' and transformers' loading bars, once for the job
         import diffusers
         import transformers
 
@@ -321,8 +333,11 @@ def run(args: argparse.Namespace, folder: PipelineFolder, config: DiffusionParal
     dtype = getattr(torch, args.dtype)
 
     started = time.perf_counter()
-    pipe = load_pipeline(folder.path, config, torch_dtype=dtype, device=args.device,
-                         shard_text_encoders=not args.replicate_text_encoders, progress=rank0)
+    try:  # load_pipeline checks the weights' files and the modes before reading any weight
+        pipe = load_pipeline(folder.path, config, torch_dtype=dtype, device=args.device,
+                             shard_text_encoders=not args.replicate_text_encoders, progress=rank0)
+    except (PipelineFolderError, NotImplementedError) as exc:
+        return _usage_error(str(exc))
     load_seconds = time.perf_counter() - started
     load_peak = peak_rss_bytes()
     pipe.set_progress_bar_config(disable=not rank0)  # diffusers' step bar, once
