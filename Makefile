@@ -19,7 +19,7 @@ CFLAGS_CHECK := -std=c11 -O1 -g -Wall -Wextra -Werror -Wshadow -fsanitize=addres
 include csrc/sources.mk
 TESTBIN := csrc/tests/bin
 
-.PHONY: all sysdeps venv build ctest pytest test demo bench clean fuzz fuzz-smoke fuzz-build fuzz-deps
+.PHONY: all sysdeps venv build ctest pytest test demo demo-latents bench clean fuzz fuzz-smoke fuzz-build fuzz-deps
 
 all: build
 
@@ -45,8 +45,9 @@ $(VENV)/.stamp: pyproject.toml | sysdeps
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q --upgrade "setuptools>=70" wheel "numpy>=2.0" "pytest>=7" "safetensors>=0.4"
-	@echo "installing torch, diffusers and accelerate (the torch wheel brings its CUDA libraries: a few GB)"
-	$(PY) -m pip install -q "torch>=2.4" "diffusers>=0.35" "accelerate>=1.0"
+	@echo "installing torch, diffusers, accelerate, transformers and the video writer (the torch wheel brings its CUDA libraries: a few GB)"
+	$(PY) -m pip install -q "torch>=2.4" "diffusers>=0.35" "accelerate>=1.0" "transformers>=4.45" "tokenizers>=0.20" \
+	  "ftfy>=6.0" "imageio>=2.30" "imageio-ffmpeg>=0.5"
 	touch $@
 
 venv: $(VENV)/.stamp
@@ -106,7 +107,21 @@ pytest: build
 
 test: ctest pytest
 
+# A tiny random Wan2.2 pipeline folder (two transformers, text encoder, VAE; no downloads),
+# then prompt to video on NP ranks, sharded, checked against the stock unsharded pipeline, and
+# the mp4 read back (imageio, with imageio-ffmpeg's own ffmpeg binary).
+DEMO_MODEL := outputs/tiny-wan22
+DEMO_VIDEO := outputs/demo.mp4
 demo: build
+	$(PY) -m hsdp.testing.tiny_pipeline $(DEMO_MODEL) --kind wan22
+	$(PY) -m hsdp generate --model $(DEMO_MODEL) --prompt "a red fish swimming in the river" \
+	  --height 64 --width 64 --num-frames 9 --num-inference-steps 8 --dtype float32 \
+	  --use-hsdp --hsdp-shard-size $(NP) --verify --output $(DEMO_VIDEO)
+	$(PY) -c "import imageio, sys; r = imageio.get_reader(sys.argv[1]); f = [x for x in r]; \
+	  print(f'{sys.argv[1]}: {len(f)} frames of {f[0].shape[1]}x{f[0].shape[0]}, {r.get_meta_data()[\"fps\"]:g} fps, {r.get_meta_data()[\"codec\"]}')" $(DEMO_VIDEO)
+
+# The pipeline on hsdp's reference NumPy DiT, latents only (the demo before pipelines).
+demo-latents: build
 	$(PY) -m hsdp.launch -n $(NP) -- examples/offline_inference/text_to_video.py --use-hsdp --hsdp-shard-size $(NP) --verify \
 	  --preset base --frames 2 --height 32 --width 32
 

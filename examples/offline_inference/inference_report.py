@@ -8,7 +8,6 @@ pipeline.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Sequence
@@ -16,6 +15,17 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+# Shared with `hsdp generate`, re-exported for the pipelines here.
+from hsdp.cli.report import (  # noqa: F401
+    broadcast_int,
+    fmt_bytes,
+    format_table,
+    gather_ints,
+    peak_rss_bytes,
+    reset_peak_rss,
+    write_json,
+)
 
 
 def add_run_args(p: argparse.ArgumentParser, presets: Sequence[str], default_output: str,
@@ -155,51 +165,6 @@ class Progress:
         self.note(f"{self.label}: done in {time.perf_counter() - self._start:.2f} s")
 
 
-def reset_peak_rss() -> None:
-    """Restart the kernel's peak-RSS count (VmHWM) from the current RSS (Linux; a no-op
-    elsewhere): writing 5 to /proc/self/clear_refs does exactly that."""
-    try:
-        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
-            f.write("5")
-    except OSError:
-        pass
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident set (VmHWM), or -1 where /proc is not available."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024  # the kernel reports kB
-    except OSError:
-        pass
-    return -1
-
-
-def gather_ints(group: Any, values: Sequence[int]) -> np.ndarray:
-    """Every rank's ``values`` as a (world size, len(values)) int64 array, on every rank."""
-    send = np.asarray(values, dtype=np.int64)
-    recv = np.empty(group.size * send.size, dtype=np.int64)
-    group.all_gather(send, recv)
-    return recv.reshape(group.size, send.size)
-
-
-def broadcast_int(group: Any, value: int, root: int = 0) -> int:
-    buf = np.array([value], dtype=np.int64)
-    group.broadcast(buf, root)
-    return int(buf[0])
-
-
-def fmt_bytes(n: int) -> str:
-    if n < 0:
-        return "n/a"
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n} B"
-
-
 def _held_text(report: dict[str, Any]) -> str:
     held = report["held_bytes_per_rank"]
     low, high = min(held), max(held)
@@ -275,13 +240,3 @@ def report_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
-def format_table(title: str, rows: Sequence[tuple[str, str]]) -> str:
-    width = max(len(label) for label, _ in rows)
-    body = [f"{label:<{width}}  {value}" for label, value in rows]
-    rule = "-" * max(len(line) for line in body + [title])
-    return "\n".join([title, rule, *body, rule])
-
-
-def write_json(path: Path, report: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")

@@ -1,0 +1,422 @@
+"""``hsdp generate``: prompt to video (or image) from a diffusers pipeline folder, sharded.
+
+    hsdp generate --model DIR --prompt "a cat in the snow" --use-hsdp --hsdp-shard-size 4 \\
+        --output outputs/cat.mp4
+
+The folder is loaded with :func:`hsdp.pipelines.load_pipeline` (transformers and text
+encoders sharded across the ranks, the rest replicated) and run with
+:func:`hsdp.pipelines.generate`: every rank runs the stock diffusers ``pipe(...)`` call, rank 0
+alone decodes and writes ``--output``. The number of ranks follows from the parallel flags;
+run from a plain shell, the command starts them itself through :mod:`hsdp.launch`; inside a
+job that ``mpiexec``, ``hsdp.launch`` or ``torchrun`` started, it runs as the rank it is (the
+job must have the size the flags ask for).
+
+``--verify`` makes rank 0 also run the stock, unsharded pipeline from the same folder with
+the same seed and compare the frames (largest absolute difference on [0, 1] values).
+
+Exit status: 0 on success, 1 when ``--verify`` finds a difference above the tolerance, 2 for
+bad input (refused on every rank before anything is loaded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from hsdp.cli.folder import FolderError, PipelineFolder, read_folder
+from hsdp.cli.media import SUFFIXES, check_suffix, write_output
+from hsdp.cli.ranks import inside_launched_job, launch_self
+from hsdp.config import DiffusionParallelConfig, add_parallel_args
+
+__all__ = ["build_parser", "main"]
+
+PROG = "hsdp generate"
+EXIT_MISMATCH = 1
+EXIT_USAGE = 2
+DTYPES = ("bfloat16", "float32", "float16")
+# --verify's default tolerance on [0, 1] frames: float32 must agree to rounding. A narrower
+# dtype rounds each step's weights and activations, and the denoising loop compounds it.
+VERIFY_TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 5e-3}
+
+
+class UsageError(ValueError):
+    """Bad input, found before any heavy work; the message names what is wrong."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description="Prompt to video (or image) from a diffusers pipeline folder, the transformers' and "
+        "text encoders' weights sharded across ranks. The ranks the parallel flags need are started "
+        "through hsdp.launch, unless this already runs inside mpiexec, hsdp.launch or torchrun.",
+        epilog="example: hsdp generate --model tiny-wan22 --prompt 'a cat in the snow' --use-hsdp "
+        "--hsdp-shard-size 2 --height 32 --width 32 --num-frames 5 --output outputs/cat.mp4",
+    )
+    p.add_argument("--model", type=Path, required=True, metavar="DIR",
+                   help="a diffusers pipeline folder (model_index.json; save_pretrained's layout)")
+    p.add_argument("--prompt", required=True, help="the text prompt")
+    p.add_argument("--negative-prompt", default=None, help="the negative prompt (default: the pipeline's)")
+    p.add_argument("--image", type=Path, default=None, metavar="FILE",
+                   help="the first frame, for an image-to-video folder (WanImageToVideoPipeline)")
+    p.add_argument("--num-inference-steps", type=int, default=None, metavar="N",
+                   help="denoising steps (default: the pipeline's)")
+    p.add_argument("--guidance-scale", type=float, default=None, metavar="G",
+                   help="guidance scale (default: the pipeline's); Wan: classifier-free guidance, off at 1; "
+                   "Flux: the distilled guidance embedding")
+    p.add_argument("--true-cfg-scale", type=float, default=None, metavar="G",
+                   help="Flux only: classifier-free guidance with --negative-prompt, on above 1 "
+                   "(default: the pipeline's, 1)")
+    p.add_argument("--height", type=int, default=None, help="pixels (default: the pipeline's)")
+    p.add_argument("--width", type=int, default=None, help="pixels (default: the pipeline's)")
+    p.add_argument("--num-frames", type=int, default=None, metavar="N",
+                   help="frames of a video (default: the pipeline's)")
+    p.add_argument("--fps", type=int, default=None, help="frames per second of a written video (default 16)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="generator=torch.Generator('cpu').manual_seed(SEED), the same on every rank "
+                   "(default: %(default)s)")
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPES,
+                   help="torch_dtype of the pipeline, and of the shards (default: %(default)s)")
+    p.add_argument("--device", default=None,
+                   help="cpu (default) or cuda: one GPU per rank, the NCCL backend")
+    p.add_argument("--replicate-text-encoders", action="store_true",
+                   help="keep whole text encoders on every rank instead of sharding them")
+    p.add_argument("--output", type=Path, default=None, metavar="FILE",
+                   help="written by rank 0: .mp4 or .gif (video), .png (image models), .npy (the raw [0, 1] "
+                   "frames); default outputs/generate.mp4 or .png. The run report goes beside it as .json")
+    p.add_argument("--verify", action="store_true",
+                   help="rank 0 also runs the stock unsharded pipeline and compares the frames; exit 1 "
+                   "on a difference above --verify-tolerance")
+    p.add_argument("--verify-tolerance", type=float, default=None, metavar="T",
+                   help="largest allowed |difference| on [0, 1] frames (default: "
+                   + ", ".join(f"{v:g} in {k}" for k, v in VERIFY_TOLERANCE.items()) + ")")
+    add_parallel_args(p)
+    return p
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _positive(args: argparse.Namespace, *names: str) -> None:
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+
+
+def check_args(args: argparse.Namespace) -> tuple[PipelineFolder, DiffusionParallelConfig]:
+    """Everything that can be checked from the flags and the folder's JSON files alone."""
+    try:
+        folder = read_folder(args.model)
+    except FolderError as exc:
+        raise UsageError(str(exc)) from None
+    kind = folder.output
+    if args.output is None:
+        args.output = Path("outputs") / ("generate.mp4" if kind == "video" else "generate.png")
+    message = check_suffix(args.output, kind, folder.class_name)
+    if message:
+        raise UsageError(message)
+    if args.output.exists() and args.output.is_dir():
+        raise UsageError(f"--output {args.output} is a folder; give a file name ({', '.join(SUFFIXES[kind])})")
+    _positive(args, "num_inference_steps", "height", "width", "num_frames", "fps")
+    if not args.prompt.strip():
+        raise UsageError("--prompt is empty")
+    for name in ("height", "width"):
+        value = getattr(args, name)
+        if value is not None and value % folder.spatial_multiple:
+            raise UsageError(
+                f"--{name} {value} is not a multiple of {folder.describe_multiple()} for {folder.class_name} "
+                f"in {folder.path}; try {max(1, round(value / folder.spatial_multiple)) * folder.spatial_multiple}")
+    if kind == "image":
+        for flag, value in (("--num-frames", args.num_frames), ("--fps", args.fps)):
+            if value is not None:
+                raise UsageError(f"{flag} is for video pipelines; {folder.class_name} makes one image")
+    elif args.num_frames is not None and folder.temporal_factor and (args.num_frames - 1) % folder.temporal_factor:
+        t = folder.temporal_factor
+        raise UsageError(f"--num-frames {args.num_frames}: {folder.class_name}'s VAE needs num_frames - 1 to be a "
+                         f"multiple of {t} (e.g. {(args.num_frames - 1) // t * t + 1} or "
+                         f"{((args.num_frames - 1) // t + 1) * t + 1})")
+    if folder.takes_image and args.image is None:
+        raise UsageError(f"{folder.class_name} in {folder.path} is image-to-video: give the first frame with --image FILE")
+    if args.image is not None:
+        if not folder.takes_image:
+            raise UsageError(f"--image is for image-to-video folders; {folder.class_name} in {folder.path} "
+                             "is text-to-" + kind)
+        _check_image(args.image)
+    if args.guidance_scale is not None and not (args.guidance_scale > 0 and math.isfinite(args.guidance_scale)):
+        raise UsageError(f"--guidance-scale must be a positive number, got {args.guidance_scale}")
+    if args.verify_tolerance is not None and not args.verify_tolerance >= 0:
+        raise UsageError(f"--verify-tolerance must be >= 0, got {args.verify_tolerance}")
+    try:
+        config = DiffusionParallelConfig.from_cli_args(args)
+        config.require_supported()
+    except (ValueError, NotImplementedError) as exc:
+        raise UsageError(str(exc)) from None
+    flux = folder.class_name.startswith("Flux")
+    if args.true_cfg_scale is not None:
+        if not flux:
+            raise UsageError(f"--true-cfg-scale is for Flux pipelines; {folder.class_name} takes --guidance-scale")
+        if not (args.true_cfg_scale > 0 and math.isfinite(args.true_cfg_scale)):
+            raise UsageError(f"--true-cfg-scale must be a positive number, got {args.true_cfg_scale}")
+    if config.cfg_parallel_size == 2:
+        # The two branches exist only with guidance on; split nothing rather than run it twice.
+        why = "use --cfg-parallel-size 1, or turn guidance on"
+        if flux and not (args.true_cfg_scale is not None and args.true_cfg_scale > 1 and args.negative_prompt):
+            raise UsageError("--cfg-parallel-size 2 runs the two branches of classifier-free guidance on separate "
+                             "ranks, but FluxPipeline guides only with --true-cfg-scale above 1 and a "
+                             f"--negative-prompt; {why}")
+        if not flux and args.guidance_scale is not None and args.guidance_scale <= 1.0:
+            raise UsageError(f"--cfg-parallel-size 2 runs the two branches of classifier-free guidance on separate "
+                             f"ranks, but --guidance-scale {args.guidance_scale:g} turns guidance off; {why}")
+    return folder, config
+
+
+def _check_image(path: Path) -> None:
+    if not path.is_file():
+        raise UsageError(f"--image {path}: no such file")
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as img:
+            img.verify()
+    except (UnidentifiedImageError, OSError) as exc:
+        raise UsageError(f"--image {path}: not an image PIL can read ({exc})") from None
+
+
+def _rank_prefix() -> str:
+    from hsdp._rank import rank_label
+
+    label = rank_label()
+    return "" if label == "rank ?" else f"[{label}] "
+
+
+def _usage_error(message: str) -> int:
+    # Every rank reaches the same verdict from the same flags, and each says it: a rank whose
+    # view differs (a folder missing on one host) must not fail silently.
+    sys.stderr.write(f"{_rank_prefix()}{PROG}: error: {message}\n")
+    sys.stderr.flush()
+    return EXIT_USAGE
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+class StepClock:
+    """``callback_on_step_end``: the time each denoising step ends."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.ends: list[float] = []
+
+    def __call__(self, pipe: Any, step: int, timestep: Any, callback_kwargs: dict[str, Any]) -> dict[str, Any]:
+        self.ends.append(time.perf_counter())
+        return callback_kwargs
+
+    def timing(self) -> dict[str, Any]:
+        later = [b - a for a, b in zip(self.ends, self.ends[1:])]
+        return {
+            "steps": len(self.ends),
+            # The first step also encodes the prompt, prepares latents and records the prefetch order
+            "first_step_seconds": self.ends[0] - self.start if self.ends else None,
+            "seconds_per_step": sum(later) / len(later) if later else None,
+            "step_seconds": later,
+        }
+
+
+def call_kwargs(args: argparse.Namespace, folder: PipelineFolder) -> dict[str, Any]:
+    """The stock pipeline call's keyword arguments, as a diffusers user writes them (without the
+    generator, which is fresh for each call)."""
+    kwargs: dict[str, Any] = {"prompt": args.prompt, "output_type": "np"}
+    for name in ("negative_prompt", "num_inference_steps", "guidance_scale", "true_cfg_scale", "height", "width",
+                 "num_frames"):
+        value = getattr(args, name)
+        if value is not None:
+            kwargs[name] = value
+    if args.image is not None:
+        from diffusers.utils import load_image
+
+        kwargs["image"] = load_image(str(args.image))
+    return kwargs
+
+
+def _generator(seed: int) -> Any:
+    import torch
+
+    return torch.Generator("cpu").manual_seed(seed)
+
+
+def frames_of(result: Any, folder: PipelineFolder) -> Any:
+    """The first (only) video's frames (F, H, W, 3), or the image (H, W, 3), as float32 numpy."""
+    import numpy as np
+
+    out = result.frames[0] if folder.output == "video" else result.images[0]
+    if hasattr(out, "detach"):
+        out = out.detach().float().cpu().numpy()
+    return np.asarray(out, dtype=np.float32)
+
+
+def _held_per_component(pipe: Any) -> dict[str, tuple[int, int, bool]]:
+    """By component: (bytes this rank holds outside a forward, bytes of the whole model, sharded)."""
+    from hsdp.pipelines import pipeline_state
+
+    return {name: (c.local_bytes, c.bytes, c.sharded) for name, c in pipeline_state(pipe).components.items()}
+
+
+def _verify(args: argparse.Namespace, folder: PipelineFolder, frames: Any, dtype: Any,
+            device: str | None) -> dict[str, Any]:
+    """Rank 0: the stock pipeline from the same folder, same call, same seed; the verdict."""
+    import numpy as np
+    from diffusers import DiffusionPipeline
+
+    stock = DiffusionPipeline.from_pretrained(str(folder.path), torch_dtype=dtype)
+    if device is not None:
+        stock.to(device)
+    stock.set_progress_bar_config(disable=True)
+    started = time.perf_counter()
+    reference = frames_of(stock(**call_kwargs(args, folder), generator=_generator(args.seed)), folder)
+    seconds = time.perf_counter() - started
+    tolerance = args.verify_tolerance if args.verify_tolerance is not None else VERIFY_TOLERANCE[args.dtype]
+    if reference.shape != frames.shape:
+        return {"ok": False, "max_abs_diff": None, "tolerance": tolerance, "seconds": seconds,
+                "error": f"shape {list(frames.shape)} against the stock pipeline's {list(reference.shape)}"}
+    diff = float(np.max(np.abs(frames - reference)))
+    return {"ok": bool(diff <= tolerance), "max_abs_diff": diff, "tolerance": tolerance, "seconds": seconds}
+
+
+def run(args: argparse.Namespace, folder: PipelineFolder, config: DiffusionParallelConfig) -> int:
+    from hsdp import distributed
+
+    on_gpu = (args.device or "cpu").startswith("cuda")
+    if on_gpu or not distributed.launched_by_mpi():
+        import torch  # noqa: F401 - NCCL (torchrun, or --device cuda) needs torch loaded first
+    # load_pipeline picks the same backend: NCCL for GPUs, otherwise what launched the job
+    world = distributed.init_process_group("nccl" if on_gpu else "auto")
+    try:  # before torch is imported: a job of the wrong size costs nothing
+        config.check_world(world.size)
+    except ValueError as exc:
+        return _usage_error(str(exc))
+
+    import torch
+
+    from hsdp.cli.report import fmt_bytes, format_table, gather_ints, peak_rss_bytes, write_json
+    from hsdp.pipelines import generate, load_pipeline
+    rank0 = world.rank == 0
+    logging.basicConfig(level=logging.INFO if rank0 else logging.WARNING, format="%(name)s: %(message)s")
+    if rank0:  # the folder for the output exists before anything heavy runs
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+    dtype = getattr(torch, args.dtype)
+
+    started = time.perf_counter()
+    pipe = load_pipeline(folder.path, config, torch_dtype=dtype, device=args.device,
+                         shard_text_encoders=not args.replicate_text_encoders, progress=rank0)
+    load_seconds = time.perf_counter() - started
+    load_peak = peak_rss_bytes()
+    pipe.set_progress_bar_config(disable=not rank0)  # diffusers' step bar, once
+
+    clock = StepClock()
+    result = generate(pipe, **call_kwargs(args, folder), generator=_generator(args.seed),
+                      callback_on_step_end=clock)
+    timing = clock.timing()
+    held = _held_per_component(pipe)
+    cuda_peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else -1
+    per_rank = gather_ints(world, [load_peak, peak_rss_bytes(), sum(h[0] for h in held.values()),
+                                   int(load_seconds * 1e6), cuda_peak])
+    components = list(held)
+    held_rows = gather_ints(world, [held[c][0] for c in components]) if components else None
+
+    if not rank0:
+        return 0
+    frames = frames_of(result, folder)
+    write_output(frames, args.output, args.fps or 16)
+    verify = _verify(args, folder, frames, dtype, args.device) if args.verify else None
+    report = {
+        "pipeline": folder.class_name,
+        "model": str(folder.path),
+        "parallel": config.describe(),
+        "parallel_config": config.to_dict(),
+        "world_size": world.size,
+        "dtype": args.dtype,
+        "seed": args.seed,
+        "call": {k: v for k, v in call_kwargs(args, folder).items() if k not in ("image", "output_type")},
+        "output": str(args.output),
+        "frames_shape": list(frames.shape),
+        "load_seconds_per_rank": [int(v) / 1e6 for v in per_rank[:, 3]],
+        "load_peak_rss_bytes_per_rank": [int(v) for v in per_rank[:, 0]],
+        "peak_rss_bytes_per_rank": [int(v) for v in per_rank[:, 1]],
+        "cuda_peak_bytes_per_rank": [int(v) for v in per_rank[:, 4]] if cuda_peak >= 0 else None,
+        "held_bytes_per_rank": [int(v) for v in per_rank[:, 2]],
+        "held_bytes_per_component_per_rank": (
+            {c: [int(v) for v in held_rows[:, i]] for i, c in enumerate(components)} if held_rows is not None else {}
+        ),
+        "components": {c: {"bytes": held[c][1], "sharded": held[c][2]} for c in components},
+        "timing": timing,
+        "verify": verify,
+    }
+    write_json(args.output.with_suffix(".json"), report)
+    print(format_table(f"{PROG}: {folder.class_name} from {folder.path}", _rows(report, fmt_bytes)), flush=True)
+    if verify is not None and not verify["ok"]:
+        return EXIT_MISMATCH
+    return 0
+
+
+def _span(values: Sequence[int], fmt: Any) -> str:
+    low, high = min(values), max(values)
+    return fmt(high) if low == high else f"{fmt(low)} .. {fmt(high)}"
+
+
+def _rows(report: dict[str, Any], fmt_bytes: Any) -> list[tuple[str, str]]:
+    t = report["timing"]
+    rows = [
+        ("parallel config", report["parallel"]),
+        ("dtype", report["dtype"]),
+        ("load (seconds, slowest rank)", f"{max(report['load_seconds_per_rank']):.2f}"),
+    ]
+    for comp, per in report["held_bytes_per_component_per_rank"].items():
+        info = report["components"][comp]
+        how = f"sharded, of {fmt_bytes(info['bytes'])}" if info["sharded"] else "whole"
+        rows.append((f"held per rank: {comp}", f"{_span(per, fmt_bytes)} ({how})"))
+    for rank, (load, peak) in enumerate(zip(report["load_peak_rss_bytes_per_rank"], report["peak_rss_bytes_per_rank"])):
+        rows.append((f"peak RSS, rank {rank}", f"{fmt_bytes(peak)} (after loading: {fmt_bytes(load)})"))
+    if report["cuda_peak_bytes_per_rank"]:
+        for rank, peak in enumerate(report["cuda_peak_bytes_per_rank"]):
+            rows.append((f"peak GPU memory, rank {rank}", fmt_bytes(peak)))
+    mean = t["seconds_per_step"]
+    first = t["first_step_seconds"]
+    rows.append(("seconds per step",
+                 (f"{mean:.3f} (mean of steps 2-{t['steps']})" if mean is not None else "n/a (one step)")
+                 + (f"; first step {first:.3f} (with prompt encoding)" if first is not None else "")))
+    rows.append(("output", f"{report['output']} {tuple(report['frames_shape'])}"))
+    v = report["verify"]
+    if v is None:
+        rows.append(("verify", "not run (pass --verify)"))
+    elif v["max_abs_diff"] is None:
+        rows.append(("verify", f"MISMATCH: {v['error']}"))
+    else:
+        verdict = "ok" if v["ok"] else "MISMATCH"
+        rows.append(("verify", f"max |diff| vs the stock pipeline = {v['max_abs_diff']:.3g} on [0, 1] frames "
+                     f"({verdict}, tolerance {v['tolerance']:g})"))
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``hsdp generate ARGS``; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse's usage errors exit 2, --help exits 0
+        return int(exc.code or 0)
+    try:
+        folder, config = check_args(args)
+    except UsageError as exc:
+        return _usage_error(str(exc))
+    if config.world_size > 1 and not inside_launched_job():
+        sys.stderr.write(f"{PROG}: starting {config.world_size} ranks ({config.describe()}) with hsdp.launch\n")
+        sys.stderr.flush()
+        return launch_self(config.world_size, ["generate", *argv])
+    return run(args, folder, config)
