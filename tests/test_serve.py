@@ -266,11 +266,9 @@ def test_eight_concurrent_clients_each_equal_to_the_request_alone(client):
                  ("a cat in the snow", 14))]
     alone = [_sync(client, **r) for r in requests]
     assert len(set(alone)) == len(alone)
-    started = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         loaded = list(pool.map(lambda i: _sync(client, **requests[i % 4]), range(8)))
     assert all(loaded[i] == alone[i % 4] for i in range(8)), "a result under load differs from the request alone"
-    assert time.perf_counter() - started < 8 * JOB_TIMEOUT
 
 
 def test_sigterm_lets_the_running_job_end_fails_the_queued_and_leaves_nothing(video, client):

@@ -50,7 +50,7 @@ def create_app(store: JobStore, folder: PipelineFolder, model_id: str, ready: th
         await anyio.to_thread.run_sync(job.done.wait)
 
     def bad(exc: RequestError) -> Any:
-        return _error(exc.status, str(exc), "invalid_request_error" if exc.status == 400 else "not_found_error",
+        return _error(exc.status, str(exc), "not_found_error" if exc.status == 404 else "invalid_request_error",
                       exc.param)
 
     def check_model(fields: Any) -> None:

@@ -20,7 +20,8 @@ from hsdp.cli.folder import PipelineFolder
 __all__ = ["LIMITS", "RequestError", "image_params", "video_params"]
 
 # Upper bounds a request may ask for: beyond them a job would hold the server for hours.
-LIMITS = {"width": 4096, "height": 4096, "num_frames": 1025, "num_inference_steps": 1000, "fps": 240, "n": 8}
+LIMITS = {"width": 4096, "height": 4096, "num_frames": 1025, "num_inference_steps": 1000, "fps": 240, "n": 8,
+          "input_reference_bytes": 32 << 20}
 DEFAULT_FPS = 16
 SEED_MAX = 2**63 - 1
 
@@ -111,6 +112,9 @@ def _seed(fields: Mapping[str, Any]) -> int:
 
 
 def _check_image(data: bytes) -> None:
+    if len(data) > LIMITS["input_reference_bytes"]:
+        raise RequestError("input_reference", f"input_reference is {len(data)} bytes; at most "
+                           f"{LIMITS['input_reference_bytes']} are taken", 413)
     from PIL import Image, UnidentifiedImageError
 
     try:
