@@ -179,6 +179,47 @@ def _until(what: str, check, limit: float = JOB_TIMEOUT, polls: int = 2000):  # 
     pytest.fail(f"{what}: not reached within {limit} s / {polls} polls")
 
 
+# ------------------------------------------------------------------------- in process: the job store
+
+
+def test_job_store_runs_in_arrival_order_and_loses_no_accepted_job():
+    from hsdp.serve.jobs import Conflict, JobStore, Stopping
+
+    store = JobStore("m")
+    jobs = [store.submit({"kind": "video", "prompt": f"p{i}", "seed": i, "fps": 16}) for i in range(4)]
+    assert store.queue_length() == 4 and [j.status for j in jobs] == ["queued"] * 4
+    first = store.next(0)
+    assert first is jobs[0] and first.status == "in_progress"
+    with pytest.raises(Conflict, match="is running"):
+        store.delete(first.id)
+    assert store.delete(jobs[1].id) is jobs[1] and jobs[1].done.is_set() and store.get(jobs[1].id) is None
+    store.finish(first, None)
+    assert first.status == "completed" and first.progress == 100 and first.done.is_set()
+    assert store.next(0) is jobs[2]
+    store.finish(jobs[2], "ValueError: bad")
+    assert jobs[2].public()["error"] == {"code": "generation_failed", "message": "ValueError: bad"}
+    store.stop_accepting()
+    with pytest.raises(Stopping):
+        store.submit({"kind": "video", "prompt": "late", "seed": 0, "fps": 16})
+    assert store.next(0) is None  # stopping: nothing more starts
+    assert store.fail_queued("stopped") == 1 and jobs[3].status == "failed" and jobs[3].done.is_set()
+    assert [j.status for j in store.list()] == ["completed", "failed", "failed"]
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--model", "{tmp}/none"], "--model {tmp}/none: no such folder"),
+    (["--model", "{wan}", "--port", "70000"], "--port must be in 0..65535, got 70000"),
+    (["--model", "{wan}", "--api-key", " "], "--api-key is empty"),
+    (["--model", "{wan}", "--ring-degree", "2"], "ring attention (ring_degree=2) is not built"),
+])
+def test_bad_flags_exit_2_naming_the_flag(folders, tmp_path, capsys, flags, words):
+    from hsdp.serve import cli
+
+    fill = {"tmp": str(tmp_path), "wan": str(folders["wan22"])}
+    assert cli.main([f.format(**fill) for f in flags]) == 2
+    assert words.format(**fill) in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------------- the video server
 
 
