@@ -1,7 +1,8 @@
 """``hsdp generate`` (python -m hsdp generate): bad input refused with exit 2 before any heavy
 work (in process, and on every rank of a job), then the real thing on tiny pipeline folders:
 a self-launched 2-rank run writing an mp4 checked against the stock unsharded pipeline with
---verify, a CFG-parallel run inside mpiexec writing .npy, and a Flux .png in process."""
+--verify, an image-to-video CFG-parallel run inside mpiexec writing .npy, and a Flux .png
+in process."""
 
 from __future__ import annotations
 
@@ -142,19 +143,25 @@ def test_self_launched_ranks_write_an_mp4_that_matches_the_stock_pipeline(folder
     assert report["frames_shape"] == [5, 32, 32, 3] and report["call"]["prompt"] == "a cat running in the snow"
 
 
-def test_inside_mpiexec_cfg_parallel_writes_npy(folders, tmp_path):
-    # Already a rank of a 2-rank job: no second launch; CFG parallel with HSDP over the same ranks.
+def test_inside_mpiexec_image_to_video_with_cfg_parallel_writes_npy(folders, tmp_path):
+    # Already a rank of a 2-rank job: no second launch; image to video, CFG parallel with HSDP
+    # over the same ranks.
+    from PIL import Image
+
+    first = tmp_path / "first.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (32, 32, 3), dtype=np.uint8)).save(first)
     out = tmp_path / "frames.npy"
-    proc = _ok(_run([mpiexec(), "-n", "2", sys.executable, "-m", "hsdp", "generate", "--model", str(folders["wan22"]),
-                     "--prompt", "a dog on the grass", "--negative-prompt", "blurry", *VIDEO, "--dtype", "float32",
-                     "--cfg-parallel-size", "2", "--use-hsdp", "--output", str(out)], tmp_path))
+    proc = _ok(_run([mpiexec(), "-n", "2", sys.executable, "-m", "hsdp", "generate",
+                     "--model", str(folders["wan22-i2v"]), "--image", str(first), "--prompt", "a dog on the grass",
+                     "--negative-prompt", "blurry", *VIDEO, "--dtype", "float32", "--cfg-parallel-size", "2",
+                     "--use-hsdp", "--output", str(out)], tmp_path))
     assert "starting" not in proc.stderr
     frames = np.load(out)
     assert frames.shape == (5, 32, 32, 3) and frames.dtype == np.float32
     assert 0.0 <= frames.min() and frames.max() <= 1.0 and frames.std() > 0
     report = _report(out)
     _check_sharded(report, 2, verified=False)
-    assert report["parallel_config"]["cfg_parallel_size"] == 2
+    assert report["pipeline"] == "WanImageToVideoPipeline" and report["parallel_config"]["cfg_parallel_size"] == 2
 
 
 def test_flux_writes_a_png_in_process(folders, tmp_path, capsys):

@@ -129,8 +129,10 @@ def read_components(path: Path, shard_text_encoders: bool, use_hsdp: bool) -> li
                     + REGISTER_HINT.format(cls=cls.__name__) + extra
                 )
             conditions = found
-            _check_weights(folder, where)
         out.append(Component(name, str(library), str(class_name), cls, role, folder, conditions))
+    for c in out:  # every class checked first: only then the files
+        if c.sharded:
+            _check_weights(c.folder, f"component '{c.name}' of '{path}'")
     return out
 
 

@@ -10,7 +10,8 @@ class                                         units
 diffusers ``WanTransformer3DModel``           ``blocks.<i>``
 diffusers ``FluxTransformer2DModel``          ``transformer_blocks.<i>``, ``single_transformer_blocks.<i>``
 transformers ``T5EncoderModel``, ``UMT5EncoderModel``  ``encoder.block.<i>``
-transformers ``CLIPTextModel``, ``CLIPTextModelWithProjection``  ``text_model.encoder.layers.<i>``
+transformers ``CLIPTextModel``, ``CLIPTextModelWithProjection``  ``text_model.encoder.layers.<i>`` (4.x),
+                                              ``encoder.layers.<i>`` (5.x)
 ============================================  =============================================
 
 A condition given as a string is a module path in which ``<i>`` stands for any index
@@ -94,5 +95,6 @@ register_shard_conditions("WanTransformer3DModel", "blocks.<i>")
 register_shard_conditions("FluxTransformer2DModel", ["transformer_blocks.<i>", "single_transformer_blocks.<i>"])
 register_shard_conditions("T5EncoderModel", "encoder.block.<i>")
 register_shard_conditions("UMT5EncoderModel", "encoder.block.<i>")
-register_shard_conditions("CLIPTextModel", "text_model.encoder.layers.<i>")
-register_shard_conditions("CLIPTextModelWithProjection", "text_model.encoder.layers.<i>")
+# transformers 5 builds CLIPTextModel without the text_model level that 4.x (and checkpoints) have
+register_shard_conditions("CLIPTextModel", ["text_model.encoder.layers.<i>", "encoder.layers.<i>"])
+register_shard_conditions("CLIPTextModelWithProjection", ["text_model.encoder.layers.<i>", "encoder.layers.<i>"])

@@ -31,7 +31,7 @@ import torch
 from .. import distributed
 from ..parallel import SINGLE, ParallelGroups, init_parallel_groups
 from .cfg import CFGSplit, guidance_probe, record_calls
-from .components import Component, PipelineFolderError, pipeline_class, read_components, read_model_index
+from .components import Component, pipeline_class, read_components, read_model_index
 from .conditions import describe
 from .state import PipelineState, component_state
 
@@ -98,12 +98,29 @@ def _empty(c: Component, keep_fp32: bool) -> Any:
     return model.eval()
 
 
+def _key_map(model: Any) -> Any:
+    """Checkpoint names to the model's: as is, or without a first level the model lacks
+    (transformers 5's CLIPTextModel has no ``text_model.``, its checkpoints do). A name that
+    fits neither stays as is, for the loader to report."""
+    known = {n for n, _ in model.named_parameters(remove_duplicate=False)} | {n for n, _ in model.named_buffers()}
+
+    def rename(name: str) -> str:
+        if name in known:
+            return name
+        tail = name.partition(".")[2]
+        return tail if tail in known else name
+
+    return rename
+
+
 def _load_sharded(c: Component, hsdp_cfg: Any, device: Any, dtype: torch.dtype, progress: bool) -> Any:
     import hsdp
 
     log.info("hsdp: streaming '%s' (%s) sharded, units %s", c.name, c.class_name, describe(c.conditions))
     model = _empty(c, keep_fp32=dtype == torch.float16)
-    return hsdp.load_model_sharded(model, c.folder, hsdp_cfg, target_device=device, progress=progress)
+    key_map = _key_map(model) if c.library == "transformers" else None
+    return hsdp.load_model_sharded(model, c.folder, hsdp_cfg, target_device=device, progress=progress,
+                                   key_map=key_map)
 
 
 def load_pipeline(
@@ -163,14 +180,10 @@ def load_pipeline(
         _check_modes(parallel_config, pipe_cls, components)
         if use_hsdp:
             hsdp_cfg = parallel_config.to_hsdp_config(param_dtype=_PARAM_DTYPES[torch_dtype])
-    except (PipelineFolderError, ValueError, TypeError, NotImplementedError, OSError) as e:
+    except Exception as e:  # any failure here, on any rank, must reach every rank (no rank left waiting)
         err = e
-    try:
-        _agree(world, err, f"checking pipeline folder '{folder}'")
-    except RuntimeError as e:
-        if err is not None:
-            raise
-        raise RuntimeError(str(e)) from None
+    # this rank's own error, or a RuntimeError naming the rank that failed and why
+    _agree(world, err, f"checking pipeline folder '{folder}'")
     groups: ParallelGroups = init_parallel_groups(parallel_config, world) if parallel_config is not None else SINGLE
 
     prebuilt: dict[str, Any] = {}
@@ -187,6 +200,9 @@ def load_pipeline(
         for name, module in pipe.components.items():
             if isinstance(module, torch.nn.Module) and name not in prebuilt:
                 module.to(device)
+
+    if world.rank != 0:
+        pipe.set_progress_bar_config(disable=True)  # one progress bar per job, not per rank
 
     transformers = [(c.name, getattr(pipe, c.name)) for c in components if c.role == "transformer"]
     if groups.sp is not None:

@@ -1,0 +1,151 @@
+"""One rank of the pipeline checks (started by tests/test_pipelines.py under mpiexec).
+
+`python tests/pipelines_worker.py WAN22_DIR FLUX_DIR CASE...`: each case loads a tiny
+pipeline with hsdp.pipelines.load_pipeline under one DiffusionParallelConfig, runs the stock
+pipeline call through hsdp.pipelines.generate, and compares rank 0's float32 frames with the
+stock unsharded diffusers pipeline loaded from the same folder (max abs <= 1e-4 on [0, 1]).
+Each rank also checks that every sharded component holds 1/S of its elements and, with CFG
+parallel, that it ran one transformer forward per step instead of two.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import numpy as np
+import torch
+
+import hsdp
+import hsdp.pipelines as hp
+from hsdp.config import DiffusionParallelConfig
+
+torch.set_num_threads(1)
+STEPS = 4
+WAN_CALL = dict(prompt="a cat running in the snow", negative_prompt="blurry low quality", height=32, width=32,
+                num_frames=5, num_inference_steps=STEPS, guidance_scale=4.0, max_sequence_length=16)
+FLUX_CALL = dict(prompt="a red car on a street", negative_prompt="blurry", height=32, width=32,
+                 num_inference_steps=3, true_cfg_scale=4.0, guidance_scale=3.5, max_sequence_length=16)
+_references: dict[str, np.ndarray] = {}
+
+
+def _frames(out: Any) -> np.ndarray:
+    return out.frames if hasattr(out, "frames") else out.images
+
+
+def reference(kind: str, path: str) -> np.ndarray:
+    """The stock unsharded pipeline's float32 output (rank 0 only; computed once per kind)."""
+    if kind not in _references:
+        from diffusers import DiffusionPipeline
+
+        pipe = DiffusionPipeline.from_pretrained(path, dtype=torch.float32)
+        call = WAN_CALL if kind == "wan22" else FLUX_CALL
+        _references[kind] = _frames(pipe(**call, generator=torch.Generator().manual_seed(0), output_type="np"))
+    return _references[kind]
+
+
+def count_forwards(pipe: Any) -> dict[str, list[int]]:
+    counts: dict[str, list[int]] = {}
+    for name in ("transformer", "transformer_2"):
+        model = getattr(pipe, name, None)
+        if model is not None:
+            counts[name] = c = [0]
+            model.register_forward_pre_hook(lambda *a, c=c: c.__setitem__(0, c[0] + 1))
+    return counts
+
+
+def check_shares(pipe: Any, config: DiffusionParallelConfig) -> None:
+    state = hp.pipeline_state(pipe)
+    expect = {"transformer", "transformer_2", "text_encoder", "text_encoder_2"} & set(state.components)
+    assert set(state.sharded) == expect, (state.sharded, expect)
+    s = config.hsdp_shard_size
+    shares = np.zeros(1, dtype=np.int64)
+    for name in state.sharded:
+        c = state.components[name]
+        # 1/S of the elements, give or take each unit's padding (its buffer is padded to a
+        # multiple of 64 * S bytes: at most 16 * S float32 elements)
+        assert abs(c.local_elements - c.elements / s) <= 16 * s * c.units, (name, c)
+        shares[0] = c.local_elements
+        every = np.zeros(state.world_size, dtype=np.int64)
+        hsdp.distributed.get_world_group().all_gather(shares, every)
+        assert every.sum() == c.elements * config.hsdp_replicate_size, (name, every, c.elements)
+    vae = state.components["vae"]
+    assert not vae.sharded and vae.local_elements == vae.elements
+
+
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "wan22-1x2": ("wan22", dict(use_hsdp=True, hsdp_shard_size=2)),
+    "wan22-ulysses2": ("wan22", dict(use_hsdp=True, ulysses_degree=2)),
+    "wan22-cfg2": ("wan22", dict(use_hsdp=True, cfg_parallel_size=2)),
+    "flux-1x2": ("flux", dict(use_hsdp=True, hsdp_shard_size=2)),
+    "wan22-2x2": ("wan22", dict(use_hsdp=True, hsdp_shard_size=2, hsdp_replicate_size=2)),
+    "wan22-ulysses2-cfg2": ("wan22", dict(use_hsdp=True, ulysses_degree=2, cfg_parallel_size=2)),
+}
+
+
+def run_case(case: str, paths: dict[str, str]) -> None:
+    kind, fields = CASES[case]
+    config = DiffusionParallelConfig(**fields)
+    rank = hsdp.distributed.get_rank()
+    pipe = hp.load_pipeline(paths[kind], config, torch_dtype=torch.float32, progress=False)
+    check_shares(pipe, config)
+    counts = count_forwards(pipe)
+    call = WAN_CALL if kind == "wan22" else FLUX_CALL
+    out = hp.generate(pipe, **call, generator=torch.Generator().manual_seed(0), output_type="np")
+    steps = call["num_inference_steps"]
+    forwards = sum(c[0] for c in counts.values())
+    # two calls per guided step; CFG parallel: one per rank
+    assert forwards == (steps if config.cfg_parallel_size == 2 else 2 * steps), (case, counts)
+    if kind == "wan22":
+        assert all(c[0] > 0 for c in counts.values()), f"{case}: an expert never ran: {counts}"
+    split = hp.pipeline_state(pipe).cfg_split
+    assert (split.steps if split else 0) == (steps if config.cfg_parallel_size == 2 else 0)
+    if rank != 0:
+        assert out is None
+    else:
+        got, ref = _frames(out), reference(kind, paths[kind])
+        diff = float(np.abs(got - ref).max())
+        assert got.shape == ref.shape and diff <= 1e-4, (case, got.shape, ref.shape, diff)
+        print(f"{case}: max abs {diff:.3g}", flush=True)
+    print(f"rank {rank}: {case} ok", flush=True)
+
+
+def run_bf16(paths: dict[str, str]) -> None:
+    config = DiffusionParallelConfig(use_hsdp=True, hsdp_shard_size=2)
+    pipe = hp.load_pipeline(paths["wan22"], config, torch_dtype=torch.bfloat16, progress=False)
+    assert pipe.transformer.dtype == torch.bfloat16 and pipe.text_encoder.dtype == torch.bfloat16
+    out = hp.generate(pipe, **WAN_CALL, generator=torch.Generator().manual_seed(0), output_type="np")
+    if hsdp.distributed.get_rank() == 0:
+        frames = out.frames
+        assert frames.shape == (1, 5, 32, 32, 3) and np.isfinite(frames).all(), frames.shape
+        assert 0.0 <= frames.min() and frames.max() <= 1.0 and frames.std() > 0
+    print(f"rank {hsdp.distributed.get_rank()}: bf16 ok", flush=True)
+
+
+def run_bad_folder_on_one_rank(paths: dict[str, str]) -> None:
+    """Rank 1 is handed a folder that is no pipeline: every rank raises, none waits."""
+    rank = hsdp.distributed.get_rank()
+    path = paths["wan22"] if rank == 0 else paths["wan22"] + "/transformer"
+    try:
+        hp.load_pipeline(path, DiffusionParallelConfig(use_hsdp=True, hsdp_shard_size=2), progress=False)
+    except (ValueError, RuntimeError) as exc:
+        assert "model_index.json" in str(exc) and (rank == 1 or "rank 1" in str(exc)), str(exc)
+        print(f"rank {rank}: bad folder ok", flush=True)
+        return
+    raise AssertionError("load_pipeline took a folder that is no pipeline")
+
+
+def main() -> None:
+    paths = {"wan22": sys.argv[1], "flux": sys.argv[2]}
+    hsdp.distributed.init_process_group()
+    for case in sys.argv[3:]:
+        if case == "bf16":
+            run_bf16(paths)
+        elif case == "bad-folder":
+            run_bad_folder_on_one_rank(paths)
+        else:
+            run_case(case, paths)
+
+
+if __name__ == "__main__":
+    main()

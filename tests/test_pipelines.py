@@ -1,0 +1,159 @@
+"""hsdp.pipelines: a diffusers pipeline folder loaded with every transformer and text encoder
+sharded rank-locally, run by the stock pipeline call in every parallel mode, against the
+stock unsharded pipeline; hsdp.testing.tiny_pipeline; the refusals."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")  # torch is an optional dependency; make test installs it
+pytest.importorskip("diffusers")
+pytest.importorskip("transformers")
+
+from mpirun import run_ranks  # noqa: E402
+
+import hsdp.pipelines as hp  # noqa: E402
+from hsdp.config import DiffusionParallelConfig  # noqa: E402
+from hsdp.testing.tiny_pipeline import make_tiny_pipeline  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("pipelines")
+    return {kind: make_tiny_pipeline(root / kind, kind, seed=0) for kind in ("wan22", "flux")}
+
+
+def test_two_ranks_every_mode_equals_the_stock_pipeline(folders):
+    """1x2, Ulysses 2, CFG 2 on Wan 2.2's two experts, Flux on 1x2 (fp32 frames equal to the
+    stock pipeline's), a bf16 run, and a bad folder on one rank only (every rank raises)."""
+    cases = ["bad-folder", "wan22-1x2", "wan22-ulysses2", "wan22-cfg2", "flux-1x2", "bf16"]
+    out = run_ranks(2, "tests/pipelines_worker.py", str(folders["wan22"]), str(folders["flux"]), *cases,
+                    timeout=600).stdout
+    for case in ("bad folder", "wan22-1x2", "wan22-ulysses2", "wan22-cfg2", "flux-1x2", "bf16"):
+        assert out.count(f"{case} ok") == 2, out
+
+
+def test_four_ranks_replicas_and_ulysses_with_cfg(folders):
+    cases = ["wan22-2x2", "wan22-ulysses2-cfg2"]
+    out = run_ranks(4, "tests/pipelines_worker.py", str(folders["wan22"]), str(folders["flux"]), *cases,
+                    timeout=600).stdout
+    for case in cases:
+        assert out.count(f"{case} ok") == 4, out
+
+
+def test_tiny_pipeline_loads_with_stock_diffusers_and_generates(folders):
+    from diffusers import DiffusionPipeline, WanPipeline
+
+    path = folders["wan22"]
+    pipe = DiffusionPipeline.from_pretrained(path)
+    assert type(pipe) is WanPipeline and pipe.transformer_2 is not None and pipe.config.boundary_ratio == 0.875
+    # each model over 2+ files, so a loader takes the index path
+    assert len(list((path / "transformer").glob("*.safetensors"))) >= 2
+    assert (path / "transformer" / "diffusion_pytorch_model.safetensors.index.json").is_file()
+    frames = pipe(prompt="a dog", height=32, width=32, num_frames=5, num_inference_steps=2, max_sequence_length=16,
+                  generator=torch.Generator().manual_seed(0), output_type="np").frames
+    assert frames.shape == (1, 5, 32, 32, 3)
+
+
+def test_image_to_video_one_rank_equals_stock(tmp_path):
+    """Wan 2.2 I2V (no image encoder, in_channels 36) through load_pipeline on one rank."""
+    import numpy as np
+    import PIL.Image
+    from diffusers import DiffusionPipeline, WanImageToVideoPipeline
+
+    path = make_tiny_pipeline(tmp_path / "i2v", "wan22-i2v", seed=1)
+    image = PIL.Image.fromarray(np.random.default_rng(0).integers(0, 255, (32, 32, 3), dtype=np.uint8))
+    call = dict(image=image, prompt="a bird flying", negative_prompt="static", height=32, width=32, num_frames=5,
+                num_inference_steps=2, max_sequence_length=16, output_type="np")
+    pipe = hp.load_pipeline(path, DiffusionParallelConfig(use_hsdp=True, hsdp_shard_size=1), torch_dtype=torch.float32)
+    assert type(pipe).__name__ == "WanImageToVideoPipeline" and isinstance(pipe, WanImageToVideoPipeline)
+    assert hp.pipeline_state(pipe).sharded == ["text_encoder", "transformer", "transformer_2"]
+    got = hp.generate(pipe, **call, generator=torch.Generator().manual_seed(0)).frames
+    ref = DiffusionPipeline.from_pretrained(path, dtype=torch.float32)(**call, generator=torch.Generator().manual_seed(0)).frames
+    assert np.abs(got - ref).max() <= 1e-4
+
+
+def _partial_copy(src: Path, dst: Path, keep: tuple[str, ...]) -> Path:
+    dst.mkdir()
+    shutil.copy(src / "model_index.json", dst / "model_index.json")
+    for name in keep:
+        shutil.copytree(src / name, dst / name)
+    return dst
+
+
+def test_bad_folders_are_refused_before_any_weight_is_read(folders, tmp_path):
+    cfg = DiffusionParallelConfig(use_hsdp=True, hsdp_shard_size=1)
+    with pytest.raises(ValueError, match="not a diffusers pipeline folder: it has no model_index.json"):
+        hp.load_pipeline(folders["wan22"] / "transformer", cfg)
+    with pytest.raises(ValueError, match="does not exist"):
+        hp.load_pipeline(tmp_path / "nowhere", cfg)
+    missing = _partial_copy(folders["wan22"], tmp_path / "missing", ("tokenizer", "scheduler", "vae"))
+    with pytest.raises(ValueError, match=r"component 'text_encoder' .* has no folder: .*text_encoder' is missing"):
+        hp.load_pipeline(missing, cfg)
+
+
+def _with_class(src: Path, dst: Path, component: str, library: str, name: str) -> Path:
+    dst.mkdir()
+    index = json.loads((src / "model_index.json").read_text())
+    index[component] = [library, name]
+    (dst / "model_index.json").write_text(json.dumps(index))
+    for sub in ("tokenizer", "text_encoder", "scheduler", "vae", "transformer", "transformer_2"):
+        (dst / sub).mkdir()  # folders only: the classes are refused before any file is opened
+    return dst
+
+
+def test_unknown_and_unregistered_model_classes_are_refused(folders, tmp_path):
+    cfg = DiffusionParallelConfig(use_hsdp=True, hsdp_shard_size=1)
+    unknown = _with_class(folders["wan22"], tmp_path / "unknown", "transformer", "diffusers", "NoSuchTransformer")
+    with pytest.raises(ValueError, match="unknown model class diffusers.NoSuchTransformer"):
+        hp.load_pipeline(unknown, cfg)
+    other = _with_class(folders["wan22"], tmp_path / "other", "transformer_2", "diffusers", "SD3Transformer2DModel")
+    with pytest.raises(ValueError, match=r"SD3Transformer2DModel to shard; register its units first: "
+                                         r"hsdp.pipelines.register_shard_conditions\('SD3Transformer2DModel'"):
+        hp.load_pipeline(other, cfg)
+    encoder = _with_class(folders["wan22"], tmp_path / "encoder", "text_encoder", "transformers", "BertModel")
+    with pytest.raises(ValueError, match="BertModel to shard.*shard_text_encoders=False"):
+        hp.load_pipeline(encoder, cfg)
+
+
+def test_shard_condition_registry():
+    from diffusers import FluxTransformer2DModel
+
+    conds = hp.shard_conditions_for(FluxTransformer2DModel)
+    assert [c("transformer_blocks.3", None) for c in conds] == [True, False]
+    assert not any(c("transformer_blocks.3.attn", None) or c("blocks.3", None) for c in conds)
+
+    class MyModel(torch.nn.Module):
+        pass
+
+    class Child(MyModel):
+        pass
+
+    assert hp.shard_conditions_for(Child) is None
+    hp.register_shard_conditions(MyModel, ["layers.<i>", lambda n, m: n == "head"])
+    conds = hp.shard_conditions_for(Child)  # a base class's entry serves its subclasses
+    assert conds[0]("layers.12", None) and not conds[0]("layers.x", None) and conds[1]("head", None)
+    with pytest.raises(TypeError, match="module path such as 'blocks.<i>' or a callable"):
+        hp.register_shard_conditions("X", [3])
+
+
+def test_parallel_modes_a_pipeline_cannot_run_are_refused(folders):
+    from diffusers import FluxPipeline, SD3Transformer2DModel, StableDiffusion3Pipeline
+
+    from hsdp.pipelines.components import read_components
+    from hsdp.pipelines.loader import _check_modes
+
+    flux = read_components(folders["flux"], True, True)
+    with pytest.raises(NotImplementedError, match="Ulysses .* WanTransformer3DModel only; component 'transformer' "
+                                                  "is a FluxTransformer2DModel"):
+        _check_modes(DiffusionParallelConfig(ulysses_degree=2), FluxPipeline, flux)
+    with pytest.raises(NotImplementedError, match="ring attention"):
+        _check_modes(DiffusionParallelConfig(ring_degree=2), FluxPipeline, flux)
+    _check_modes(DiffusionParallelConfig(cfg_parallel_size=2, use_hsdp=True), FluxPipeline, flux)
+    with pytest.raises(NotImplementedError, match="not for StableDiffusion3Pipeline"):
+        _check_modes(DiffusionParallelConfig(cfg_parallel_size=2), StableDiffusion3Pipeline, flux)
+    assert SD3Transformer2DModel  # imported: the class exists, it only has no probe
