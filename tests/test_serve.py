@@ -344,8 +344,7 @@ def test_sigterm_lets_the_running_job_end_fails_the_queued_and_leaves_nothing(vi
 
 @pytest.fixture(scope="module")
 def image(folders, tmp_path_factory) -> Iterator[Server]:
-    # --replicate-text-encoders: i19-core's CLIP shard conditions are not in yet (TODO: drop the flag)
-    server = Server(folders["flux"], tmp_path_factory.mktemp("serve-image"), ["--replicate-text-encoders"])
+    server = Server(folders["flux"], tmp_path_factory.mktemp("serve-image"), [])
     try:
         yield server
     finally:
