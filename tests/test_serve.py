@@ -319,14 +319,19 @@ def test_sigterm_lets_the_running_job_end_fails_the_queued_and_leaves_nothing(vi
         with httpx.Client(base_url=video.url, headers=AUTH, timeout=JOB_TIMEOUT) as c:
             results[name] = c.post("/v1/videos/sync", data=_form(prompt=f"a {name}", num_inference_steps=steps))
 
-    running = threading.Thread(target=post, args=("tree", "12"))
+    running = threading.Thread(target=post, args=("tree", "30"))
     running.start()
-    _until("the job in progress", lambda: [j for j in client.get("/v1/videos").json()["data"]
-                                          if j["prompt"] == "a tree" and j["status"] == "in_progress"])
+    (job,) = _until("the job in progress", lambda: [j for j in client.get("/v1/videos").json()["data"]
+                                                   if j["prompt"] == "a tree" and j["status"] == "in_progress"])
     queued = threading.Thread(target=post, args=("house", "2"))
     queued.start()
     _until("the second job queued", lambda: client.get("/health").json()["queue_length"] == 2)
     video.proc.send_signal(signal.SIGTERM)
+    # Until the running job ends: no new job (503), status still answered.
+    _until("health says stopping", lambda: client.get("/health").json()["status"] == "stopping")
+    r = client.post("/v1/videos", data=_form(prompt="a late cat"))
+    assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"], r.text
+    assert client.get(f"/v1/videos/{job['id']}").json()["status"] in ("in_progress", "completed")
     assert video.wait(120) == 0, video.log()
     running.join(JOB_TIMEOUT)
     queued.join(JOB_TIMEOUT)

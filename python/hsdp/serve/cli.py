@@ -7,8 +7,9 @@ plain shell, the command starts them itself through mpiexec (with :mod:`hsdp.lau
 settings); inside a job that ``mpiexec``, ``hsdp.launch`` or ``torchrun`` started, it runs as
 the rank it is.
 
-Shutdown: SIGTERM or SIGINT (Ctrl-C) to the command stops rank 0 accepting, lets the running
-job end, fails the queued ones, tells every rank to stop, and every rank exits 0. The command
+Shutdown: SIGTERM or SIGINT (Ctrl-C) to the command stops rank 0 accepting (new jobs get 503),
+lets the running job end, fails the queued ones, tells every rank to stop, closes the HTTP
+server, and every rank exits 0. The command
 started its mpiexec in a session of its own and sends the signal to rank 0 alone: Open MPI's
 mpiexec, signalled itself, kills its ranks at once. A second signal ends the job at once.
 """
@@ -199,8 +200,9 @@ def _start_http(app: Any, host: str, port: int) -> tuple[Any, threading.Thread]:
     listens, or raises naming why it could not."""
     import uvicorn
 
+    # At shutdown, requests still open get this long to be answered (the jobs have ended by then).
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=None)
+                            timeout_graceful_shutdown=30)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="hsdp-serve-http", daemon=True)
     thread.start()
@@ -266,13 +268,11 @@ def run(args: argparse.Namespace, folder: PipelineFolder, config: DiffusionParal
         app = create_app(store, folder, model_id, ready, args.api_key)
         server, thread = _start_http(app, args.host, args.port)
 
-        def stop() -> None:
-            store.stop_accepting()
-            server.should_exit = True  # closes the listening socket; open requests are answered
-
-        shutdown.on_stop.append(stop)
+        # A signal stops new jobs (503) at once; the HTTP server stays up, answering status
+        # requests and the running job's waiting client, until the job loop has ended.
+        shutdown.on_stop.append(store.stop_accepting)
         if shutdown.count:  # a signal came before the server existed
-            stop()
+            store.stop_accepting()
         print(f"{PROG}: listening on http://{args.host}:{_bound_port(server)} (loading {folder.class_name} from "
               f"{folder.path} on {world.size} rank(s): {config.describe()})", flush=True)
         pipe = load_pipeline(folder.path, config, torch_dtype=getattr(torch, args.dtype), device=args.device,
@@ -282,7 +282,7 @@ def run(args: argparse.Namespace, folder: PipelineFolder, config: DiffusionParal
         print(f"{PROG}: ready: {model_id} ({folder.class_name}); outputs in {output_dir}"
               f"{' (removed at exit)' if temporary else ''}", flush=True)
         ran = leader_loop(world, pipe, store, output_dir)
-        stop()
+        server.should_exit = True  # closes the listening socket; open requests are answered
         thread.join()
         print(f"{PROG}: stopped after {ran} job(s)", flush=True)
     finally:
