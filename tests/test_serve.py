@@ -76,7 +76,7 @@ class Server:
             if "listening on http://" in line:
                 self.url = line.split("listening on ")[1].split()[0]
             if "ready:" in line:
-                self.output_dir = Path(line.split("outputs in ")[1].split()[0])
+                self.output_dir = Path(line.split("outputs in ")[1].split()[0].rstrip(";"))
                 break
         assert self.url.startswith("http://127.0.0.1:"), self.log()
 

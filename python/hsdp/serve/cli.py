@@ -280,7 +280,8 @@ def run(args: argparse.Namespace, folder: PipelineFolder, config: DiffusionParal
         pipe.set_progress_bar_config(disable=True)
         ready.set()
         print(f"{PROG}: ready: {model_id} ({folder.class_name}); outputs in {output_dir}"
-              f"{' (removed at exit)' if temporary else ''}", flush=True)
+              f"{' (removed at exit)' if temporary else ''}; rank 0 is pid {os.getpid()} (SIGTERM it to stop)",
+              flush=True)
         ran = leader_loop(world, pipe, store, output_dir)
         server.should_exit = True  # closes the listening socket; open requests are answered
         thread.join()
