@@ -220,6 +220,24 @@ def test_bad_flags_exit_2_naming_the_flag(folders, tmp_path, capsys, flags, word
     assert words.format(**fill) in capsys.readouterr().err
 
 
+def test_a_port_in_use_is_refused_before_loading(folders):
+    import socket
+
+    from hsdp.serve import cli
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        try:
+            with pytest.raises(RuntimeError, match=f"could not listen on 127.0.0.1:{port}"):
+                cli.main(["--model", str(folders["wan22"]), "--port", str(port)])
+        finally:
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+
+
 # ------------------------------------------------------------------------- the video server
 
 

@@ -204,7 +204,14 @@ def _start_http(app: Any, host: str, port: int) -> tuple[Any, threading.Thread]:
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off",
                             timeout_graceful_shutdown=30)
     server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, name="hsdp-serve-http", daemon=True)
+
+    def serve() -> None:
+        try:
+            server.run()
+        except SystemExit:  # uvicorn's way of saying it could not start; its log said why
+            pass
+
+    thread = threading.Thread(target=serve, name="hsdp-serve-http", daemon=True)
     thread.start()
     while not server.started:
         if not thread.is_alive():
