@@ -341,6 +341,7 @@ def test_sigterm_lets_the_running_job_end_fails_the_queued_and_leaves_nothing(vi
     running.start()
     (job,) = _until("the job in progress", lambda: [j for j in client.get("/v1/videos").json()["data"]
                                                    if j["prompt"] == "a tree" and j["status"] == "in_progress"])
+    assert 0 <= job["progress"] <= 99 and job["started_at"] is not None, job
     queued = threading.Thread(target=post, args=("house", "2"))
     queued.start()
     _until("the second job queued", lambda: client.get("/health").json()["queue_length"] == 2)
