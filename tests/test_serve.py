@@ -1,9 +1,9 @@
 """``hsdp serve`` (python -m hsdp serve): a real server on 2 ranks, started as a subprocess on
 127.0.0.1 (port 0: the server picks a free one and prints it), answered by a real HTTP client.
 
-Two launches: a Wan2.2 video server (every route, the key, bad input, a failure inside the
-model, 8 concurrent clients, then SIGTERM while a job runs) and a Flux image server (the images
-route, then a rank killed). Every wait is bounded: request loops by count and deadline, the
+Two launches, overlapped (the Flux server loads while the video tests run): a Wan2.2 video
+server (every route, the key, bad input, a failure inside the model, 8 concurrent clients, then
+SIGTERM while a job runs) and a Flux image server (the images route, then a rank killed). Every wait is bounded: request loops by count and deadline, the
 processes by timeouts."""
 
 from __future__ import annotations
@@ -69,7 +69,12 @@ class Server:
         threading.Thread(target=self._read, daemon=True).start()
         self.url = ""
         self.output_dir: Path | None = None
-        deadline = time.monotonic() + START_TIMEOUT
+        self.started = time.monotonic()
+
+    def wait_ready(self) -> Server:
+        if self.output_dir is not None:
+            return self
+        deadline = self.started + START_TIMEOUT
         while True:
             line = self.lines.get(timeout=max(0.1, deadline - time.monotonic()))
             assert line is not None, f"the server exited {self.proc.wait()} before it was ready\n{self.log()}"
@@ -79,6 +84,7 @@ class Server:
                 self.output_dir = Path(line.split("outputs in ")[1].split()[0].rstrip(";"))
                 break
         assert self.url.startswith("http://127.0.0.1:"), self.log()
+        return self
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -139,11 +145,22 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def video(folders, tmp_path_factory) -> Iterator[Server]:
+def image_server(folders, tmp_path_factory) -> Iterator[Server]:
+    """The Flux server, started (not waited for) before the video server: it loads while the
+    video tests run."""
+    server = Server(folders["flux"], tmp_path_factory.mktemp("serve-image"), [])
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture(scope="module")
+def video(folders, tmp_path_factory, image_server) -> Iterator[Server]:
     server = Server(folders["wan22"], tmp_path_factory.mktemp("serve-video"), ["--api-key", KEY],
                     {"HSDP_SERVE_FAULT_PROMPT": FAULT})
     try:
-        yield server
+        yield server.wait_ready()
     finally:
         server.close()
 
@@ -367,12 +384,8 @@ def test_sigterm_lets_the_running_job_end_fails_the_queued_and_leaves_nothing(vi
 
 
 @pytest.fixture(scope="module")
-def image(folders, tmp_path_factory) -> Iterator[Server]:
-    server = Server(folders["flux"], tmp_path_factory.mktemp("serve-image"), [])
-    try:
-        yield server
-    finally:
-        server.close()
+def image(image_server) -> Server:
+    return image_server.wait_ready()
 
 
 def test_images_generations_then_a_killed_rank_ends_the_server(image):
