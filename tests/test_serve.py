@@ -200,10 +200,12 @@ def _until(what: str, check, limit: float = JOB_TIMEOUT, polls: int = 2000):  # 
 
 
 def test_job_store_runs_in_arrival_order_and_loses_no_accepted_job():
-    from hsdp.serve.jobs import Conflict, JobStore, Stopping
+    from hsdp.serve.jobs import Conflict, JobStore, QueueFull, Stopping
 
-    store = JobStore("m")
+    store = JobStore("m", max_queue=4)
     jobs = [store.submit({"kind": "video", "prompt": f"p{i}", "seed": i, "fps": 16}) for i in range(4)]
+    with pytest.raises(QueueFull, match="4 jobs are waiting already"):
+        store.submit({"kind": "video", "prompt": "one too many", "seed": 0, "fps": 16})
     assert store.queue_length() == 4 and [j.status for j in jobs] == ["queued"] * 4
     first = store.next(0)
     assert first is jobs[0] and first.status == "in_progress"
@@ -227,6 +229,7 @@ def test_job_store_runs_in_arrival_order_and_loses_no_accepted_job():
     (["--model", "{tmp}/none"], "--model {tmp}/none: no such folder"),
     (["--model", "{wan}", "--port", "70000"], "--port must be in 0..65535, got 70000"),
     (["--model", "{wan}", "--api-key", " "], "--api-key is empty"),
+    (["--model", "{wan}", "--max-queue", "0"], "--max-queue must be >= 1, got 0"),
     (["--model", "{wan}", "--ring-degree", "2"], "ring attention (ring_degree=2) is not built"),
 ])
 def test_bad_flags_exit_2_naming_the_flag(folders, tmp_path, capsys, flags, words):

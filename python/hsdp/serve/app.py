@@ -15,7 +15,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 
 from hsdp.cli.folder import PipelineFolder
 
-from .jobs import COMPLETED, Conflict, Job, JobStore, Stopping
+from .jobs import COMPLETED, Conflict, Job, JobStore, QueueFull, Stopping
 from .params import RequestError, image_params, video_params
 
 __all__ = ["create_app"]
@@ -95,6 +95,8 @@ def create_app(store: JobStore, folder: PipelineFolder, model_id: str, ready: th
             return bad(exc)
         except Stopping as exc:
             return _error(503, str(exc), "service_unavailable")
+        except QueueFull as exc:
+            return _error(429, str(exc), "rate_limit_exceeded")
         return job.public()
 
     @app.post("/v1/videos/sync")
@@ -105,6 +107,8 @@ def create_app(store: JobStore, folder: PipelineFolder, model_id: str, ready: th
             return bad(exc)
         except Stopping as exc:
             return _error(503, str(exc), "service_unavailable")
+        except QueueFull as exc:
+            return _error(429, str(exc), "rate_limit_exceeded")
         await wait(job)
         if job.status != COMPLETED or job.output is None:
             return _error(500, f"job {job.id} failed: {job.error}", "generation_failed")
@@ -157,6 +161,8 @@ def create_app(store: JobStore, folder: PipelineFolder, model_id: str, ready: th
             return bad(exc)
         except Stopping as exc:
             return _error(503, str(exc), "service_unavailable")
+        except QueueFull as exc:
+            return _error(429, str(exc), "rate_limit_exceeded")
         await wait(job)
         if job.status != COMPLETED or job.images is None:
             return _error(500, f"job {job.id} failed: {job.error}", "generation_failed")

@@ -70,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-dir", type=Path, default=None, metavar="DIR",
                    help="where finished videos are written and kept (after exit too); default: a temporary "
                    "folder of this server, removed when it stops")
+    p.add_argument("--max-queue", type=int, default=256, metavar="N",
+                   help="jobs that may wait; beyond, requests get 429 (default: %(default)s)")
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES,
                    help="torch_dtype of the pipeline, and of the shards (default: %(default)s)")
     p.add_argument("--device", default=None, help="cpu or cuda (one GPU per rank); default: load_pipeline's choice")
@@ -86,6 +88,8 @@ def check_args(args: argparse.Namespace) -> tuple[PipelineFolder, DiffusionParal
         raise UsageError(str(exc)) from None
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in 0..65535, got {args.port}")
+    if args.max_queue < 1:
+        raise UsageError(f"--max-queue must be >= 1, got {args.max_queue}")
     if args.api_key is None:
         args.api_key = os.environ.get("HSDP_API_KEY") or None
     if args.api_key is not None and not args.api_key.strip():
@@ -266,7 +270,7 @@ def run(args: argparse.Namespace, folder: PipelineFolder, config: DiffusionParal
     if control:
         Path(control).write_text(str(os.getpid()))
     model_id = args.served_model_name or folder.path.resolve().name
-    store = JobStore(model_id)
+    store = JobStore(model_id, args.max_queue)
     ready = threading.Event()
     temporary = args.output_dir is None
     output_dir = Path(tempfile.mkdtemp(prefix="hsdp-serve-")) if temporary else args.output_dir

@@ -16,13 +16,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Job", "JobStore", "Conflict", "Stopping"]
+__all__ = ["Job", "JobStore", "Conflict", "QueueFull", "Stopping"]
 
 QUEUED, IN_PROGRESS, COMPLETED, FAILED = "queued", "in_progress", "completed", "failed"
 
 
 class Stopping(RuntimeError):
     """The server is shutting down and takes no new job."""
+
+
+class QueueFull(RuntimeError):
+    """As many jobs wait as the server takes (``--max-queue``)."""
 
 
 class Conflict(RuntimeError):
@@ -72,8 +76,9 @@ class Job:
 
 
 class JobStore:
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, max_queue: int = 256) -> None:
         self.model = model
+        self.max_queue = max_queue
         self._lock = threading.Condition()
         self._jobs: dict[str, Job] = {}
         self._queue: collections.deque[Job] = collections.deque()
@@ -88,6 +93,9 @@ class JobStore:
         with self._lock:
             if not self._accepting:
                 raise Stopping("the server is shutting down and takes no new jobs")
+            if len(self._queue) >= self.max_queue:
+                raise QueueFull(f"{len(self._queue)} jobs are waiting already (--max-queue {self.max_queue}); "
+                                "retry later")
             self._jobs[job.id] = job
             self._queue.append(job)
             self._lock.notify_all()
