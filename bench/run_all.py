@@ -20,6 +20,7 @@ BENCHES = [
     ("Torch: loading peak, streaming vs FSDP2's full-then-shard", ["bench_torch.py", "--load"]),
     ("Torch: hook overhead", ["bench_torch.py", "--hooks"]),
     ("Ulysses: exchange vs raw all-to-all, memory and time by degree", ["bench_parallel.py"]),
+    ("Pipelines: load_pipeline on 2 ranks vs the stock diffusers pipeline", ["bench_pipeline.py"]),
 ]
 
 

@@ -1,7 +1,7 @@
 """``hsdp generate`` (python -m hsdp generate): bad input refused with exit 2 before any heavy
 work (in process, and on every rank of a job), then the real thing on tiny pipeline folders:
-a self-launched 2-rank run writing an mp4 checked against the stock unsharded pipeline with
---verify, an image-to-video CFG-parallel run inside mpiexec writing .npy, and a Flux .png
+a self-launched 2-rank bfloat16 run writing an mp4 checked against the stock unsharded
+pipeline with --verify, an image-to-video CFG-parallel run inside mpiexec writing .npy, and a Flux .png
 in process."""
 
 from __future__ import annotations
@@ -99,6 +99,7 @@ def test_bad_input_exits_2_naming_what_is_wrong(folders, tmp_path, capsys):
          "FluxPipeline guides only with --true-cfg-scale above 1 and a --negative-prompt"),
         (["--model", wan, "--prompt", "a cat", "--true-cfg-scale", "4"], "--true-cfg-scale is for Flux pipelines"),
         (["--model", wan, "--prompt", "a cat", "--dtype", "int8"], "invalid choice: 'int8'"),
+        (["--model", wan, "--prompt", "a cat", "--verify-tolerance", "-1"], "--verify-tolerance must be >= 0"),
     ]
     for argv, message in cases:
         assert cli.main(argv) == 2, argv
@@ -128,10 +129,11 @@ def test_self_launched_ranks_write_an_mp4_that_matches_the_stock_pipeline(folder
     # No launcher variables: the command starts its 2 ranks itself through hsdp.launch.
     out = tmp_path / "outputs" / "cat.mp4"
     proc = _ok(_run([sys.executable, "-m", "hsdp", "generate", "--model", str(folders["wan22"]),
-                     "--prompt", "a cat running in the snow", *VIDEO, "--dtype", "float32", "--seed", "3",
+                     "--prompt", "a cat running in the snow", *VIDEO, "--seed", "3",  # bfloat16, the default
                      "--use-hsdp", "--hsdp-shard-size", "2", "--verify", "--output", str(out)], tmp_path))
     assert "starting 2 ranks (HSDP standalone: replicate=1 x shard=2 (world 2)) with hsdp.launch" in proc.stderr
-    assert "verify" in proc.stdout and "(ok, tolerance 0.0001)" in proc.stdout
+    # in bfloat16 the reference stores and casts its sharded components as hsdp does
+    assert "(ok, tolerance 0.0001)" in proc.stdout and "as hsdp stores and casts them" in proc.stdout
     import imageio
 
     with imageio.get_reader(out) as reader:
@@ -140,6 +142,7 @@ def test_self_launched_ranks_write_an_mp4_that_matches_the_stock_pipeline(folder
     assert len(frames) == 5 and frames[0].shape == (32, 32, 3)
     report = _report(out)
     _check_sharded(report, 2)
+    assert report["dtype"] == "bfloat16" and report["verify"]["reference"] != "stock"
     assert report["frames_shape"] == [5, 32, 32, 3] and report["call"]["prompt"] == "a cat running in the snow"
 
 

@@ -28,12 +28,12 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def test_two_ranks_every_mode_equals_the_stock_pipeline(folders):
-    """1x2, Ulysses 2, CFG 2 on Wan 2.2's two experts, Flux on 1x2 (fp32 frames equal to the
-    stock pipeline's), a bf16 run, and a bad folder on one rank only (every rank raises)."""
-    cases = ["bad-folder", "wan22-1x2", "wan22-ulysses2", "wan22-cfg2", "flux-1x2", "bf16"]
+    """1x2, Ulysses 2, CFG 2 on Wan 2.2's two experts, Flux on 1x2 and CFG 2 (fp32 frames equal
+    to the stock pipeline's), a bf16 run, and a bad folder on one rank only (every rank raises)."""
+    cases = ["bad-folder", "wan22-1x2", "wan22-ulysses2", "wan22-cfg2", "flux-1x2", "flux-cfg2", "bf16"]
     out = run_ranks(2, "tests/pipelines_worker.py", str(folders["wan22"]), str(folders["flux"]), *cases,
                     timeout=600).stdout
-    for case in ("bad folder", "wan22-1x2", "wan22-ulysses2", "wan22-cfg2", "flux-1x2", "bf16"):
+    for case in ("bad folder", "wan22-1x2", "wan22-ulysses2", "wan22-cfg2", "flux-1x2", "flux-cfg2", "bf16"):
         assert out.count(f"{case} ok") == 2, out
 
 
@@ -157,3 +157,68 @@ def test_parallel_modes_a_pipeline_cannot_run_are_refused(folders):
     with pytest.raises(NotImplementedError, match="not for StableDiffusion3Pipeline"):
         _check_modes(DiffusionParallelConfig(cfg_parallel_size=2), StableDiffusion3Pipeline, flux)
     assert SD3Transformer2DModel  # imported: the class exists, it only has no probe
+
+
+class _Doubler(torch.nn.Module):
+    """A transformer stand-in: counts its forwards, has diffusers' cache_context."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.forwards = 0
+
+    @__import__("contextlib").contextmanager
+    def cache_context(self, name):
+        yield
+
+    def forward(self, hidden_states, return_dict=True):
+        self.forwards += 1
+        return (hidden_states * 2,)
+
+
+class _PeerIsRankZero:
+    """CFG group of 2 seen from rank 1: rank 0's row is a float32 'cond' of sevens."""
+
+    def all_gather(self, send, recv):
+        recv[1] = send
+        recv[0, :2] = (0.0, -1.0)  # float32 result, no placeholder
+        recv[0, 2:] = 7.0
+
+
+def _rank1_split(probe):
+    from hsdp.parallel import ParallelGroups
+    from hsdp.pipelines.cfg import CFGSplit
+
+    groups = ParallelGroups(ulysses_degree=1, cfg_degree=2, ulysses_rank=0, cfg_rank=1, sp=None,
+                            cfg=_PeerIsRankZero())
+    split = CFGSplit(object(), groups, probe)
+    models = _Doubler(), _Doubler()
+    for m in models:
+        split.install(m)
+    return split, models
+
+
+def test_cfg_split_on_the_uncond_rank():
+    """CFG rank 1 skips the cond call (a placeholder), computes uncond at call 2, and fills the
+    placeholder in place with rank 0's cond; a pipeline that does not make the promised
+    second call is an error, raised before any exchange."""
+    split, (model, other) = _rank1_split(lambda pipe, args: True)
+    x = torch.ones(1, 3)
+    with model.cache_context("cond"):
+        cond = model(hidden_states=x, return_dict=False)[0]
+    assert cond.numel() == 0 and model.forwards == 0 and type(model).__name__ == "_Doubler"
+    with model.cache_context("uncond"):
+        uncond = model(hidden_states=x, return_dict=False)[0]
+    assert model.forwards == 1 and torch.equal(uncond, x * 2) and torch.equal(cond, torch.full((1, 3), 7.0))
+    assert split.steps == 1
+
+    with model.cache_context("cond"):
+        model(hidden_states=x, return_dict=False)
+    with pytest.raises(RuntimeError, match="said this step calls _Doubler twice .* another model under 'cond'"):
+        with other.cache_context("cond"):
+            other(hidden_states=x, return_dict=False)
+
+    split, (model, _) = _rank1_split(lambda pipe, args: False)  # no guidance: every rank computes
+    assert torch.equal(model(hidden_states=x, return_dict=False)[0], x * 2) and model.forwards == 1
+    with pytest.raises(RuntimeError, match="under 'uncond' where its guidance probe said the step has no guidance"):
+        with model.cache_context("uncond"):
+            model(hidden_states=x, return_dict=False)

@@ -35,7 +35,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str) -> object:
     # Submodules that pull in more than the core are loaded on first use.
-    if name in ("nn", "models", "config", "distributed", "checkpoint", "launch"):
+    if name in ("nn", "models", "config", "distributed", "checkpoint", "launch", "pipelines", "testing"):
         import importlib
 
         return importlib.import_module(f".{name}", __name__)

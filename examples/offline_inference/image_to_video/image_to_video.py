@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from hsdp import distributed
-from hsdp.cli.generate import VERIFY_TOLERANCE, UsageError, build_parser, call_kwargs, check_args, frames_of
+from hsdp.cli.generate import UsageError, build_parser, call_kwargs, check_args, frames_of, reference_pipeline
 from hsdp.cli.media import write_output
 from hsdp.pipelines import generate, load_pipeline, pipeline_state
 
@@ -59,13 +59,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.verify:
         return 0
 
-    from diffusers import DiffusionPipeline
-
-    stock = DiffusionPipeline.from_pretrained(str(args.model), torch_dtype=dtype)
+    # The stock pipeline from the same folder; in bfloat16 its sharded components store and
+    # cast as hsdp does (FSDP2's cast_forward_inputs), so the frames must agree to rounding
+    stock = reference_pipeline(args.model, pipe, dtype, args.device)
     stock.set_progress_bar_config(disable=True)
     reference = frames_of(stock(**kwargs, generator=torch.Generator("cpu").manual_seed(args.seed)), folder)
     diff = float(np.max(np.abs(frames - reference)))
-    tolerance = args.verify_tolerance if args.verify_tolerance is not None else VERIFY_TOLERANCE[args.dtype]
+    tolerance = args.verify_tolerance
     print(f"verify: max |diff| vs the stock pipeline = {diff:.3g} (tolerance {tolerance:g}): "
           + ("ok" if diff <= tolerance else "MISMATCH"))
     return 0 if diff <= tolerance else 1

@@ -73,6 +73,12 @@ def _check_modes(config: Any, pipe_cls: type, components: list[Component]) -> No
             )
 
 
+def _is_transformer(name: str, module: Any) -> bool:
+    from diffusers import ModelMixin
+
+    return isinstance(module, ModelMixin) and (name.startswith("transformer") or "Transformer" in type(module).__name__)
+
+
 def _empty(c: Component, keep_fp32: bool) -> Any:
     """The component's model with meta parameters and real buffers, its units declared."""
     import accelerate
@@ -149,8 +155,8 @@ def load_pipeline(
       computed in (``_keep_in_fp32_modules`` stay float32) and what diffusers loads the rest in.
     - ``device``: where the models run (None: the CPU); ``"cuda"`` shards onto each rank's GPU.
     - ``progress``: log each sharded component's load on rank 0.
-    - ``kwargs``: passed to ``DiffusionPipeline.from_pretrained`` (a component given there
-      is used as is, not loaded).
+    - ``kwargs``: passed to the pipeline class's ``from_pretrained`` (a component given there
+      is used as is, not loaded; a transformer given there still gets Ulysses and the CFG split).
 
     Every rank checks the folder and the config first and they agree, so a bad input raises
     the same clear error on every rank before any weight is read.
@@ -204,7 +210,8 @@ def load_pipeline(
     if world.rank != 0:
         pipe.set_progress_bar_config(disable=True)  # one progress bar per job, not per rank
 
-    transformers = [(c.name, getattr(pipe, c.name)) for c in components if c.role == "transformer"]
+    # a transformer passed in kwargs runs with the same parallel modes as the loaded ones
+    transformers = [(n, m) for n, m in pipe.components.items() if _is_transformer(n, m)]
     if groups.sp is not None:
         from ..parallel_torch import apply_sequence_parallel_torch
 
