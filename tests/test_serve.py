@@ -225,6 +225,22 @@ def test_job_store_runs_in_arrival_order_and_loses_no_accepted_job():
     assert [j.status for j in store.list()] == ["completed", "failed", "failed"]
 
 
+def test_cfg_parallel_servers_refuse_jobs_that_do_not_guide(folders):
+    from hsdp.cli.folder import read_folder
+    from hsdp.serve.params import RequestError, image_params, video_params
+
+    wan, flux = read_folder(folders["wan22"]), read_folder(folders["flux"])
+    assert video_params({"prompt": "a cat", "guidance_scale": "1"}, None, wan)["guidance_scale"] == 1.0
+    with pytest.raises(RequestError, match="guidance_scale 1 turns it off") as err:
+        video_params({"prompt": "a cat", "guidance_scale": "1"}, None, wan, cfg_parallel=True)
+    assert err.value.param == "guidance_scale"
+    assert video_params({"prompt": "a cat"}, None, wan, cfg_parallel=True)["guidance_scale"] is None
+    with pytest.raises(RequestError, match="true_cfg_scale above 1 and a negative_prompt"):
+        image_params({"prompt": "a car", "true_cfg_scale": 4}, flux, cfg_parallel=True)
+    ok = image_params({"prompt": "a car", "true_cfg_scale": 4, "negative_prompt": "blurry"}, flux, cfg_parallel=True)
+    assert ok["true_cfg_scale"] == 4.0 and ok["negative_prompt"] == "blurry"
+
+
 @pytest.mark.parametrize("flags, words", [
     (["--model", "{tmp}/none"], "--model {tmp}/none: no such folder"),
     (["--model", "{wan}", "--port", "70000"], "--port must be in 0..65535, got 70000"),

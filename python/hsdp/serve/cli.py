@@ -101,9 +101,6 @@ def check_args(args: argparse.Namespace) -> tuple[PipelineFolder, DiffusionParal
         config.require_supported()
     except (ValueError, NotImplementedError) as exc:
         raise UsageError(str(exc)) from None
-    if config.cfg_parallel_size == 2 and not folder.has_guidance:
-        raise UsageError(f"--cfg-parallel-size 2 splits classifier-free guidance across ranks, but "
-                         f"{folder.class_name} runs one transformer call per step; use --cfg-parallel-size 1")
     return folder, config
 
 
@@ -276,7 +273,7 @@ def run(args: argparse.Namespace, folder: PipelineFolder, config: DiffusionParal
     output_dir = Path(tempfile.mkdtemp(prefix="hsdp-serve-")) if temporary else args.output_dir
     output_dir.mkdir(parents=True, exist_ok=True)
     try:
-        app = create_app(store, folder, model_id, ready, args.api_key)
+        app = create_app(store, folder, model_id, ready, args.api_key, cfg_parallel=config.cfg_parallel_size == 2)
         server, thread = _start_http(app, args.host, args.port)
 
         # A signal stops new jobs (503) at once; the HTTP server stays up, answering status

@@ -124,7 +124,14 @@ def _check_image(data: bytes) -> None:
         raise RequestError("input_reference", f"input_reference is not an image PIL can read ({exc})") from None
 
 
-def video_params(fields: Mapping[str, Any], image: bytes | None, folder: PipelineFolder) -> dict[str, Any]:
+# CFG parallel splits the two branches of classifier-free guidance across ranks: a job without
+# guidance would have nothing to split.
+_CFG_OFF = ("this server splits classifier-free guidance across ranks (--cfg-parallel-size 2), so every job "
+            "must guide: ")
+
+
+def video_params(fields: Mapping[str, Any], image: bytes | None, folder: PipelineFolder,
+                 cfg_parallel: bool = False) -> dict[str, Any]:
     """A ``POST /v1/videos`` form (its text fields, and the ``input_reference`` file's bytes)."""
     if folder.output != "video":
         raise RequestError(None, f"{folder.class_name} makes images, not videos: use POST /v1/images/generations", 404)
@@ -140,6 +147,9 @@ def video_params(fields: Mapping[str, Any], image: bytes | None, folder: Pipelin
     params["fps"] = _int(fields, "fps", 1, LIMITS["fps"]) or DEFAULT_FPS
     params["num_inference_steps"] = _int(fields, "num_inference_steps", 1, LIMITS["num_inference_steps"])
     params["guidance_scale"] = _float(fields, "guidance_scale")
+    if cfg_parallel and params["guidance_scale"] is not None and params["guidance_scale"] <= 1.0:
+        raise RequestError("guidance_scale", _CFG_OFF + f"guidance_scale {params['guidance_scale']:g} turns it off; "
+                           "use a scale above 1")
     params["seed"] = _seed(fields)
     if image is not None and not folder.takes_image:
         raise RequestError("input_reference", f"input_reference is for image-to-video models; {folder.class_name} "
@@ -153,8 +163,10 @@ def video_params(fields: Mapping[str, Any], image: bytes | None, folder: Pipelin
     return params
 
 
-def image_params(body: Any, folder: PipelineFolder) -> dict[str, Any]:
-    """A ``POST /v1/images/generations`` JSON body."""
+def image_params(body: Any, folder: PipelineFolder, cfg_parallel: bool = False) -> dict[str, Any]:
+    """A ``POST /v1/images/generations`` JSON body. Flux guides through ``guidance_scale`` (the
+    distilled embedding); ``true_cfg_scale`` above 1 with a ``negative_prompt`` turns on
+    classifier-free guidance."""
     if folder.output != "image":
         raise RequestError(None, f"{folder.class_name} makes videos, not images: use POST /v1/videos", 404)
     if not isinstance(body, dict):
@@ -164,6 +176,11 @@ def image_params(body: Any, folder: PipelineFolder) -> dict[str, Any]:
     params["n"] = _int(body, "n", 1, LIMITS["n"]) or 1
     params["num_inference_steps"] = _int(body, "num_inference_steps", 1, LIMITS["num_inference_steps"])
     params["guidance_scale"] = _float(body, "guidance_scale")
+    params["negative_prompt"] = _text(body, "negative_prompt", False)
+    params["true_cfg_scale"] = _float(body, "true_cfg_scale")
+    if cfg_parallel and not ((params["true_cfg_scale"] or 0) > 1 and params["negative_prompt"]):
+        raise RequestError("true_cfg_scale", _CFG_OFF + f"{folder.class_name} guides so only with true_cfg_scale "
+                           "above 1 and a negative_prompt")
     params["seed"] = _seed(body)
     fmt = body.get("response_format")
     if fmt not in (None, "b64_json"):

@@ -56,7 +56,8 @@ def execute(pipe: Any, params: dict[str, Any], on_step: Callable[[int, int], Non
         "output_type": "np",
         "generator": torch.Generator("cpu").manual_seed(int(params["seed"])),
     }
-    for name in ("negative_prompt", "width", "height", "num_frames", "num_inference_steps", "guidance_scale"):
+    for name in ("negative_prompt", "width", "height", "num_frames", "num_inference_steps", "guidance_scale",
+                 "true_cfg_scale"):
         if params.get(name) is not None:
             kwargs[name] = params[name]
     if params["kind"] == "image" and params.get("n", 1) > 1:
