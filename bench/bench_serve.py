@@ -1,0 +1,166 @@
+"""``hsdp serve`` under N concurrent clients against ``hsdp generate`` run in a loop.
+
+    python bench/bench_serve.py [--model DIR] [--shard-size 2] [--clients 4] [--jobs 16] [--generate-runs 2]
+
+Starts the server (``python -m hsdp serve --port 0``) on ``--shard-size`` ranks and measures:
+
+- alone: ``--alone`` requests one after another; each request's latency (POST /v1/videos/sync to
+  the last byte) and the job's own run time on rank 0 (``inference_seconds``: broadcast, pipeline
+  call on every rank, mp4 written, outcome agreed). Their difference is the server's overhead per
+  job (HTTP, form checks, queue, hand-over between threads, the file sent back);
+- loaded: ``--jobs`` requests from ``--clients`` concurrent clients: throughput (jobs/min) and
+  p50/p99 latency (p99 of a few dozen samples is close to their maximum);
+- ``hsdp generate`` with the same request, ``--generate-runs`` times in a loop (each run starts
+  its ranks and loads the pipeline): jobs/min and p50/p99.
+
+Without ``--model`` a tiny random Wan2.2 folder is written to a temporary folder first. Prints a
+markdown table; ``--json FILE`` also writes the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RANK_VARS = ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_SIZE", "PMI_RANK", "PMIX_RANK",
+             "MPI_LOCALNRANKS", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in RANK_VARS}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "python"), *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def _start_server(model: Path, shard: int, workdir: Path) -> tuple[subprocess.Popen[str], str]:
+    cmd = [sys.executable, "-m", "hsdp", "serve", "--model", str(model), "--port", "0", "--dtype", "float32"]
+    if shard > 1:
+        cmd += ["--use-hsdp", "--hsdp-shard-size", str(shard)]
+    proc = subprocess.Popen(cmd, cwd=workdir, env=_env(), stdout=subprocess.PIPE,
+                            stderr=(workdir / "serve.err").open("w"), text=True)
+    url = ""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if "listening on http://" in line:
+            url = line.split("listening on ")[1].split()[0]
+        if "ready:" in line:
+            # keep draining stdout so the server never blocks on a full pipe
+            threading.Thread(target=proc.stdout.read, daemon=True).start()
+            return proc, url
+    raise SystemExit(f"the server exited {proc.wait()} before it was ready; see {workdir / 'serve.err'}")
+
+
+def bench_server(args: argparse.Namespace, form: dict[str, str], workdir: Path) -> dict[str, object]:
+    import httpx
+
+    proc, url = _start_server(args.model, args.shard_size, workdir)
+    try:
+        with httpx.Client(base_url=url, timeout=600) as client:
+            def one(seed: int) -> tuple[float, str]:
+                started = time.perf_counter()
+                r = client.post("/v1/videos/sync", data={**form, "seed": str(seed)})
+                r.raise_for_status()
+                return time.perf_counter() - started, r.headers["X-Video-Id"]
+
+            one(0)  # warm-up: the first call records the prefetch order
+            alone, run = [], []
+            for i in range(args.alone):
+                latency, job = one(100 + i)
+                alone.append(latency)
+                run.append(client.get(f"/v1/videos/{job}").json()["inference_seconds"])
+            started = time.perf_counter()
+            with concurrent.futures.ThreadPoolExecutor(args.clients) as pool:
+                loaded = [lat for lat, _ in pool.map(one, range(1000, 1000 + args.jobs))]
+            wall = time.perf_counter() - started
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(120)
+    overhead = [a - r for a, r in zip(alone, run)]
+    return {"alone_latency_p50": _pct(alone, 0.5), "alone_run_p50": _pct(run, 0.5),
+            "overhead_p50": _pct(overhead, 0.5), "overhead_max": max(overhead),
+            "loaded_jobs_per_min": args.jobs / wall * 60, "loaded_p50": _pct(loaded, 0.5),
+            "loaded_p99": _pct(loaded, 0.99), "loaded_wall": wall}
+
+
+def bench_generate(args: argparse.Namespace, form: dict[str, str], workdir: Path) -> dict[str, object]:
+    flags = ["--prompt", form["prompt"], "--width", form["width"], "--height", form["height"],
+             "--num-frames", form["num_frames"], "--num-inference-steps", form["num_inference_steps"],
+             "--dtype", "float32"]
+    if args.shard_size > 1:
+        flags += ["--use-hsdp", "--hsdp-shard-size", str(args.shard_size)]
+    times = []
+    started = time.perf_counter()
+    for i in range(args.generate_runs):
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "hsdp", "generate", "--model", str(args.model), *flags,
+                        "--seed", str(i), "--output", str(workdir / f"g{i}.mp4")],
+                       cwd=workdir, env=_env(), check=True, capture_output=True)
+        times.append(time.perf_counter() - t0)
+    wall = time.perf_counter() - started
+    return {"generate_jobs_per_min": args.generate_runs / wall * 60, "generate_p50": _pct(times, 0.5),
+            "generate_p99": _pct(times, 0.99)}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", type=Path, default=None, help="a pipeline folder (default: a tiny random Wan2.2)")
+    p.add_argument("--shard-size", type=int, default=2)
+    p.add_argument("--clients", type=int, default=4)
+    p.add_argument("--jobs", type=int, default=16, help="requests under load")
+    p.add_argument("--alone", type=int, default=4, help="requests one at a time")
+    p.add_argument("--generate-runs", type=int, default=2)
+    p.add_argument("--size", default="32x32")
+    p.add_argument("--num-frames", default="5")
+    p.add_argument("--steps", default="2")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args()
+    width, height = args.size.split("x")
+    form = {"prompt": "a cat in the snow", "width": width, "height": height, "num_frames": args.num_frames,
+            "num_inference_steps": args.steps}
+    with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
+        workdir = Path(tmp)
+        if args.model is None:
+            from hsdp.testing.tiny_pipeline import make_tiny_pipeline
+
+            args.model = make_tiny_pipeline(workdir / "tiny-wan22", "wan22")
+        figures = {**bench_server(args, form, workdir), **bench_generate(args, form, workdir)}
+    rows = [
+        ("server, one request at a time: latency p50", f"{figures['alone_latency_p50']:.3f} s"),
+        ("  of which the job on the ranks (p50)", f"{figures['alone_run_p50']:.3f} s"),
+        ("  server overhead per job (p50 / max)", f"{figures['overhead_p50'] * 1e3:.1f} / "
+                                                  f"{figures['overhead_max'] * 1e3:.1f} ms"),
+        (f"server, {args.clients} concurrent clients, {args.jobs} jobs: throughput",
+         f"{figures['loaded_jobs_per_min']:.1f} jobs/min"),
+        ("  latency p50 / p99", f"{figures['loaded_p50']:.2f} / {figures['loaded_p99']:.2f} s"),
+        (f"`hsdp generate` in a loop, {args.generate_runs} runs: throughput",
+         f"{figures['generate_jobs_per_min']:.1f} jobs/min"),
+        ("  latency p50 / p99", f"{figures['generate_p50']:.2f} / {figures['generate_p99']:.2f} s"),
+    ]
+    print(f"| {args.shard_size} ranks, {args.size}, {args.num_frames} frames, {args.steps} steps | |")
+    print("|---|---|")
+    for name, value in rows:
+        print(f"| {name} | {value} |")
+    if args.json is not None:
+        args.json.write_text(json.dumps(figures, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

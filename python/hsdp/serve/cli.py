@@ -1,0 +1,321 @@
+"""``hsdp serve``: load a pipeline folder sharded across ranks and serve it over HTTP.
+
+    hsdp serve --model DIR --use-hsdp --hsdp-shard-size 2 [--host 127.0.0.1] [--port 8091] [--api-key KEY]
+
+The number of ranks follows from the parallel flags, as for ``hsdp generate``: run from a
+plain shell, the command starts them itself through mpiexec (with :mod:`hsdp.launch`'s
+settings); inside a job that ``mpiexec``, ``hsdp.launch`` or ``torchrun`` started, it runs as
+the rank it is.
+
+Shutdown: SIGTERM or SIGINT (Ctrl-C) to the command stops rank 0 accepting (new jobs get 503),
+lets the running job end, fails the queued ones, tells every rank to stop, closes the HTTP
+server, and every rank exits 0. The command
+started its mpiexec in a session of its own and sends the signal to rank 0 alone: Open MPI's
+mpiexec, signalled itself, kills its ranks at once. A second signal ends the job at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from hsdp.cli.folder import FolderError, PipelineFolder, read_folder
+from hsdp.config import DiffusionParallelConfig, add_parallel_args
+
+__all__ = ["CONTROL_ENV", "build_parser", "main"]
+
+PROG = "hsdp serve"
+EXIT_USAGE = 2
+DTYPES = ("bfloat16", "float32", "float16")
+# Set by the self-launching command for its ranks: the file rank 0 writes its pid into, so the
+# command can signal rank 0 alone.
+CONTROL_ENV = "HSDP_SERVE_CONTROL"
+
+log = logging.getLogger("hsdp.serve")
+
+
+class UsageError(ValueError):
+    pass
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description="Serve a diffusers pipeline folder, its transformers and text encoders sharded across ranks, "
+        "behind vllm-omni's Videos API (POST /v1/videos, ...) or OpenAI's images API (image models). The ranks "
+        "the parallel flags need are started through mpiexec unless this already runs inside one rank of a job.",
+        epilog="example: hsdp serve --model tiny-wan22 --use-hsdp --hsdp-shard-size 2 --port 8091",
+    )
+    p.add_argument("--model", type=Path, required=True, metavar="DIR",
+                   help="a diffusers pipeline folder (model_index.json; save_pretrained's layout)")
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model id in /v1/models and requests (default: the folder's name)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=int, default=8091, help="port to listen on (default: %(default)s; 0: any free)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every route but /health (default: $HSDP_API_KEY)")
+    p.add_argument("--output-dir", type=Path, default=None, metavar="DIR",
+                   help="where finished videos are written and kept (after exit too); default: a temporary "
+                   "folder of this server, removed when it stops")
+    p.add_argument("--max-queue", type=int, default=256, metavar="N",
+                   help="jobs that may wait; beyond, requests get 429 (default: %(default)s)")
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPES,
+                   help="torch_dtype of the pipeline, and of the shards (default: %(default)s)")
+    p.add_argument("--device", default=None, help="cpu or cuda (one GPU per rank); default: load_pipeline's choice")
+    p.add_argument("--replicate-text-encoders", action="store_true",
+                   help="keep whole text encoders on every rank instead of sharding them")
+    add_parallel_args(p)
+    return p
+
+
+def check_args(args: argparse.Namespace) -> tuple[PipelineFolder, DiffusionParallelConfig]:
+    try:
+        folder = read_folder(args.model)
+    except FolderError as exc:
+        raise UsageError(str(exc)) from None
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port must be in 0..65535, got {args.port}")
+    if args.max_queue < 1:
+        raise UsageError(f"--max-queue must be >= 1, got {args.max_queue}")
+    if args.api_key is None:
+        args.api_key = os.environ.get("HSDP_API_KEY") or None
+    if args.api_key is not None and not args.api_key.strip():
+        raise UsageError("--api-key is empty")
+    if args.output_dir is not None and args.output_dir.exists() and not args.output_dir.is_dir():
+        raise UsageError(f"--output-dir {args.output_dir} exists and is not a folder")
+    try:
+        config = DiffusionParallelConfig.from_cli_args(args)
+        config.require_supported()
+    except (ValueError, NotImplementedError) as exc:
+        raise UsageError(str(exc)) from None
+    return folder, config
+
+
+def _usage_error(message: str) -> int:
+    from hsdp._rank import rank_label
+
+    label = rank_label()
+    prefix = "" if label == "rank ?" else f"[{label}] "
+    sys.stderr.write(f"{prefix}{PROG}: error: {message}\n")
+    sys.stderr.flush()
+    return EXIT_USAGE
+
+
+# ----------------------------------------------------------------------------- starting the ranks
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when this command dies (Linux), so that a killed
+    command never leaves mpiexec and its ranks behind in their own session."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def launch_ranks(nproc: int, argv: Sequence[str]) -> int:
+    """Runs ``python -m hsdp serve ARGV`` on ``nproc`` ranks under mpiexec; its exit status."""
+    from hsdp import launch
+    from hsdp.cli import ranks
+
+    mpiexec = launch.find_mpiexec(None)
+    if mpiexec is None:
+        return _usage_error("mpiexec was not found on PATH; install Open MPI (apt-get install openmpi-bin) "
+                            "or start the ranks yourself")
+    flavour = launch.detect_flavour(mpiexec)
+    added = launch.launch_env(flavour)
+    fd, control = tempfile.mkstemp(prefix="hsdp-serve-", suffix=".pid")
+    os.close(fd)
+    added[CONTROL_ENV] = control
+    entry = Path(ranks.__file__).with_name("rank_entry.py")
+    cmd = launch.build_command(mpiexec, flavour, nproc, [str(entry), "serve", *argv], added, launch._core_count())
+    # A session of its own: a terminal's Ctrl-C reaches this command only, not mpiexec.
+    proc = subprocess.Popen(cmd, env={**os.environ, **added}, start_new_session=True,
+                            preexec_fn=_die_with_parent)
+    signals: list[int] = []
+
+    def forward(signum: int, _frame: FrameType | None) -> None:
+        signals.append(signum)
+        if proc.poll() is not None:
+            return
+        try:
+            text = Path(control).read_text().strip()
+        except OSError:
+            text = ""
+        if len(signals) == 1 and text.isdigit():
+            os.kill(int(text), signal.SIGTERM)  # rank 0 stops the server and then every rank
+        else:  # not started yet, or asked twice: mpiexec ends the job now
+            proc.send_signal(signal.SIGTERM)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        code = proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        Path(control).unlink(missing_ok=True)
+    return 128 - code if code < 0 else code
+
+
+# ----------------------------------------------------------------------------- one rank
+
+
+class _Shutdown:
+    """SIGTERM/SIGINT on rank 0: stop accepting (the job loop then ends after the running job);
+    a second one ends the job at once. On the other ranks: ignored, rank 0 says when to stop."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.count = 0
+        self.on_stop: list[Any] = []
+
+    def __call__(self, signum: int, _frame: FrameType | None) -> None:
+        self.count += 1
+        if self.rank != 0:
+            return
+        if self.count > 1:
+            sys.stderr.write(f"{PROG}: second {signal.Signals(signum).name}: ending every rank now\n")
+            sys.stderr.flush()
+            os._exit(128 + signum)
+        sys.stderr.write(f"{PROG}: {signal.Signals(signum).name}: no new jobs; stopping after the running one\n")
+        sys.stderr.flush()
+        for callback in self.on_stop:
+            callback()
+
+
+def _start_http(app: Any, host: str, port: int) -> tuple[Any, threading.Thread]:
+    """uvicorn in a thread (it leaves signals to the main thread there); returns once it
+    listens, or raises naming why it could not."""
+    import uvicorn
+
+    # At shutdown, requests still open get this long to be answered (the jobs have ended by then).
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off",
+                            timeout_graceful_shutdown=30)
+    server = uvicorn.Server(config)
+
+    def serve() -> None:
+        try:
+            server.run()
+        except SystemExit:  # uvicorn's way of saying it could not start; its log said why
+            pass
+
+    thread = threading.Thread(target=serve, name="hsdp-serve-http", daemon=True)
+    thread.start()
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError(f"{PROG}: the HTTP server could not listen on {host}:{port} (see uvicorn's message "
+                               "above; is the port in use?)")
+        thread.join(0.05)
+    return server, thread
+
+
+def _bound_port(server: Any) -> int:
+    for s in getattr(server, "servers", []):
+        for sock in getattr(s, "sockets", []):
+            if sock.family in (socket.AF_INET, socket.AF_INET6):
+                return int(sock.getsockname()[1])
+    return -1
+
+
+def run(args: argparse.Namespace, folder: PipelineFolder, config: DiffusionParallelConfig) -> int:
+    from hsdp import distributed
+
+    if not distributed.launched_by_mpi():
+        import torch  # noqa: F401 - under torchrun, the NCCL backend is chosen only once torch is in
+
+    world = distributed.init_process_group()
+    try:
+        config.check_world(world.size)
+    except ValueError as exc:
+        return _usage_error(str(exc))
+    rank0 = world.rank == 0
+    logging.basicConfig(level=logging.INFO if rank0 else logging.WARNING, format="%(name)s: %(message)s")
+    shutdown = _Shutdown(world.rank)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, shutdown)
+
+    import torch
+
+    from hsdp.pipelines import load_pipeline
+
+    from .worker import follower_loop, leader_loop
+
+    if not rank0:
+        pipe = load_pipeline(folder.path, config, torch_dtype=getattr(torch, args.dtype), device=args.device,
+                             shard_text_encoders=not args.replicate_text_encoders, progress=False)
+        pipe.set_progress_bar_config(disable=True)
+        follower_loop(world, pipe)
+        return 0
+
+    from .app import create_app
+    from .jobs import JobStore
+
+    control = os.environ.get(CONTROL_ENV)
+    if control:
+        Path(control).write_text(str(os.getpid()))
+    model_id = args.served_model_name or folder.path.resolve().name
+    store = JobStore(model_id, args.max_queue)
+    ready = threading.Event()
+    temporary = args.output_dir is None
+    output_dir = Path(tempfile.mkdtemp(prefix="hsdp-serve-")) if temporary else args.output_dir
+    output_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        app = create_app(store, folder, model_id, ready, args.api_key, cfg_parallel=config.cfg_parallel_size == 2)
+        server, thread = _start_http(app, args.host, args.port)
+
+        # A signal stops new jobs (503) at once; the HTTP server stays up, answering status
+        # requests and the running job's waiting client, until the job loop has ended.
+        shutdown.on_stop.append(store.stop_accepting)
+        if shutdown.count:  # a signal came before the server existed
+            store.stop_accepting()
+        print(f"{PROG}: listening on http://{args.host}:{_bound_port(server)} (loading {folder.class_name} from "
+              f"{folder.path} on {world.size} rank(s): {config.describe()})", flush=True)
+        pipe = load_pipeline(folder.path, config, torch_dtype=getattr(torch, args.dtype), device=args.device,
+                             shard_text_encoders=not args.replicate_text_encoders, progress=True)
+        pipe.set_progress_bar_config(disable=True)
+        ready.set()
+        print(f"{PROG}: ready: {model_id} ({folder.class_name}); outputs in {output_dir}"
+              f"{' (removed at exit)' if temporary else ''}; rank 0 is pid {os.getpid()} (SIGTERM it to stop)",
+              flush=True)
+        ran = leader_loop(world, pipe, store, output_dir)
+        server.should_exit = True  # closes the listening socket; open requests are answered
+        thread.join()
+        print(f"{PROG}: stopped after {ran} job(s)", flush=True)
+    finally:
+        if temporary:
+            shutil.rmtree(output_dir, ignore_errors=True)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``hsdp serve ARGS``; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    try:
+        folder, config = check_args(args)
+    except UsageError as exc:
+        return _usage_error(str(exc))
+    from hsdp.cli.ranks import inside_launched_job
+
+    if config.world_size > 1 and not inside_launched_job():
+        sys.stderr.write(f"{PROG}: starting {config.world_size} ranks ({config.describe()}) under mpiexec\n")
+        sys.stderr.flush()
+        return launch_ranks(config.world_size, argv)
+    return run(args, folder, config)

@@ -1,0 +1,52 @@
+"""Messages from rank 0 to every rank: a JSON object broadcast over the world group (its length,
+then its bytes), and the agreement on a job's outcome after it ran."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+
+__all__ = ["agree_outcome", "recv_message", "send_message"]
+
+
+def send_message(group: Any, message: dict[str, Any]) -> None:
+    """Rank 0: broadcast ``message`` (JSON-serialisable) to every rank of ``group``."""
+    data = json.dumps(message, separators=(",", ":")).encode("utf-8")
+    group.broadcast(np.array([len(data)], dtype=np.int64), 0)
+    if data:
+        group.broadcast(np.frombuffer(data, dtype=np.uint8).copy(), 0)
+
+
+def recv_message(group: Any) -> dict[str, Any]:
+    """Ranks other than 0: the next message rank 0 sends."""
+    size = np.zeros(1, dtype=np.int64)
+    group.broadcast(size, 0)
+    buf = np.empty(int(size[0]), dtype=np.uint8)
+    if buf.size:
+        group.broadcast(buf, 0)
+    message = json.loads(buf.tobytes().decode("utf-8"))
+    if not isinstance(message, dict) or "op" not in message:
+        raise RuntimeError(f"hsdp serve: rank 0 sent a message this rank cannot read: {message!r:.200}")
+    return message
+
+
+def agree_outcome(group: Any, error: str | None) -> str | None:
+    """Every rank's verdict on the job it just ran: None when every rank succeeded, else the
+    error of the lowest failing rank (the same string on every rank), so that rank 0 marks the
+    job failed even when only another rank saw the failure."""
+    flags = np.empty(group.size, dtype=np.int64)
+    group.all_gather(np.array([0 if error is None else 1], dtype=np.int64), flags)
+    failing = [r for r in range(group.size) if flags[r]]
+    if not failing:
+        return None
+    root = failing[0]
+    data = (error or "").encode("utf-8")[:4000] if group.rank == root else b""
+    size = np.array([len(data)], dtype=np.int64)
+    group.broadcast(size, root)
+    buf = np.frombuffer(data, dtype=np.uint8).copy() if group.rank == root else np.empty(int(size[0]), np.uint8)
+    if buf.size:
+        group.broadcast(buf, root)
+    text = buf.tobytes().decode("utf-8", errors="replace")
+    return text if root == 0 else f"rank {root}: {text}"

@@ -1,0 +1,436 @@
+"""``hsdp serve`` (python -m hsdp serve): a real server on 2 ranks, started as a subprocess on
+127.0.0.1 (port 0: the server picks a free one and prints it), answered by a real HTTP client.
+
+Two launches, overlapped (the Flux server loads while the video tests run): a Wan2.2 video
+server (every route, the key, bad input, a failure inside the model, 8 concurrent clients, then
+SIGTERM while a job runs) and a Flux image server (the images route, then a rank killed). Every wait is bounded: request loops by count and deadline, the
+processes by timeouts."""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import io
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from mpirun import MPI_ENV, ROOT
+
+pytest.importorskip("diffusers")
+pytest.importorskip("transformers")
+pytest.importorskip("imageio_ffmpeg")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from hsdp.testing.tiny_pipeline import make_tiny_pipeline  # noqa: E402
+
+KEY = "test-key-0123"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+FAULT = "bad quality static"  # the prompt that fails inside the model (HSDP_SERVE_FAULT_PROMPT)
+VIDEO = {"width": "32", "height": "32", "num_frames": "5", "num_inference_steps": "2"}
+RANK_VARS = ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_SIZE", "PMI_RANK", "PMIX_RANK",
+             "MPI_LOCALNRANKS", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+START_TIMEOUT = 240.0  # loading on a busy 2-core machine
+JOB_TIMEOUT = 120.0
+
+
+class Server:
+    """``python -m hsdp serve ... --port 0`` in a subprocess, found by a tag in its environment."""
+
+    def __init__(self, folder: Path, tmp: Path, extra: list[str], env: dict[str, str] | None = None) -> None:
+        self.tag = uuid.uuid4().hex
+        # Open MPI's shared-memory segments go to a folder of this server alone, so the test can
+        # see that none is left behind among the other jobs' segments in /dev/shm.
+        self.shm = Path("/dev/shm") / f"hsdp-serve-test-{self.tag}"
+        self.shm.mkdir()
+        base = {k: v for k, v in os.environ.items() if k not in RANK_VARS}
+        base["PYTHONPATH"] = os.pathsep.join([str(ROOT / "python"), *filter(None, [base.get("PYTHONPATH")])])
+        self.env = {**base, **MPI_ENV, "HSDP_SERVE_TEST_TAG": self.tag,
+                    "OMPI_MCA_btl_vader_backing_directory": str(self.shm), **(env or {})}
+        self.stderr_path = tmp / f"serve-{self.tag}.err"
+        self.cmd = [sys.executable, "-m", "hsdp", "serve", "--model", str(folder), "--port", "0",
+                    "--use-hsdp", "--hsdp-shard-size", "2", "--dtype", "float32", *extra]
+        self.proc = subprocess.Popen(self.cmd, cwd=tmp, env=self.env, stdout=subprocess.PIPE,
+                                     stderr=self.stderr_path.open("w"), text=True)
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.stdout: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+        self.url = ""
+        self.output_dir: Path | None = None
+        self.started = time.monotonic()
+
+    def wait_ready(self) -> Server:
+        if self.output_dir is not None:
+            return self
+        deadline = self.started + START_TIMEOUT
+        while True:
+            line = self.lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            assert line is not None, f"the server exited {self.proc.wait()} before it was ready\n{self.log()}"
+            if "listening on http://" in line:
+                self.url = line.split("listening on ")[1].split()[0]
+            if "ready:" in line:
+                self.output_dir = Path(line.split("outputs in ")[1].split()[0].rstrip(";"))
+                break
+        assert self.url.startswith("http://127.0.0.1:"), self.log()
+        return self
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.stdout.append(line)
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def log(self) -> str:
+        return f"--- stdout\n{''.join(self.stdout)}\n--- stderr\n{self.stderr_path.read_text()}"
+
+    def pids(self, rank: int | None = None) -> list[int]:
+        """The processes carrying this server's tag (the command, mpiexec, the ranks)."""
+        found = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                env = (entry / "environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if f"HSDP_SERVE_TEST_TAG={self.tag}".encode() not in env:
+                continue
+            if rank is None or f"OMPI_COMM_WORLD_RANK={rank}".encode() in env:
+                found.append(int(entry.name))
+        return found
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the server did not exit within {timeout} s\n{self.log()}")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                for pid in self.pids():
+                    os.kill(pid, signal.SIGKILL)
+                self.proc.wait(30)
+        shutil.rmtree(self.shm, ignore_errors=True)
+
+    def left_behind(self) -> list[str]:
+        """Processes or shared-memory segments of this server still there."""
+        left = [f"process {pid}" for pid in self.pids()]
+        left += [f"/dev/shm segment {p.name}" for p in self.shm.iterdir()] if self.shm.exists() else []
+        if self.output_dir is not None and self.output_dir.exists():
+            left.append(f"output folder {self.output_dir}")
+        return left
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("serve-pipelines")
+    return {kind: make_tiny_pipeline(root / kind, kind) for kind in ("wan22", "flux")}
+
+
+@pytest.fixture(scope="module")
+def image_server(folders, tmp_path_factory) -> Iterator[Server]:
+    """The Flux server, started (not waited for) before the video server: it loads while the
+    video tests run."""
+    server = Server(folders["flux"], tmp_path_factory.mktemp("serve-image"), [])
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture(scope="module")
+def video(folders, tmp_path_factory, image_server) -> Iterator[Server]:
+    server = Server(folders["wan22"], tmp_path_factory.mktemp("serve-video"), ["--api-key", KEY],
+                    {"HSDP_SERVE_FAULT_PROMPT": FAULT})
+    try:
+        yield server.wait_ready()
+    finally:
+        server.close()
+
+
+@pytest.fixture(scope="module")
+def client(video) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=video.url, headers=AUTH, timeout=JOB_TIMEOUT) as c:
+        yield c
+
+
+def _form(**fields: str) -> dict[str, str]:
+    return {**VIDEO, **fields}
+
+
+def _sync(client: httpx.Client, **fields: str) -> bytes:
+    r = client.post("/v1/videos/sync", data=_form(**fields))
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"] == "video/mp4" and r.content[4:8] == b"ftyp"
+    return r.content
+
+
+def _until(what: str, check, limit: float = JOB_TIMEOUT, polls: int = 2000):  # type: ignore[no-untyped-def]
+    """Polls ``check()`` until it returns a truthy value; bounded in count and time."""
+    deadline = time.monotonic() + limit
+    pause = threading.Event()
+    for _ in range(polls):
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            break
+        pause.wait(0.05)
+    pytest.fail(f"{what}: not reached within {limit} s / {polls} polls")
+
+
+# ------------------------------------------------------------------------- in process: the job store
+
+
+def test_job_store_runs_in_arrival_order_and_loses_no_accepted_job():
+    from hsdp.serve.jobs import Conflict, JobStore, QueueFull, Stopping
+
+    store = JobStore("m", max_queue=4)
+    jobs = [store.submit({"kind": "video", "prompt": f"p{i}", "seed": i, "fps": 16}) for i in range(4)]
+    with pytest.raises(QueueFull, match="4 jobs are waiting already"):
+        store.submit({"kind": "video", "prompt": "one too many", "seed": 0, "fps": 16})
+    assert store.queue_length() == 4 and [j.status for j in jobs] == ["queued"] * 4
+    first = store.next(0)
+    assert first is jobs[0] and first.status == "in_progress"
+    with pytest.raises(Conflict, match="is running"):
+        store.delete(first.id)
+    assert store.delete(jobs[1].id) is jobs[1] and jobs[1].done.is_set() and store.get(jobs[1].id) is None
+    store.finish(first, None)
+    assert first.status == "completed" and first.progress == 100 and first.done.is_set()
+    assert store.next(0) is jobs[2]
+    store.finish(jobs[2], "ValueError: bad")
+    assert jobs[2].public()["error"] == {"code": "generation_failed", "message": "ValueError: bad"}
+    store.stop_accepting()
+    with pytest.raises(Stopping):
+        store.submit({"kind": "video", "prompt": "late", "seed": 0, "fps": 16})
+    assert store.next(0) is None  # stopping: nothing more starts
+    assert store.fail_queued("stopped") == 1 and jobs[3].status == "failed" and jobs[3].done.is_set()
+    assert [j.status for j in store.list()] == ["completed", "failed", "failed"]
+
+
+def test_cfg_parallel_servers_refuse_jobs_that_do_not_guide(folders):
+    from hsdp.cli.folder import read_folder
+    from hsdp.serve.params import RequestError, image_params, video_params
+
+    wan, flux = read_folder(folders["wan22"]), read_folder(folders["flux"])
+    assert video_params({"prompt": "a cat", "guidance_scale": "1"}, None, wan)["guidance_scale"] == 1.0
+    with pytest.raises(RequestError, match="guidance_scale 1 turns it off") as err:
+        video_params({"prompt": "a cat", "guidance_scale": "1"}, None, wan, cfg_parallel=True)
+    assert err.value.param == "guidance_scale"
+    assert video_params({"prompt": "a cat"}, None, wan, cfg_parallel=True)["guidance_scale"] is None
+    with pytest.raises(RequestError, match="true_cfg_scale above 1 and a negative_prompt"):
+        image_params({"prompt": "a car", "true_cfg_scale": 4}, flux, cfg_parallel=True)
+    ok = image_params({"prompt": "a car", "true_cfg_scale": 4, "negative_prompt": "blurry"}, flux, cfg_parallel=True)
+    assert ok["true_cfg_scale"] == 4.0 and ok["negative_prompt"] == "blurry"
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--model", "{tmp}/none"], "--model {tmp}/none: no such folder"),
+    (["--model", "{wan}", "--port", "70000"], "--port must be in 0..65535, got 70000"),
+    (["--model", "{wan}", "--api-key", " "], "--api-key is empty"),
+    (["--model", "{wan}", "--max-queue", "0"], "--max-queue must be >= 1, got 0"),
+    (["--model", "{wan}", "--ring-degree", "2"], "ring attention (ring_degree=2) is not built"),
+])
+def test_bad_flags_exit_2_naming_the_flag(folders, tmp_path, capsys, flags, words):
+    from hsdp.serve import cli
+
+    fill = {"tmp": str(tmp_path), "wan": str(folders["wan22"])}
+    assert cli.main([f.format(**fill) for f in flags]) == 2
+    assert words.format(**fill) in capsys.readouterr().err
+
+
+def test_a_port_in_use_is_refused_before_loading(folders):
+    import socket
+
+    from hsdp.serve import cli
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        try:
+            with pytest.raises(RuntimeError, match=f"could not listen on 127.0.0.1:{port}"):
+                cli.main(["--model", str(folders["wan22"]), "--port", str(port)])
+        finally:
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+
+
+# ------------------------------------------------------------------------- the video server
+
+
+def test_health_models_and_the_key(video, client):
+    assert httpx.get(f"{video.url}/health").json() == {"status": "ok", "model": "wan22", "queue_length": 0}
+    models = client.get("/v1/models").json()
+    assert [m["id"] for m in models["data"]] == ["wan22"] and models["data"][0]["pipeline"] == "WanPipeline"
+    for method, path in (("GET", "/v1/models"), ("GET", "/v1/videos"), ("POST", "/v1/videos"),
+                         ("POST", "/v1/videos/sync"), ("GET", "/v1/videos/video_x/content"),
+                         ("DELETE", "/v1/videos/video_x"), ("POST", "/v1/images/generations")):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+            r = httpx.request(method, f"{video.url}{path}", headers=headers, data=_form(prompt="a cat"))
+            assert r.status_code == 401, (method, path, headers, r.text)
+            assert "Authorization: Bearer" in r.json()["error"]["message"]
+
+
+def test_job_lifecycle_list_content_delete(client):
+    r = client.post("/v1/videos", data=_form(prompt="a red car on the street", seed="3", fps="8"))
+    assert r.status_code == 200, r.text
+    job = r.json()
+    assert job["object"] == "video" and job["status"] in ("queued", "in_progress") and job["seed"] == 3
+    assert job["size"] == "32x32" and job["num_frames"] == 5 and job["fps"] == 8
+    # Jobs run in arrival order: once a later sync job is answered, the first one has ended.
+    after = _sync(client, prompt="a dog", seed="4")
+    done = client.get(f"/v1/videos/{job['id']}").json()
+    assert done["status"] == "completed" and done["progress"] == 100 and done["error"] is None, done
+    assert job["id"] in [j["id"] for j in client.get("/v1/videos").json()["data"]]
+    content = client.get(f"/v1/videos/{job['id']}/content")
+    assert content.status_code == 200 and content.headers["content-type"] == "video/mp4"
+    assert content.content[4:8] == b"ftyp" and content.content != after
+    # The same request again, alone, gives the same bytes.
+    assert _sync(client, prompt="a red car on the street", seed="3", fps="8") == content.content
+    assert client.delete(f"/v1/videos/{job['id']}").json() == {"id": job["id"], "object": "video.deleted",
+                                                               "deleted": True}
+    for path in (f"/v1/videos/{job['id']}", f"/v1/videos/{job['id']}/content"):
+        assert client.get(path).status_code == 404
+    assert client.delete(f"/v1/videos/{job['id']}").status_code == 404
+
+
+@pytest.mark.parametrize("fields, param, words", [
+    ({"prompt": ""}, "prompt", "prompt is required"),
+    ({"num_inference_steps": "-3"}, "num_inference_steps", "must be >= 1, got -3"),
+    ({"num_inference_steps": "abc"}, "num_inference_steps", "must be an integer, got 'abc'"),
+    ({"width": "40"}, "width", "width 40 is not a multiple of 16"),
+    ({"width": "", "height": "", "size": "40x32"}, "size", "width 40 is not a multiple of 16"),
+    ({"width": "", "height": "", "size": "big"}, "size", "'WIDTHxHEIGHT'"),
+    ({"num_frames": "6"}, "num_frames", "num_frames - 1 to be a multiple of 4"),
+    ({"guidance_scale": "nan"}, "guidance_scale", "positive finite number"),
+    ({"seed": "1.5"}, "seed", "must be an integer"),
+    ({"fps": "0"}, "fps", "must be >= 1"),
+])
+def test_bad_video_fields_get_400_naming_the_field(client, fields, param, words):
+    form = {"prompt": "a cat", **VIDEO, **fields}
+    r = client.post("/v1/videos", data={k: v for k, v in form.items() if v != "" or k == "prompt"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+
+
+def test_other_bad_requests_and_the_server_stays_up(video, client):
+    r = client.post("/v1/videos", data=_form(prompt="a cat"), files={"input_reference": ("f.png", b"x", "image/png")})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input_reference", r.text
+    r = client.post("/v1/videos", data=_form(prompt="a cat", model="other"))
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model", r.text
+    r = client.post("/v1/images/generations", json={"prompt": "a cat"})
+    assert r.status_code == 404 and "POST /v1/videos" in r.json()["error"]["message"], r.text
+    assert client.get("/v1/videos/nope").status_code == 404
+    assert httpx.get(f"{video.url}/health").json()["status"] == "ok"
+
+
+def test_a_failure_inside_the_model_fails_its_job_and_the_next_job_runs(client):
+    r = client.post("/v1/videos", data=_form(prompt=FAULT, seed="1"))
+    failing = r.json()["id"]
+    r = client.post("/v1/videos/sync", data=_form(prompt=FAULT, seed="2"))
+    assert r.status_code == 500 and "injected fault" in r.json()["error"]["message"], r.text
+    job = client.get(f"/v1/videos/{failing}").json()
+    assert job["status"] == "failed" and "injected fault" in job["error"]["message"], job
+    assert client.get(f"/v1/videos/{failing}/content").status_code == 409
+    assert _sync(client, prompt="a bird in the sky", seed="5")  # every rank moved on, in step
+
+
+def test_eight_concurrent_clients_each_equal_to_the_request_alone(client):
+    requests = [_form(prompt=p, seed=str(s)) for p, s in
+                (("a cat in the snow", 11), ("a fish in the river", 12), ("a horse in the field", 13),
+                 ("a cat in the snow", 14))]
+    alone = [_sync(client, **r) for r in requests]
+    assert len(set(alone)) == len(alone)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        loaded = list(pool.map(lambda i: _sync(client, **requests[i % 4]), range(8)))
+    assert all(loaded[i] == alone[i % 4] for i in range(8)), "a result under load differs from the request alone"
+
+
+def test_sigterm_lets_the_running_job_end_fails_the_queued_and_leaves_nothing(video, client):
+    results: dict[str, httpx.Response] = {}
+
+    def post(name: str, steps: str) -> None:
+        with httpx.Client(base_url=video.url, headers=AUTH, timeout=JOB_TIMEOUT) as c:
+            results[name] = c.post("/v1/videos/sync", data=_form(prompt=f"a {name}", num_inference_steps=steps))
+
+    running = threading.Thread(target=post, args=("tree", "30"))
+    running.start()
+    (job,) = _until("the job in progress", lambda: [j for j in client.get("/v1/videos").json()["data"]
+                                                   if j["prompt"] == "a tree" and j["status"] == "in_progress"])
+    assert 0 <= job["progress"] <= 99 and job["started_at"] is not None, job
+    queued = threading.Thread(target=post, args=("house", "2"))
+    queued.start()
+    _until("the second job queued", lambda: client.get("/health").json()["queue_length"] == 2)
+    video.proc.send_signal(signal.SIGTERM)
+    # Until the running job ends: no new job (503), status still answered.
+    _until("health says stopping", lambda: client.get("/health").json()["status"] == "stopping")
+    r = client.post("/v1/videos", data=_form(prompt="a late cat"))
+    assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"], r.text
+    assert client.get(f"/v1/videos/{job['id']}").json()["status"] in ("in_progress", "completed")
+    assert video.wait(120) == 0, video.log()
+    running.join(JOB_TIMEOUT)
+    queued.join(JOB_TIMEOUT)
+    assert results["tree"].status_code == 200 and results["tree"].content[4:8] == b"ftyp", results["tree"].text
+    assert results["house"].status_code == 500, results["house"].text
+    assert "stopped before this job ran" in results["house"].json()["error"]["message"]
+    assert "stopped after" in "".join(video.stdout)
+    with pytest.raises(httpx.ConnectError):
+        client.get("/health")
+    assert video.left_behind() == [], video.log()
+
+
+# ------------------------------------------------------------------------- the image server
+
+
+@pytest.fixture(scope="module")
+def image(image_server) -> Server:
+    return image_server.wait_ready()
+
+
+def test_images_generations_then_a_killed_rank_ends_the_server(image):
+    import numpy as np
+    from PIL import Image
+
+    with httpx.Client(base_url=image.url, timeout=JOB_TIMEOUT) as c:
+        body = {"prompt": "a red car", "size": "32x32", "n": 2, "seed": 7, "num_inference_steps": 2,
+                "response_format": "b64_json"}
+        r = c.post("/v1/images/generations", json=body)
+        assert r.status_code == 200, r.text
+        pngs = [base64.b64decode(d["b64_json"]) for d in r.json()["data"]]
+        assert len(pngs) == 2 and all(p[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
+        assert np.asarray(Image.open(io.BytesIO(pngs[0]))).shape == (32, 32, 3)
+        assert [base64.b64decode(d["b64_json"]) for d in c.post("/v1/images/generations", json=body).json()["data"]] == pngs
+        for bad, param in (({"size": "33x32"}, "size"), ({"n": 0}, "n"), ({"response_format": "url"}, "response_format"),
+                           ({"prompt": None}, "prompt"), ({"num_inference_steps": "x"}, "num_inference_steps")):
+            r = c.post("/v1/images/generations", json={**body, **bad})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        r = c.post("/v1/images/generations", content=b"{not json", headers={"Content-Type": "application/json"})
+        assert r.status_code == 400, r.text
+        assert c.post("/v1/videos", data=_form(prompt="a cat")).status_code == 404
+    # A rank that dies takes the server down with a message, never a hang.
+    (rank1,) = image.pids(rank=1)
+    os.kill(rank1, signal.SIGKILL)
+    assert image.wait(120) != 0
+    text = image.log()
+    assert "signal 9" in text or "Killed" in text, text
+    _until("every process gone", lambda: not image.pids(), limit=30, polls=600)
