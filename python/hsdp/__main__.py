@@ -14,7 +14,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-# name -> (module with main(argv) -> int, one line of help). `serve` will join them.
+# name -> (module with main(argv) -> int, one line of help).
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("hsdp.cli.generate", "prompt to video (or image) from a diffusers pipeline folder, sharded"),
     "serve": ("hsdp.serve.cli", "serve a pipeline folder, sharded, over vllm-omni's video / OpenAI's image HTTP API"),
