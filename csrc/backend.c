@@ -84,12 +84,15 @@ static hsdp_status sendrecv_check(hsdp_group *g, const void *send, size_t sbytes
     const char *s = send, *r = recv;
     if (sbytes && rbytes && s < r + rbytes && r < s + sbytes)
         return hsdp_fail(HSDP_EINVAL, "sendrecv: the send and recv buffers overlap");
-    *self = dest == g->rank && source == g->rank;
-    if (*self && sbytes != rbytes)
+    int to_self = dest == g->rank && source == g->rank;
+    if (to_self && sbytes != rbytes)
         return hsdp_fail(HSDP_EINVAL, "sendrecv to this rank itself: sends %zu bytes but receives %zu", sbytes, rbytes);
-    if (!*self && (dest == g->rank || source == g->rank))
+    if (!to_self && (dest == g->rank || source == g->rank))
         return hsdp_fail(HSDP_EINVAL, "sendrecv: rank %d sends to %d and receives from %d; either both are this "
                                       "rank or neither is", g->rank, dest, source);
+    /* A backend with the slot sends to itself too (its buffers may be device memory); a
+     * backend without one has host memory only, copied here. */
+    *self = to_self && !g->backend->sendrecv;
     if (!*self && !g->backend->sendrecv)
         return hsdp_fail(HSDP_EUNSUPPORTED, "backend '%s' has no point-to-point sendrecv (ring attention needs it)",
                          g->backend->name);

@@ -26,8 +26,10 @@
  *                               backend.c packs host memory around all_to_all
  *   finalize                    ends the backend's runtime, when world() started it
  *   sendrecv                    point to point, for ring attention: one message to a group
- *                               rank and one from another, as one step (MPI: MPI_Sendrecv).
- *                               Without it hsdp_sendrecv is HSDP_EUNSUPPORTED (NCCL today)
+ *                               rank and one from another, as one step (MPI: MPI_Sendrecv;
+ *                               NCCL: ncclSend + ncclRecv in a group, device buffers only,
+ *                               untested on a GPU). Without it hsdp_sendrecv is
+ *                               HSDP_EUNSUPPORTED
  *   sendrecv_start              the same, progressing while the caller computes (MPI: on its
  *                               worker thread); waited by gather_wait, which waits any request
  *                               the backend's start slots began */
@@ -97,7 +99,7 @@ struct hsdp_backend {
     hsdp_status (*all_to_all_blocks)(hsdp_group *g, const void *send, const hsdp_blocks *s, void *recv,
                                      const hsdp_blocks *r);
     /* Sends sbytes from send to group rank dest and receives exactly rbytes into recv from
-     * group rank source (dest, source != this rank; backend.c copies a rank's own message). */
+     * group rank source (both this rank, or neither: backend.c checks). */
     hsdp_status (*sendrecv)(hsdp_group *g, const void *send, size_t sbytes, int dest, void *recv, size_t rbytes,
                             int source);
     /* r->g is set; the backend starts the sendrecv and gather_wait ends it. */

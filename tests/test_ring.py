@@ -39,6 +39,8 @@ def test_one_rank_ring_and_self_sendrecv():
     assert np.array_equal(got, np.ones(3, np.float32))
     with pytest.raises(Exception, match="sends 12 bytes but receives 8"):
         world.sendrecv(np.ones(3, np.float32), 0, np.empty(2, np.float32), 0)
+    with pytest.raises(ValueError, match="device addresses need a GPU backend"):
+        world.sendrecv_start_device(1, 0, 2, 0, 8)
     r = ring.Ring(world)
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((1, 2, 6, 4)).astype(np.float32) for _ in range(3))

@@ -231,6 +231,49 @@ static PyObject *group_sendrecv_start(GroupObject *self, PyObject *args, PyObjec
     Py_RETURN_NONE;
 }
 
+/* sendrecv_device / sendrecv_start_device(send_addr, dest, recv_addr, source, nbytes): the
+ * same on device memory given as addresses (torch's data_ptr(); nccl), ordered after the
+ * compute stream's work so far; the caller keeps both alive until the wait (started form:
+ * sendrecv_wait() makes the compute stream wait for it). */
+static PyObject *p2p_device(GroupObject *self, PyObject *args, int start) {
+    unsigned long long s, r;
+    int dest, source;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "KiKin", &s, &dest, &r, &source, &n)) return NULL;
+    if (!self->g->backend->buffer_alloc)
+        return PyErr_Format(PyExc_ValueError, "device addresses need a GPU backend (nccl); this group runs on '%s'",
+                            self->g->backend->name);
+    if (n < 0) return PyErr_Format(PyExc_ValueError, "nbytes must be >= 0, got %zd", n);
+    if (!s || !r) return PyErr_Format(PyExc_ValueError, "send and recv must be device addresses, not 0");
+    if (dest < 0 || dest >= self->g->size || source < 0 || source >= self->g->size)
+        return PyErr_Format(PyExc_ValueError, "sendrecv: dest=%d and source=%d must be ranks of a group of %d", dest,
+                            source, self->g->size);
+    if (self->p2p && self->p2p->pending)
+        return PyErr_Format(PyExc_RuntimeError, "sendrecv: a started sendrecv on this group is not waited yet");
+    if (start && !self->p2p) {
+        self->p2p = PyMem_Calloc(1, sizeof *self->p2p);
+        if (!self->p2p) return PyErr_NoMemory();
+    }
+    hsdp_status st;
+    Py_BEGIN_ALLOW_THREADS
+    if (start)
+        st = hsdp_sendrecv_start(self->p2p, self->g, (const void *)(uintptr_t)s, (size_t)n, dest, (void *)(uintptr_t)r,
+                                 (size_t)n, source);
+    else
+        st = hsdp_sendrecv(self->g, (const void *)(uintptr_t)s, (size_t)n, dest, (void *)(uintptr_t)r, (size_t)n,
+                           source);
+    Py_END_ALLOW_THREADS
+    if (st != HSDP_OK) return hsdp_py_raise(st);
+    if (start) {
+        Py_CLEAR(self->p2p_send);
+        Py_CLEAR(self->p2p_recv);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *group_sendrecv_device(GroupObject *self, PyObject *args) { return p2p_device(self, args, 0); }
+static PyObject *group_sendrecv_start_device(GroupObject *self, PyObject *args) { return p2p_device(self, args, 1); }
+
 /* sendrecv_wait(): ends the started sendrecv; its error, if any, is raised here. */
 static PyObject *group_sendrecv_wait(GroupObject *self, PyObject *unused) {
     (void)unused;
@@ -375,6 +418,12 @@ static PyMethodDef group_methods[] = {
      "thread); the group holds both arrays until sendrecv_wait(). One at a time per group."},
     {"sendrecv_wait", (PyCFunction)group_sendrecv_wait, METH_NOARGS,
      "sendrecv_wait(): wait for the sendrecv started on this group; raises its error."},
+    {"sendrecv_device", (PyCFunction)group_sendrecv_device, METH_VARARGS,
+     "sendrecv_device(send_addr, dest, recv_addr, source, nbytes): sendrecv on device memory (nccl; untested on "
+     "a GPU)."},
+    {"sendrecv_start_device", (PyCFunction)group_sendrecv_start_device, METH_VARARGS,
+     "sendrecv_start_device(send_addr, dest, recv_addr, source, nbytes): started on the side stream; "
+     "sendrecv_wait() makes the compute stream wait for it (nccl; untested on a GPU)."},
     {"all_gather_device", (PyCFunction)group_all_gather_device, METH_VARARGS,
      "all_gather_device(send_addr, recv_addr, block_bytes): all_gather on device memory (nccl)."},
     {"all_to_all_device", (PyCFunction)group_all_to_all_device, METH_VARARGS,

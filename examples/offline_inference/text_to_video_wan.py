@@ -242,9 +242,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         parallel.check_world(world.size)
         hsdp_cfg = parallel.to_hsdp_config(param_dtype=args.param_dtype) if parallel.use_hsdp else None
         groups = par.init_parallel_groups(parallel, world)
-        if groups.ring_degree > 1 and args.device == "cuda":
-            raise NotImplementedError("ring attention on GPUs is not built (the NCCL backend has no point-to-point "
-                                      "sendrecv yet); use --ulysses-degree on GPUs")
         pt, ph, pw = COMMON["patch_size"]
         tokens = (args.frames // pt) * (args.height // ph) * (args.width // pw)
         local_tokens = groups.sp.local_tokens(tokens) if groups.sp is not None else tokens

@@ -6,11 +6,15 @@
 ring attention over the ring group, the reverse all-to-all. The ring passes one k/v buffer
 per step by the group's ``sendrecv_start``/``sendrecv_wait`` (the MPI worker moves it while
 this block's attention runs) and merges the partial results through their log-sum-exp in
-float32. A block's attention and its log-sum-exp come from torch's CPU flash attention
-(``aten._scaled_dot_product_flash_attention_for_cpu``), else from explicit float32 math.
+float32. A block's attention and its log-sum-exp come from torch's flash attention (CPU:
+``aten._scaled_dot_product_flash_attention_for_cpu``; CUDA, half precision:
+``aten._scaled_dot_product_flash_attention``), else from explicit float32 math.
 
-GPU tensors are refused with NotImplementedError: the NCCL backend has no point-to-point
-slot yet. Imported only by callers, so ``import hsdp`` never pulls torch in.
+On GPUs (the NCCL backend) the k/v block moves by ``sendrecv_start_device``: grouped
+``ncclSend``/``ncclRecv`` on hsdp's side stream, the compute stream made to wait at
+``sendrecv_wait``. That path has NOT RUN ON A GPU yet (no GPU was lent to the project); its C
+side runs against the fake CUDA/NCCL library. Imported only by callers, so ``import hsdp``
+never pulls torch in.
 """
 
 from __future__ import annotations
@@ -26,10 +30,15 @@ from .ring import USP, Ring
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(q k^T / sqrt(D)) v over one key block, and its log-sum-exp (B, H, n, 1), both float32."""
-    flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-    if q.device.type == "cpu" and flash is not None:
+    if q.device.type == "cpu":
+        flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    elif q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention", None)
+    else:
+        flash = None
+    if flash is not None:
         try:
-            out, lse = flash(q, k, v)[:2]
+            out, lse = flash(q, k, v)[:2]  # both ops: (output, logsumexp (B, H, n) float32, ...)
             return out.float(), lse.float().unsqueeze(-1)
         except (RuntimeError, NotImplementedError):  # a dtype or shape it does not take: the math below
             pass
@@ -41,23 +50,22 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[
 def ring_attention(ring: Ring, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """This rank's (B, H, n, D) queries over every ring rank's keys and values (see
     :class:`hsdp.ring.Ring`): (B, H, n, D) float32."""
-    if q.is_cuda:
-        raise NotImplementedError(
-            "ring attention on GPU tensors is not built: the NCCL backend has no point-to-point sendrecv yet; "
-            "use Ulysses (ulysses_degree) on GPUs"
-        )
     p = ring.degree
     if p == 1:
         return block_attention(q, k, v)[0]
-    bufs = [torch.empty((2, *k.shape), dtype=k.dtype) for _ in range(2)]
+    bufs = [torch.empty((2, *k.shape), dtype=k.dtype, device=k.device) for _ in range(2)]
     cur, nxt = bufs
     cur[0].copy_(k)
     cur[1].copy_(v)
     dest, source = (ring.rank + 1) % p, (ring.rank - 1) % p
     out = lse = None
     for step in range(p):
-        if step < p - 1:  # the next block moves (MPI worker) while this one is computed
-            ring.group.sendrecv_start(_np(cur), dest, _np(nxt), source)
+        if step < p - 1:  # the next block moves (MPI worker, NCCL side stream) while this one is computed
+            if cur.is_cuda:
+                nbytes = cur.numel() * cur.element_size()
+                ring.group.sendrecv_start_device(cur.data_ptr(), dest, nxt.data_ptr(), source, nbytes)
+            else:
+                ring.group.sendrecv_start(_np(cur), dest, _np(nxt), source)
         try:
             out_i, lse_i = block_attention(q, cur[0], cur[1])
         finally:

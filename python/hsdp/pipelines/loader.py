@@ -149,8 +149,8 @@ def load_pipeline(
       transformer component, and every text encoder unless ``shard_text_encoders=False``,
       is streamed rank-locally into HSDP units (the registry in
       :mod:`hsdp.pipelines.conditions` says which submodules); None or ``use_hsdp=False``
-      loads them whole. Its Ulysses and ring degrees (Wan transformers; ring on CPU ranks
-      only) and CFG parallel size apply either way.
+      loads them whole. Its Ulysses and ring degrees (Wan transformers; ring on GPUs is
+      untested) and CFG parallel size apply either way.
     - ``torch_dtype``: float32, bfloat16 or float16; what the sharded models are stored and
       computed in (``_keep_in_fp32_modules`` stay float32) and what diffusers loads the rest in.
     - ``device``: where the models run (None: the CPU); ``"cuda"`` shards onto each rank's GPU.
@@ -184,11 +184,6 @@ def load_pipeline(
         given = {k for k in kwargs if not k.startswith("_")}
         components = [c for c in read_components(folder, shard_text_encoders, use_hsdp) if c.name not in given]
         _check_modes(parallel_config, pipe_cls, components)
-        if on_gpu and parallel_config is not None and parallel_config.ring_degree > 1:
-            raise NotImplementedError(
-                f"ring attention (ring_degree={parallel_config.ring_degree}) on GPUs is not built: the NCCL backend "
-                f"has no point-to-point sendrecv yet; use ulysses_degree on GPUs"
-            )
         if use_hsdp:
             hsdp_cfg = parallel_config.to_hsdp_config(param_dtype=_PARAM_DTYPES[torch_dtype])
     except Exception as e:  # any failure here, on any rank, must reach every rank (no rank left waiting)
