@@ -369,5 +369,5 @@ def test_wan_example_runs_ulysses_with_hsdp_on_two_ranks(tmp_path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.with_suffix(".json").read_text())
     assert report["hsdp_mode"] == "combined"
-    assert report["sequence_parallel"] == {"ulysses_degree": 2, "tokens": 128, "tokens_per_rank": 64}
+    assert report["sequence_parallel"] == {"ulysses_degree": 2, "ring_degree": 1, "tokens": 128, "tokens_per_rank": 64}
     assert report["verify"]["ok"] is True and report["verify"]["tolerance"] == 1e-5
