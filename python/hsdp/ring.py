@@ -137,7 +137,12 @@ class USP:
         return np.ascontiguousarray(x[:, self.rank * n : (self.rank + 1) * n])
 
     def gather_tokens(self, x: np.ndarray) -> np.ndarray:
-        return Ulysses.gather_tokens(self, x)  # type: ignore[arg-type]  # the same all-gather, over self.group
+        """Every rank's (B, n, C) -> the whole (B, degree * n, C), in sequence-parallel rank order."""
+        send = np.ascontiguousarray(x)
+        recv = np.empty((self.degree, *send.shape), dtype=send.dtype)
+        self.group.all_gather(send, recv)
+        b, n, c = send.shape
+        return np.ascontiguousarray(recv.transpose(1, 0, 2, 3).reshape(b, self.degree * n, c))
 
     def grouped(self, b: int, n: int, h: int, d: int, dtype: Any) -> np.ndarray:
         if self.ulysses is not None:
