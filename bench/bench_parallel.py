@@ -14,7 +14,18 @@ rank against the degree, and the step time of 2 ranks against 1.
   attention dominates; and on 2 ranks, interleaved, the same forward with q, k, v written
   grouped (the default) against strided (the path before).
 
+Ring attention (``--ring``: this section alone):
+
+- *ring exchange*: one ring step's transfer as :class:`hsdp.ring.Ring` makes it (k and v
+  copied into one buffer, ``sendrecv_start`` + ``sendrecv_wait``) against the raw
+  ``ProcessGroup.sendrecv`` of the same bytes, 2 ranks, k+v of 1-64 MiB per rank.
+- *ring attention time*: attention over a long sequence (4 heads, 8192 tokens, head dim 64)
+  on 1 rank against ring 2 on 2 ranks (each rank's share of the queries over every key).
+- *ring memory*: the peak a rank gains during one forward of the reference model, as above,
+  at ring 1, 2 and 4. Goal: 1/ring.
+
     .venv/bin/python bench/bench_parallel.py
+    .venv/bin/python bench/bench_parallel.py --ring
 """
 
 from __future__ import annotations
@@ -72,6 +83,71 @@ def rank_exchange() -> None:
         print("RESULT " + json.dumps(rows))
 
 
+RING_SEQ = dict(b=1, h=4, n=8192, d=64)
+
+
+def rank_ring_exchange() -> None:
+    import numpy as np
+
+    import hsdp
+    from hsdp.ring import Ring
+
+    world = hsdp.distributed.init_process_group()
+    ring = Ring(world)
+    dest, source = (world.rank + 1) % world.size, (world.rank - 1) % world.size
+    rows = []
+    for mib in SIZES_MIB:
+        n = (mib << 20) // (2 * 4 * 64 * 4)  # k and v (1, 4, n, 64) float32: `mib` MiB together
+        k, v = (np.random.default_rng(i).standard_normal((1, 4, n, 64)).astype(np.float32) for i in range(2))
+
+        def ours() -> None:  # what one ring step moves, as Ring.attention moves it
+            cur, nxt = ring._buffers((2, *k.shape), k.dtype)
+            cur[0], cur[1] = k, v
+            world.sendrecv_start(cur, dest, nxt, source)
+            world.sendrecv_wait()
+
+        def onward() -> None:  # a later step: the block received is sent on as it lies, no packing
+            cur, nxt = ring._buffers((2, *k.shape), k.dtype)
+            world.sendrecv_start(cur, dest, nxt, source)
+            world.sendrecv_wait()
+
+        send, recv = np.stack([k, v]), np.empty((2, *k.shape), np.float32)
+        raw = lambda: world.sendrecv(send, dest, recv, source)  # noqa: E731
+        fns = [ours, raw, onward, onward, raw, ours]
+        interleaved(fns, 2, sync=world.barrier)
+        o1, r1, w1, w2, r2, o2 = interleaved(fns, max(9, 128 // mib), sync=world.barrier)
+        rows.append({"mib": mib, "ours_s": (o1 + o2) / 2, "raw_s": (r1 + r2) / 2, "onward_s": (w1 + w2) / 2})
+    if world.rank == 0:
+        print("RESULT " + json.dumps(rows))
+
+
+def rank_ring_time() -> None:
+    import numpy as np
+
+    import hsdp
+    from hsdp.ring import Ring, block_attention
+
+    world = hsdp.distributed.init_process_group()
+    b, h, n, d = RING_SEQ.values()
+    q, k, v = (np.random.default_rng(i).standard_normal((b, h, n, d)).astype(np.float32) for i in range(3))
+    if world.size == 1:
+        fn = lambda: block_attention(q, k, v, d ** -0.5)  # noqa: E731
+    else:
+        ring, m = Ring(world), n // world.size
+        lo = world.rank * m
+        mine = [np.ascontiguousarray(t[:, :, lo:lo + m]) for t in (q, k, v)]
+        fn = lambda: ring.attention(*mine)  # noqa: E731
+    fn()
+    times = []
+    for _ in range(3):
+        world.barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    if world.rank == 0:
+        print("RESULT " + json.dumps({"ranks": world.size, "seconds": sorted(times)[1]}))
+
+
 def rank_forward(mode: str) -> None:
     import numpy as np
 
@@ -80,20 +156,33 @@ def rank_forward(mode: str) -> None:
 
     world = hsdp.distributed.init_process_group()
     sp = parallel.Ulysses(world) if world.size > 1 else None
+    if "--ring-memory" in sys.argv and world.size > 1:  # ring attention over every rank
+        from hsdp.ring import USP, Ring
+
+        sp = USP(world, None, Ring(world))
     model = parallel.apply_sequence_parallel(models.make_model("small", seed=0), sp)
     x = models.make_inputs("small", **VIDEO, seed=3)
     model(*x)  # warm: allocator arenas, BLAS buffers
     if mode == "memory":
+        import tracemalloc
+
         world.barrier()
         base = vm_kib("VmRSS")
         reset_peak_rss()
         model(*x)
         peak = vm_kib("VmHWM")
-        gained = np.array([(peak - base) * 1024], dtype=np.int64)
-        every = np.zeros(world.size, dtype=np.int64)
+        # NumPy reports its arrays to tracemalloc: the peak of live arrays during the forward,
+        # whether or not the allocator had the pages resident already
+        tracemalloc.start()
+        model(*x)
+        traced = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        gained = np.array([(peak - base) * 1024, traced], dtype=np.int64)
+        every = np.zeros((world.size, 2), dtype=np.int64)
         world.all_gather(gained, every)
         if world.rank == 0:
-            print("RESULT " + json.dumps({"ranks": world.size, "gained": every.tolist()}))
+            print("RESULT " + json.dumps({"ranks": world.size, "gained": every[:, 0].tolist(),
+                                          "traced": every[:, 1].tolist()}))
         return
     if mode == "layouts":  # the same forward with q, k, v grouped (the default) or strided, interleaved
         from hsdp.models import dit
@@ -134,7 +223,37 @@ def result(lines: str) -> object:
     return json.loads(next(l for l in lines.splitlines() if l.startswith("RESULT "))[7:])
 
 
+def ring_main() -> None:
+    rows = []
+    for r in result(launch(2, __file__, "--rank-ring-exchange")):
+        rows.append([r["mib"], f"{r['raw_s'] * 1e3:.2f}", f"{r['ours_s'] * 1e3:.2f}",
+                     f"{r['raw_s'] / r['ours_s']:.3f}", f"{r['onward_s'] * 1e3:.2f}",
+                     f"{r['raw_s'] / r['onward_s']:.3f}"])
+    print(f"Ring step vs the raw sendrecv of the same bytes, 2 ranks ({machine()}); median ms. 'first step': "
+          f"k, v packed into the ring buffer + sendrecv_start/wait; 'later step': the received block sent on")
+    print(table(["k+v MiB per rank", "raw sendrecv ms", "first step ms", "raw / first", "later step ms",
+                 "raw / later"], rows))
+    t1 = result(launch(1, __file__, "--rank-ring-time"))["seconds"]
+    t2 = result(launch(2, __file__, "--rank-ring-time"))["seconds"]
+    b, h, n, d = RING_SEQ.values()
+    print(f"\nAttention, {h} heads x {n} tokens x head dim {d}, float32: 1 rank {t1:.3f} s, ring 2 on 2 ranks "
+          f"{t2:.3f} s, ratio {t2 / t1:.3f}")
+    tokens = VIDEO["frames"] * (VIDEO["height"] // 2) * (VIDEO["width"] // 2)
+    mem = {n: result(launch(n, __file__, "--rank-memory", "--ring-memory")) for n in (1, 2, 4)}
+    base, tbase = max(mem[1]["gained"]), max(mem[1]["traced"])
+    rows = [[n, f"{max(m['traced']) / 2**20:.1f}", f"{max(m['traced']) / tbase:.3f}",
+             f"{max(m['gained']) / 2**20:.1f}", f"{max(m['gained']) / base:.3f}", f"{1 / n:.3f}"]
+            for n, m in mem.items()]
+    print(f"\nActivation memory per rank during one forward, 'small' preset, {tokens} tokens, by ring degree: "
+          f"the peak of live NumPy arrays (tracemalloc), and the resident set gained beyond the warm-up's")
+    print(table(["ring (ranks)", "live arrays MiB (max)", "vs 1 rank", "RSS gained MiB (max)", "vs 1 rank",
+                 "1 / ring"], rows))
+
+
 def main() -> None:
+    if "--ring" in sys.argv:
+        ring_main()
+        return
     rows = []
     for r in result(launch(2, __file__, "--rank-exchange")):
         ratio = r["raw_s"] / r["ours_s"]
@@ -162,10 +281,16 @@ def main() -> None:
     r = result(launch(2, __file__, "--rank-layouts"))
     print(f"Ulysses 2 on 2 ranks, interleaved: q, k, v grouped {r['grouped_s']:.3f} s, strided "
           f"{r['strided_s']:.3f} s, grouped / strided {r['grouped_s'] / r['strided_s']:.3f}")
+    print()
+    ring_main()
 
 
 if __name__ == "__main__":
-    if "--rank-exchange" in sys.argv:
+    if "--rank-ring-exchange" in sys.argv:
+        rank_ring_exchange()
+    elif "--rank-ring-time" in sys.argv:
+        rank_ring_time()
+    elif "--rank-exchange" in sys.argv:
         rank_exchange()
     elif "--rank-memory" in sys.argv:
         rank_forward("memory")

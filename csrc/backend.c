@@ -74,6 +74,43 @@ hsdp_status hsdp_all_to_all(hsdp_group *g, const void *send, void *recv, size_t 
     return g->backend->all_to_all(g, send, recv, nbytes);
 }
 
+/* Checks a sendrecv's arguments; *self is set when the message goes to and from this rank. */
+static hsdp_status sendrecv_check(hsdp_group *g, const void *send, size_t sbytes, int dest, const void *recv,
+                                  size_t rbytes, int source, int *self) {
+    if (dest < 0 || dest >= g->size)
+        return hsdp_fail(HSDP_EINVAL, "sendrecv: dest %d is outside a group of %d ranks", dest, g->size);
+    if (source < 0 || source >= g->size)
+        return hsdp_fail(HSDP_EINVAL, "sendrecv: source %d is outside a group of %d ranks", source, g->size);
+    const char *s = send, *r = recv;
+    if (sbytes && rbytes && s < r + rbytes && r < s + sbytes)
+        return hsdp_fail(HSDP_EINVAL, "sendrecv: the send and recv buffers overlap");
+    int to_self = dest == g->rank && source == g->rank;
+    if (to_self && sbytes != rbytes)
+        return hsdp_fail(HSDP_EINVAL, "sendrecv to this rank itself: sends %zu bytes but receives %zu", sbytes, rbytes);
+    if (!to_self && (dest == g->rank || source == g->rank))
+        return hsdp_fail(HSDP_EINVAL, "sendrecv: rank %d sends to %d and receives from %d; either both are this "
+                                      "rank or neither is", g->rank, dest, source);
+    /* A backend with the slot sends to itself too (its buffers may be device memory); a
+     * backend without one has host memory only, copied here. */
+    *self = to_self && !g->backend->sendrecv;
+    if (!*self && !g->backend->sendrecv)
+        return hsdp_fail(HSDP_EUNSUPPORTED, "backend '%s' has no point-to-point sendrecv (ring attention needs it)",
+                         g->backend->name);
+    return HSDP_OK;
+}
+
+hsdp_status hsdp_sendrecv(hsdp_group *g, const void *send, size_t sbytes, int dest, void *recv, size_t rbytes,
+                          int source) {
+    int self = 0;
+    hsdp_status st = sendrecv_check(g, send, sbytes, dest, recv, rbytes, source, &self);
+    if (st != HSDP_OK) return st;
+    if (self) {
+        if (rbytes) memcpy(recv, send, rbytes);
+        return HSDP_OK;
+    }
+    return g->backend->sendrecv(g, send, sbytes, dest, recv, rbytes, source);
+}
+
 size_t hsdp_blocks_bytes(const hsdp_blocks *b, int size, size_t *span) {
     if (b->ndims < 0 || b->ndims > HSDP_BLOCK_DIMS || size < 1) {
         hsdp_fail(HSDP_EINVAL, "a block layout has %d dimensions (at most %d)", b->ndims, HSDP_BLOCK_DIMS);
@@ -275,6 +312,29 @@ hsdp_status hsdp_gather_wait(hsdp_req *r) {
     r->pending = 0;
     if (r->status != HSDP_OK) return hsdp_fail(r->status, "%s", r->err);
     return HSDP_OK;
+}
+
+hsdp_status hsdp_sendrecv_start(hsdp_req *r, hsdp_group *g, const void *send, size_t sbytes, int dest, void *recv,
+                                size_t rbytes, int source) {
+    req_reset(r, g, NULL, NULL, NULL);
+    r->label = "a ring attention sendrecv";
+    r->pending = 0;
+    int self = 0;
+    hsdp_status st = sendrecv_check(g, send, sbytes, dest, recv, rbytes, source, &self);
+    if (st != HSDP_OK) return st;
+    r->pending = 1;
+    if (!self && g->backend->sendrecv_start) {
+        r->backend_owned = 1;
+        st = g->backend->sendrecv_start(r, send, sbytes, dest, recv, rbytes, source);
+        if (st != HSDP_OK) r->pending = 0;
+        return st;
+    }
+    r->start_ns = hsdp_now_ns();
+    st = hsdp_sendrecv(g, send, sbytes, dest, recv, rbytes, source);
+    r->end_ns = hsdp_now_ns();
+    r->status = st;
+    if (st != HSDP_OK) snprintf(r->err, sizeof r->err, "%s", hsdp_last_error());
+    return HSDP_OK; /* its status is the wait's */
 }
 
 hsdp_status hsdp_gather_now(hsdp_req *r, hsdp_group *g, void **share, const void *send, void *recv,

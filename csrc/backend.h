@@ -26,7 +26,15 @@
  *   all_to_all_blocks           an all-to-all between strided layouts (hsdp_blocks), packed
  *                               by the backend itself (MPI: derived datatypes); without it
  *                               backend.c packs host memory around all_to_all
- *   finalize                    ends the backend's runtime, when world() started it */
+ *   finalize                    ends the backend's runtime, when world() started it
+ *   sendrecv                    point to point, for ring attention: one message to a group
+ *                               rank and one from another, as one step (MPI: MPI_Sendrecv;
+ *                               NCCL: ncclSend + ncclRecv in a group, device buffers only,
+ *                               untested on a GPU). Without it hsdp_sendrecv is
+ *                               HSDP_EUNSUPPORTED
+ *   sendrecv_start              the same, progressing while the caller computes (MPI: on its
+ *                               worker thread); waited by gather_wait, which waits any request
+ *                               the backend's start slots began */
 #ifndef HSDP_BACKEND_H
 #define HSDP_BACKEND_H
 
@@ -102,6 +110,13 @@ struct hsdp_backend {
     hsdp_status (*share_read)(hsdp_group *g, const void *share, void *out, size_t nbytes);
     hsdp_status (*all_to_all_blocks)(hsdp_group *g, const void *send, const hsdp_blocks *s, void *recv,
                                      const hsdp_blocks *r);
+    /* Sends sbytes from send to group rank dest and receives exactly rbytes into recv from
+     * group rank source (both this rank, or neither: backend.c checks). */
+    hsdp_status (*sendrecv)(hsdp_group *g, const void *send, size_t sbytes, int dest, void *recv, size_t rbytes,
+                            int source);
+    /* r->g is set; the backend starts the sendrecv and gather_wait ends it. */
+    hsdp_status (*sendrecv_start)(hsdp_req *r, const void *send, size_t sbytes, int dest, void *recv,
+                                  size_t rbytes, int source);
 };
 
 struct hsdp_group {
@@ -191,6 +206,18 @@ hsdp_status hsdp_set_timeout(double seconds);
 enum { HSDP_AGREE_OFF = 0, HSDP_AGREE_ON = 1, HSDP_AGREE_SEPARATE = 2 };
 void hsdp_set_agreement_check(int mode);
 int hsdp_agreement_check(void);
+
+/* Point to point (ring attention): sbytes from send to group rank dest, and exactly rbytes
+ * into recv from group rank source; the peers' calls pair up in program order. dest ==
+ * source == this rank is a copy. send and recv must not overlap. HSDP_EUNSUPPORTED when the
+ * backend has no sendrecv slot, HSDP_EINVAL for a rank outside the group. */
+hsdp_status hsdp_sendrecv(hsdp_group *g, const void *send, size_t sbytes, int dest, void *recv, size_t rbytes,
+                          int source);
+/* The same, started: it progresses while the caller computes where the backend has
+ * sendrecv_start (else it runs before this returns). r is the caller's and stays alive
+ * until hsdp_gather_wait(r) returns, which ends it and gives its status. */
+hsdp_status hsdp_sendrecv_start(hsdp_req *r, hsdp_group *g, const void *send, size_t sbytes, int dest, void *recv,
+                                size_t rbytes, int source);
 
 /* The backends, each defined in its own file. */
 extern const hsdp_backend hsdp_backend_single; /* backend_single.c */

@@ -235,6 +235,37 @@ static hsdp_status raw_all_to_all(hsdp_group *g, const void *send, void *recv, s
     return HSDP_OK;
 }
 
+/* The tag of ring attention's messages: collectives have a context of their own, and nothing
+ * else here sends point to point on a group's communicator. */
+enum { SENDRECV_TAG = 0x4853 };
+
+static hsdp_status raw_sendrecv(hsdp_group *g, const void *send, size_t sbytes, int dest, void *recv, size_t rbytes,
+                                int source) {
+    REQUIRE_LIVE();
+    int scount, rcount, sowned = 0, rowned = 0;
+    MPI_Datatype stype, rtype;
+    hsdp_status st = byte_count(sbytes, &scount, &stype, &sowned);
+    if (st == HSDP_OK) st = byte_count(rbytes, &rcount, &rtype, &rowned);
+    if (st != HSDP_OK) {
+        if (sowned) MPI_Type_free(&stype);
+        return st;
+    }
+    MPI_Status status;
+    watch_begin("MPI_Sendrecv", g, sbytes + rbytes);
+    int rc = MPI_Sendrecv(send, scount, stype, dest, SENDRECV_TAG, recv, rcount, rtype, source, SENDRECV_TAG,
+                          comm_of(g), &status);
+    watch_end();
+    int got = rcount;
+    if (rc == MPI_SUCCESS) MPI_Get_count(&status, rtype, &got);
+    if (sowned) MPI_Type_free(&stype);
+    if (rowned) MPI_Type_free(&rtype);
+    if (rc != MPI_SUCCESS) return mpi_fail(rc, "MPI_Sendrecv");
+    if (got != rcount)
+        return hsdp_fail(HSDP_EINVAL, "sendrecv: rank %d expected %zu bytes from rank %d but it sent fewer", g->rank,
+                         rbytes, source);
+    return HSDP_OK;
+}
+
 /* The MPI datatype of one block of a layout (its extent: the layout's step). */
 static hsdp_status blocks_type(const hsdp_blocks *b, MPI_Datatype *out) {
     if (b->inner > (size_t)INT_MAX || b->step > (size_t)INT_MAX * (size_t)HSDP_ALIGN)
@@ -853,6 +884,8 @@ typedef struct {
     const char *label;
     uint64_t ident;
     const hsdp_blocks *sblocks, *rblocks;
+    size_t rbytes;
+    int dest, source;
 } call_args;
 
 static hsdp_status do_all_gather(void *p) {
@@ -879,6 +912,10 @@ static hsdp_status do_all_to_all(void *p) {
 static hsdp_status do_all_to_all_blocks(void *p) {
     call_args *a = p;
     return raw_all_to_all_blocks(a->g, a->send, a->sblocks, a->recv, a->rblocks);
+}
+static hsdp_status do_sendrecv(void *p) {
+    call_args *a = p;
+    return raw_sendrecv(a->g, a->send, a->nbytes, a->dest, a->recv, a->rbytes, a->source);
 }
 static hsdp_status do_split(void *p) {
     call_args *a = p;
@@ -917,6 +954,12 @@ static hsdp_status mpi_all_to_all_blocks(hsdp_group *g, const void *send, const 
     call_args a = {.g = g, .send = send, .recv = recv, .sblocks = sb, .rblocks = rb};
     return hsdp_exec_run(mpi_worker, do_all_to_all_blocks, &a);
 }
+static hsdp_status mpi_sendrecv(hsdp_group *g, const void *send, size_t sbytes, int dest, void *recv, size_t rbytes,
+                                int source) {
+    call_args a = {.g = g, .send = send, .nbytes = sbytes, .dest = dest, .recv = recv, .rbytes = rbytes,
+                   .source = source};
+    return hsdp_exec_run(mpi_worker, do_sendrecv, &a);
+}
 static hsdp_status mpi_split(hsdp_group *g, int color, int key, hsdp_group **out) {
     call_args a = {.g = g, .color = color, .key = key, .out = out};
     return hsdp_exec_run(mpi_worker, do_split, &a);
@@ -953,13 +996,35 @@ static hsdp_status mpi_gather_start(hsdp_req *r, const void *send, void *recv, s
     return HSDP_OK;
 }
 
+/* A started sendrecv: a worker task too, waited by mpi_gather_wait (its task comes first). */
+typedef struct {
+    hsdp_task task;
+    hsdp_req *r;
+    call_args a;
+} sendrecv_task;
+_Static_assert(sizeof(sendrecv_task) <= HSDP_REQ_STATE_BYTES, "HSDP_REQ_STATE_BYTES must hold an MPI sendrecv task");
+_Static_assert(offsetof(sendrecv_task, task) == 0 && offsetof(gather_task, task) == 0,
+               "mpi_gather_wait finds either request's task at the start of its state");
+
+static hsdp_status mpi_sendrecv_start(hsdp_req *r, const void *send, size_t sbytes, int dest, void *recv,
+                                      size_t rbytes, int source) {
+    sendrecv_task *t = (sendrecv_task *)(void *)r->state;
+    *t = (sendrecv_task){.r = r,
+                         .a = {.g = r->g, .send = send, .nbytes = sbytes, .dest = dest, .recv = recv,
+                               .rbytes = rbytes, .source = source}};
+    t->task = (hsdp_task){.fn = do_sendrecv, .arg = &t->a};
+    hsdp_exec_submit(mpi_worker, &t->task); /* without a worker: runs here */
+    return HSDP_OK;
+}
+
+/* Waits a started gather or sendrecv: either keeps its worker task first in r->state. */
 static void mpi_gather_wait(hsdp_req *r) {
-    gather_task *t = (gather_task *)(void *)r->state;
-    r->status = hsdp_task_wait(mpi_worker, &t->task);
-    if (r->status != HSDP_OK) snprintf(r->err, sizeof r->err, "%s", t->task.err);
-    r->submit_ns = t->task.submit_ns;
-    r->start_ns = t->task.start_ns;
-    r->end_ns = t->task.end_ns;
+    hsdp_task *task = (hsdp_task *)(void *)r->state;
+    r->status = hsdp_task_wait(mpi_worker, task);
+    if (r->status != HSDP_OK) snprintf(r->err, sizeof r->err, "%s", task->err);
+    r->submit_ns = task->submit_ns;
+    r->start_ns = task->start_ns;
+    r->end_ns = task->end_ns;
 }
 
 /* False again once MPI is finalised (the worker is stopped). */
@@ -1064,6 +1129,8 @@ const hsdp_backend hsdp_backend_mpi = {
     .finalize = mpi_finalize,
     .gather_unit = mpi_gather_unit,
     .share_free = mpi_share_free,
+    .sendrecv = mpi_sendrecv,
+    .sendrecv_start = mpi_sendrecv_start,
 };
 
 #else /* no MPI at build time */

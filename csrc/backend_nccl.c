@@ -843,6 +843,55 @@ static void nccl_gather_wait(hsdp_req *r) {
     if (st != HSDP_OK) snprintf(r->err, sizeof r->err, "%s", hsdp_last_error());
 }
 
+/* Ring attention's point to point on device buffers (UNTESTED ON A GPU; the fake library's
+ * world of one runs it): ncclSend to dest and ncclRecv from source inside one NCCL group, on
+ * the side stream after the compute stream's work so far (which wrote the send buffer);
+ * gather_wait makes the compute stream wait for it, the host never does. NCCL does not check
+ * that the sizes of a pair match: every rank of the ring must pass the same shapes. Host
+ * buffers are refused: ring attention on the GPU keeps its blocks on the device. */
+static hsdp_status nccl_sendrecv_start(hsdp_req *r, const void *send, size_t sbytes, int dest, void *recv,
+                                       size_t rbytes, int source) {
+    device_guard();
+    nccl_task *t = (nccl_task *)r->state;
+    t->ev = NULL;
+    r->start_ns = hsdp_now_ns();
+    if ((sbytes && !on_device(send)) || (rbytes && !on_device(recv)))
+        return hsdp_fail(HSDP_EUNSUPPORTED, "the NCCL backend's sendrecv takes device buffers only");
+    nccl_comm *c = r->g->impl;
+    char what[160];
+    snprintf(what, sizeof what, "a sendrecv of %zu bytes to rank %d and %zu from rank %d over %d ranks", sbytes, dest,
+             rbytes, source, r->g->size);
+    hsdp_cudaStream_t order = call_stream_set ? call_stream : S.compute; /* the consumer's stream */
+    pthread_mutex_lock(&S.issue);
+    hsdp_status st = begin();
+    if (st == HSDP_OK) {
+        /* the send buffer was written on the consumer's stream: read it after */
+        hsdp_cudaError_t e = CUDA(cudaEventRecord, S.ready, order);
+        if (e == hsdp_cudaSuccess) e = CUDA(cudaStreamWaitEvent, S.comm, S.ready, 0);
+        if (e != hsdp_cudaSuccess) st = cuda_fail(e, "ordering a sendrecv after the compute stream");
+    }
+    if (st == HSDP_OK) {
+        hsdp_ncclResult_t rc = api.ncclGroupStart();
+        if (rc == hsdp_ncclSuccess && sbytes) rc = api.ncclSend(send, sbytes, hsdp_ncclUint8, dest, c->comm, S.comm);
+        if (rc == hsdp_ncclSuccess && rbytes) rc = api.ncclRecv(recv, rbytes, hsdp_ncclUint8, source, c->comm, S.comm);
+        hsdp_ncclResult_t end = api.ncclGroupEnd();
+        st = nccl_done(c, rc != hsdp_ncclSuccess ? rc : end, "ring attention's grouped ncclSend/ncclRecv");
+    }
+    if (st == HSDP_OK) st = track(what, recv, rbytes, &t->ev);
+    issue_unlock();
+    return st;
+}
+
+static hsdp_status nccl_sendrecv(hsdp_group *g, const void *send, size_t sbytes, int dest, void *recv, size_t rbytes,
+                                 int source) {
+    hsdp_req r = {.g = g};
+    hsdp_status st = nccl_sendrecv_start(&r, send, sbytes, dest, recv, rbytes, source);
+    if (st != HSDP_OK) return st;
+    nccl_gather_wait(&r); /* the compute stream waits for it */
+    if (r.status != HSDP_OK) return hsdp_fail(r.status, "%s", r.err);
+    return HSDP_OK;
+}
+
 static int nccl_overlaps(const hsdp_group *g) {
     (void)g;
     return 1;
@@ -1132,5 +1181,7 @@ const hsdp_backend hsdp_backend_nccl = {
     .share_free = nccl_share_free,
     .share_kind = nccl_share_kind,
     .share_read = nccl_share_read,
+    .sendrecv = nccl_sendrecv,
+    .sendrecv_start = nccl_sendrecv_start,
 };
 #endif

@@ -81,6 +81,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "flux-cfg2": ("flux", dict(use_hsdp=True, cfg_parallel_size=2)),  # true CFG, split
     "wan22-2x2": ("wan22", dict(use_hsdp=True, hsdp_shard_size=2, hsdp_replicate_size=2)),
     "wan22-ulysses2-cfg2": ("wan22", dict(use_hsdp=True, ulysses_degree=2, cfg_parallel_size=2)),
+    "wan22-ulysses2-ring2": ("wan22", dict(use_hsdp=True, ulysses_degree=2, ring_degree=2)),  # USP
 }
 
 

@@ -589,7 +589,8 @@ def test_check_world_uses_world_group(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_unsupported_degrees() -> None:
     assert C(use_hsdp=True, hsdp_shard_size=4).unsupported_degrees() == []
     assert C(use_hsdp=True, ulysses_degree=4).unsupported_degrees() == []  # Ulysses runs (hsdp.parallel)
-    assert C(ulysses_degree=2, ring_degree=3, cfg_parallel_size=2).unsupported_degrees() == ["ring_degree=3"]
+    assert C(ulysses_degree=2, ring_degree=3, cfg_parallel_size=2).unsupported_degrees() == []  # ring runs too
+    assert C(ring_degree=2, tensor_parallel_size=2).unsupported_degrees() == ["tensor_parallel_size=2"]
 
 
 def test_unsupported_degrees_without_hsdp_include_other_parallelism() -> None:
@@ -603,19 +604,17 @@ def test_require_supported_ok() -> None:
 
 def test_require_supported_names_degree() -> None:
     C(use_hsdp=True, ulysses_degree=4, cfg_parallel_size=2).require_supported()  # both run
+    C(use_hsdp=True, ulysses_degree=2, ring_degree=2, cfg_parallel_size=2).require_supported()  # USP runs
     with pytest.raises(NotImplementedError) as e:
-        C(use_hsdp=True, ring_degree=4).require_supported()
-    assert str(e.value) == (
-        "ring attention (ring_degree=4) is not built yet; "
-        "the HSDP mesh over these ranks works, but running the model with it does not"
-    )
+        C(tensor_parallel_size=4).require_supported()
+    assert str(e.value) == "tensor parallelism (tensor_parallel_size=4) is not built yet; set these to 1 to run the model"
 
 
 def test_require_supported_names_all() -> None:
     with pytest.raises(NotImplementedError) as e:
-        C(ring_degree=2, cfg_parallel_size=2, tensor_parallel_size=2).require_supported()
+        C(ring_degree=2, cfg_parallel_size=2, tensor_parallel_size=2, pipeline_parallel_size=2).require_supported()
     msg = str(e.value)
-    assert "ring attention (ring_degree=2)" in msg
+    assert "pipeline parallelism (pipeline_parallel_size=2)" in msg and "ring" not in msg
     assert "tensor parallelism (tensor_parallel_size=2)" in msg and "cfg_parallel_size" not in msg
     assert "are not built yet" in msg
 

@@ -334,9 +334,10 @@ def test_example_runs_every_combined_mode_and_verifies(tmp_path, flags, ranks, p
 
 REFUSED = [
     # (script, ranks, flags, what the error must say)
-    ("ref", 2, ["--ring-degree", "2"], "ring attention (ring_degree=2) is not built"),
     ("ref", 2, ["--ulysses-degree", "2", "--frames", "1", "--height", "6", "--width", "6"],
      "9 tokens are not divisible by ulysses_degree=2"),
+    ("ref", 2, ["--ring-degree", "2", "--frames", "1", "--height", "6", "--width", "6"],
+     "9 tokens are not divisible by 2"),
     ("ref", 2, ["--cfg-parallel-size", "2", "--guidance-scale", "1"], "--guidance-scale 1 has only one"),
     ("ref", 4, ["--ulysses-degree", "4"], "num_heads=2 is not divisible by ulysses_degree=4"),
     ("wan", 2, ["--cfg-parallel-size", "2", "--guidance-scale", "1"], "--guidance-scale 1 has only one"),
@@ -419,5 +420,5 @@ def test_wan_example_runs_ulysses_with_hsdp_on_two_ranks(tmp_path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.with_suffix(".json").read_text())
     assert report["hsdp_mode"] == "combined"
-    assert report["sequence_parallel"] == {"ulysses_degree": 2, "tokens": 128, "tokens_per_rank": 64}
+    assert report["sequence_parallel"] == {"ulysses_degree": 2, "ring_degree": 1, "tokens": 128, "tokens_per_rank": 64}
     assert report["verify"]["ok"] is True and report["verify"]["tolerance"] == 1e-5

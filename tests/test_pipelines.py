@@ -37,8 +37,8 @@ def test_two_ranks_every_mode_equals_the_stock_pipeline(folders):
         assert out.count(f"{case} ok") == 2, out
 
 
-def test_four_ranks_replicas_and_ulysses_with_cfg(folders):
-    cases = ["wan22-2x2", "wan22-ulysses2-cfg2"]
+def test_four_ranks_replicas_ulysses_with_cfg_and_usp(folders):
+    cases = ["wan22-2x2", "wan22-ulysses2-cfg2", "wan22-ulysses2-ring2"]
     out = run_ranks(4, "tests/pipelines_worker.py", str(folders["wan22"]), str(folders["flux"]), *cases,
                     timeout=600).stdout
     for case in cases:
@@ -148,10 +148,11 @@ def test_parallel_modes_a_pipeline_cannot_run_are_refused(folders):
     from hsdp.pipelines.loader import _check_modes
 
     flux = read_components(folders["flux"], True, True)
-    with pytest.raises(NotImplementedError, match="Ulysses .* WanTransformer3DModel only; component 'transformer' "
+    with pytest.raises(NotImplementedError, match="ulysses_degree=2, ring_degree=1. is built for diffusers' "
+                                                  "WanTransformer3DModel only; component 'transformer' "
                                                   "is a FluxTransformer2DModel"):
         _check_modes(DiffusionParallelConfig(ulysses_degree=2), FluxPipeline, flux)
-    with pytest.raises(NotImplementedError, match="ring attention"):
+    with pytest.raises(NotImplementedError, match="ring_degree=2. is built for diffusers' WanTransformer3DModel only"):
         _check_modes(DiffusionParallelConfig(ring_degree=2), FluxPipeline, flux)
     _check_modes(DiffusionParallelConfig(cfg_parallel_size=2, use_hsdp=True), FluxPipeline, flux)
     with pytest.raises(NotImplementedError, match="not for StableDiffusion3Pipeline"):

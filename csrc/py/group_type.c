@@ -34,6 +34,17 @@ static PyObject *group_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
 
 static void group_dealloc(GroupObject *self) {
     PyTypeObject *tp = Py_TYPE(self);
+    if (self->p2p) {
+        /* a started sendrecv still writes into its recv: end it before the arrays go */
+        if (self->p2p->pending) {
+            Py_BEGIN_ALLOW_THREADS
+            (void)hsdp_gather_wait(self->p2p);
+            Py_END_ALLOW_THREADS
+        }
+        PyMem_Free(self->p2p);
+    }
+    Py_XDECREF(self->p2p_send);
+    Py_XDECREF(self->p2p_recv);
     hsdp_group_free(self->g);
     Py_XDECREF(self->module);
     tp->tp_free(self);
@@ -148,6 +159,134 @@ static PyObject *group_all_gather(GroupObject *self, PyObject *args, PyObject *k
 
 static PyObject *group_all_to_all(GroupObject *self, PyObject *args, PyObject *kw) {
     return blocks_call(self, args, kw, self->g->size, hsdp_all_to_all);
+}
+
+/* The arrays and ranks of sendrecv(send, dest, recv, source). */
+static int p2p_args(GroupObject *self, PyObject *args, PyObject *kw, PyObject **so, PyArrayObject **ra, int *dest,
+                    int *source) {
+    static char *kwlist[] = {"send", "dest", "recv", "source", NULL};
+    PyObject *ro;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OiOi", kwlist, so, dest, &ro, source)) return -1;
+    *ra = hsdp_py_writable_array(ro, "recv");
+    if (!*ra) return -1;
+    if (!PyArray_Check(*so) || !PyArray_IS_C_CONTIGUOUS((PyArrayObject *)*so)) {
+        PyErr_Format(PyExc_TypeError, "sendrecv: send must be a C-contiguous NumPy array");
+        return -1;
+    }
+    for (int i = 0; i < 2; i++) {
+        int r = i ? *source : *dest;
+        if (r < 0 || r >= self->g->size) {
+            PyErr_Format(PyExc_ValueError, "sendrecv: %s=%d is outside a group of %d ranks", i ? "source" : "dest", r,
+                         self->g->size);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* sendrecv(send, dest, recv, source): send to group rank dest while receiving exactly
+ * recv.nbytes from group rank source, as one step, with the GIL released. */
+static PyObject *group_sendrecv(GroupObject *self, PyObject *args, PyObject *kw) {
+    PyObject *so;
+    PyArrayObject *ra;
+    int dest, source;
+    if (p2p_args(self, args, kw, &so, &ra, &dest, &source) < 0) return NULL;
+    if (self->p2p && self->p2p->pending)
+        return PyErr_Format(PyExc_RuntimeError, "sendrecv: a started sendrecv on this group is not waited yet");
+    const void *s = PyArray_DATA((PyArrayObject *)so);
+    size_t sn = (size_t)PyArray_NBYTES((PyArrayObject *)so), rn = (size_t)PyArray_NBYTES(ra);
+    void *r = PyArray_DATA(ra);
+    hsdp_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = hsdp_sendrecv(self->g, s, sn, dest, r, rn, source);
+    Py_END_ALLOW_THREADS
+    if (st != HSDP_OK) return hsdp_py_raise(st);
+    Py_RETURN_NONE;
+}
+
+/* sendrecv_start(...): the same, progressing while Python computes (MPI: on its worker
+ * thread); the group keeps both arrays until sendrecv_wait(). One at a time per group. */
+static PyObject *group_sendrecv_start(GroupObject *self, PyObject *args, PyObject *kw) {
+    PyObject *so;
+    PyArrayObject *ra;
+    int dest, source;
+    if (p2p_args(self, args, kw, &so, &ra, &dest, &source) < 0) return NULL;
+    if (self->p2p && self->p2p->pending)
+        return PyErr_Format(PyExc_RuntimeError, "sendrecv_start: the sendrecv started before is not waited yet "
+                                                "(call sendrecv_wait() first)");
+    if (!self->p2p) {
+        self->p2p = PyMem_Calloc(1, sizeof *self->p2p);
+        if (!self->p2p) return PyErr_NoMemory();
+    }
+    const void *s = PyArray_DATA((PyArrayObject *)so);
+    size_t sn = (size_t)PyArray_NBYTES((PyArrayObject *)so), rn = (size_t)PyArray_NBYTES(ra);
+    void *r = PyArray_DATA(ra);
+    hsdp_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = hsdp_sendrecv_start(self->p2p, self->g, s, sn, dest, r, rn, source);
+    Py_END_ALLOW_THREADS
+    if (st != HSDP_OK) return hsdp_py_raise(st);
+    Py_XSETREF(self->p2p_send, Py_NewRef(so));
+    Py_XSETREF(self->p2p_recv, Py_NewRef((PyObject *)ra));
+    Py_RETURN_NONE;
+}
+
+/* sendrecv_device / sendrecv_start_device(send_addr, dest, recv_addr, source, nbytes): the
+ * same on device memory given as addresses (torch's data_ptr(); nccl), ordered after the
+ * compute stream's work so far; the caller keeps both alive until the wait (started form:
+ * sendrecv_wait() makes the compute stream wait for it). */
+static PyObject *p2p_device(GroupObject *self, PyObject *args, int start) {
+    unsigned long long s, r;
+    int dest, source;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "KiKin", &s, &dest, &r, &source, &n)) return NULL;
+    if (!self->g->backend->buffer_alloc)
+        return PyErr_Format(PyExc_ValueError, "device addresses need a GPU backend (nccl); this group runs on '%s'",
+                            self->g->backend->name);
+    if (n < 0) return PyErr_Format(PyExc_ValueError, "nbytes must be >= 0, got %zd", n);
+    if (!s || !r) return PyErr_Format(PyExc_ValueError, "send and recv must be device addresses, not 0");
+    if (dest < 0 || dest >= self->g->size || source < 0 || source >= self->g->size)
+        return PyErr_Format(PyExc_ValueError, "sendrecv: dest=%d and source=%d must be ranks of a group of %d", dest,
+                            source, self->g->size);
+    if (self->p2p && self->p2p->pending)
+        return PyErr_Format(PyExc_RuntimeError, "sendrecv: a started sendrecv on this group is not waited yet");
+    if (start && !self->p2p) {
+        self->p2p = PyMem_Calloc(1, sizeof *self->p2p);
+        if (!self->p2p) return PyErr_NoMemory();
+    }
+    hsdp_status st;
+    Py_BEGIN_ALLOW_THREADS
+    if (start)
+        st = hsdp_sendrecv_start(self->p2p, self->g, (const void *)(uintptr_t)s, (size_t)n, dest, (void *)(uintptr_t)r,
+                                 (size_t)n, source);
+    else
+        st = hsdp_sendrecv(self->g, (const void *)(uintptr_t)s, (size_t)n, dest, (void *)(uintptr_t)r, (size_t)n,
+                           source);
+    Py_END_ALLOW_THREADS
+    if (st != HSDP_OK) return hsdp_py_raise(st);
+    if (start) {
+        Py_CLEAR(self->p2p_send);
+        Py_CLEAR(self->p2p_recv);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *group_sendrecv_device(GroupObject *self, PyObject *args) { return p2p_device(self, args, 0); }
+static PyObject *group_sendrecv_start_device(GroupObject *self, PyObject *args) { return p2p_device(self, args, 1); }
+
+/* sendrecv_wait(): ends the started sendrecv; its error, if any, is raised here. */
+static PyObject *group_sendrecv_wait(GroupObject *self, PyObject *unused) {
+    (void)unused;
+    if (!self->p2p || !self->p2p->pending)
+        return PyErr_Format(PyExc_RuntimeError, "sendrecv_wait: no sendrecv was started on this group");
+    hsdp_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = hsdp_gather_wait(self->p2p);
+    Py_END_ALLOW_THREADS
+    Py_CLEAR(self->p2p_send);
+    Py_CLEAR(self->p2p_recv);
+    if (st != HSDP_OK) return hsdp_py_raise(st);
+    Py_RETURN_NONE;
 }
 
 /* A block layout from Python: (inner, step, ((count, stride), ...)), all in bytes. */
@@ -280,6 +419,20 @@ static PyMethodDef group_methods[] = {
     {"all_to_all_blocks", (PyCFunction)group_all_to_all_blocks, METH_VARARGS,
      "all_to_all_blocks(send, send_layout, recv, recv_layout): all_to_all between strided layouts, each "
      "(inner, step, ((count, stride), ...)) in bytes: block j is `inner` bytes at j * step plus the strides."},
+    {"sendrecv", (PyCFunction)(void (*)(void))group_sendrecv, METH_VARARGS | METH_KEYWORDS,
+     "sendrecv(send, dest, recv, source): send to group rank dest while receiving exactly recv.nbytes from "
+     "group rank source (ring attention's step; peers pair up in program order)."},
+    {"sendrecv_start", (PyCFunction)(void (*)(void))group_sendrecv_start, METH_VARARGS | METH_KEYWORDS,
+     "sendrecv_start(send, dest, recv, source): sendrecv progressing while Python computes (MPI: its worker "
+     "thread); the group holds both arrays until sendrecv_wait(). One at a time per group."},
+    {"sendrecv_wait", (PyCFunction)group_sendrecv_wait, METH_NOARGS,
+     "sendrecv_wait(): wait for the sendrecv started on this group; raises its error."},
+    {"sendrecv_device", (PyCFunction)group_sendrecv_device, METH_VARARGS,
+     "sendrecv_device(send_addr, dest, recv_addr, source, nbytes): sendrecv on device memory (nccl; untested on "
+     "a GPU)."},
+    {"sendrecv_start_device", (PyCFunction)group_sendrecv_start_device, METH_VARARGS,
+     "sendrecv_start_device(send_addr, dest, recv_addr, source, nbytes): started on the side stream; "
+     "sendrecv_wait() makes the compute stream wait for it (nccl; untested on a GPU)."},
     {"all_gather_device", (PyCFunction)group_all_gather_device, METH_VARARGS,
      "all_gather_device(send_addr, recv_addr, block_bytes, stream=None): all_gather on device memory (nccl), "
      "ordered on `stream` (a CUDA stream handle; None: the compute stream)."},

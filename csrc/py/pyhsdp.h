@@ -104,6 +104,10 @@ typedef struct {
     PyObject_HEAD
     hsdp_group *g; /* owned: hsdp_group_free in dealloc */
     PyObject *module;
+    /* A started sendrecv (sendrecv_start .. sendrecv_wait), one at a time: the request
+     * (owned, PyMem) and strong references to its arrays, released by the wait. */
+    hsdp_req *p2p;
+    PyObject *p2p_send, *p2p_recv;
 } GroupObject;
 
 extern PyType_Spec hsdp_py_group_spec;

@@ -92,6 +92,20 @@ int main(void) {
     CHECK(a2a_ok);
     free(a2a_send);
     free(a2a_recv);
+    /* ring attention's point to point: to the next rank, from the previous, sync and started */
+    {
+        int mine[3] = {world->rank, 7, -world->rank}, got[3] = {0};
+        int next = (world->rank + 1) % P, prev = (world->rank + P - 1) % P;
+        CHECK(hsdp_sendrecv(world, mine, sizeof mine, next, got, sizeof got, prev) == HSDP_OK);
+        CHECK(got[0] == prev && got[1] == 7 && got[2] == -prev);
+        hsdp_req pr;
+        CHECK(hsdp_sendrecv_start(&pr, world, mine, sizeof mine, prev, got, sizeof got, next) == HSDP_OK);
+        CHECK(hsdp_gather_wait(&pr) == HSDP_OK && got[0] == next && got[2] == -next);
+        CHECK(hsdp_sendrecv(world, mine, sizeof mine, P, got, sizeof got, prev) == HSDP_EINVAL);
+        CHECK(hsdp_sendrecv(world, mine, sizeof mine, world->rank, got, sizeof got, world->rank) == HSDP_OK);
+        CHECK(got[0] == world->rank);
+        if (P > 1) CHECK(hsdp_sendrecv(world, mine, sizeof mine, world->rank, got, sizeof got, prev) == HSDP_EINVAL);
+    }
     hsdp_buffer_free(&st, full2, u2.layout.total_bytes);
     hsdp_buffer_free(&st, wide2, u2.widened_bytes);
     hsdp_unit_free(&u2);

@@ -142,6 +142,18 @@ static void fake_world(const char *fake, const char *ending) {
         CHECK(hsdp_all_to_all(sub, dsend, drecv, 64) == HSDP_OK);
         device_sync();
         CHECK(drecv[63] == 7);
+        /* ring attention's point to point, to this rank itself: grouped ncclSend/ncclRecv */
+        memset(dsend, 9, 64);
+        CHECK(hsdp_sendrecv(sub, dsend, 64, 0, drecv, 64, 0) == HSDP_OK);
+        device_sync();
+        CHECK(drecv[0] == 9 && drecv[63] == 9);
+        hsdp_req pr;
+        memset(dsend, 5, 64);
+        CHECK(hsdp_sendrecv_start(&pr, sub, dsend, 64, 0, drecv, 64, 0) == HSDP_OK);
+        CHECK(hsdp_gather_wait(&pr) == HSDP_OK);
+        device_sync();
+        CHECK(drecv[63] == 5);
+        CHECK(hsdp_sendrecv(sub, host_send, 8, 0, host_recv, 8, 0) == HSDP_EUNSUPPORTED); /* host memory */
         hsdp_device_free(&stats, b, HSDP_DEVICE_CUDA, dsend, 64);
         hsdp_device_free(&stats, b, HSDP_DEVICE_CUDA, drecv, 64);
     }

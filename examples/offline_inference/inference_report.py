@@ -190,8 +190,10 @@ def _parallel_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
     rows = []
     sp = report.get("sequence_parallel")
     if sp is not None:
+        degrees = [f"{name}={sp.get(f'{name}_degree', 1)}" for name in ("ulysses", "ring")
+                   if sp.get(f"{name}_degree", 1) > 1]
         rows.append(("tokens per rank", f"{sp['tokens_per_rank']} of {sp['tokens']}"
-                     + (f" (ulysses={sp['ulysses_degree']})" if sp["ulysses_degree"] > 1 else "")))
+                     + (f" ({', '.join(degrees)})" if degrees else "")))
     cfg = report.get("cfg")
     if cfg is not None:
         if cfg["guidance_scale"] == 1.0:

@@ -11,11 +11,15 @@ an unsharded run of the same loop) and writes the same data as JSON next to the 
     # combined: Ulysses sequence parallel x CFG parallel, HSDP over the same 4 ranks
     python -m hsdp.launch -n 4 -- examples/offline_inference/text_to_video.py \\
         --ulysses-degree 2 --cfg-parallel-size 2 --use-hsdp --verify
+    # USP: Ulysses 2 x ring attention 2, HSDP over the same 4 ranks
+    python -m hsdp.launch -n 4 -- examples/offline_inference/text_to_video.py \\
+        --ulysses-degree 2 --ring-degree 2 --use-hsdp --verify
 
 Classifier-free guidance (``--guidance-scale``, default 5.0 as in Wan; 1 turns it off) runs a
 conditional and an unconditional branch per step; ``--cfg-parallel-size 2`` puts them on the two
 halves of the ranks. ``--ulysses-degree N`` splits the tokens over N ranks (``--usp N``, the
-guide's spelling, is the same flag). --verify compares with one unsharded rank running both branches: exact without sequence
+guide's spelling, is the same flag); ``--ring-degree N`` runs ring attention over N ranks, alone
+or inside Ulysses (USP). --verify compares with one unsharded rank running both branches: exact without sequence
 parallelism, within 1e-5 relative with it (a matrix product over fewer rows rounds differently).
 
 Exit status: 0 on success, 1 when --verify finds a difference, 2 for a configuration error
@@ -308,7 +312,8 @@ def _report(
         whole_bytes=params["unsharded_bytes"] if sharded else params["unsharded_bytes_float32"],
         ratio_of=args.param_dtype if sharded else "float32",
         latent_shape=[args.batch, model.config.in_channels, args.frames, args.height, args.width],
-        sequence_parallel={"ulysses_degree": groups.ulysses_degree, "tokens": tokens,
+        sequence_parallel={"ulysses_degree": groups.ulysses_degree, "ring_degree": groups.ring_degree,
+                           "tokens": tokens,
                            "tokens_per_rank": local_tokens},
         cfg={"guidance_scale": args.guidance_scale, "cfg_parallel_size": groups.cfg_degree},
     )

@@ -7,7 +7,7 @@ rank reading only its own shard, then diffusers' ``FlowMatchEulerDiscreteSchedul
 ``--num-inference-steps`` steps from seeded noise and seeded stand-ins for the text and
 negative-prompt embeddings, with classifier-free guidance (``--guidance-scale``, default
 5.0). Same flags, report and JSON as the NumPy example, and every combined mode
-(``--ulysses-degree``, ``--cfg-parallel-size``, HSDP over the same ranks).
+(``--ulysses-degree``, ``--ring-degree``, ``--cfg-parallel-size``, HSDP over the same ranks).
 
     python -m hsdp.launch -n 4 -- examples/offline_inference/text_to_video_wan.py \\
         --use-hsdp --hsdp-shard-size 4 --verify
@@ -241,7 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parallel = DiffusionParallelConfig.from_cli_args(args)
         parallel.check_world(world.size)
         hsdp_cfg = parallel.to_hsdp_config(param_dtype=args.param_dtype) if parallel.use_hsdp else None
-        groups = par.init_parallel_groups(parallel, world)  # ring_degree > 1: NotImplementedError
+        groups = par.init_parallel_groups(parallel, world)
         pt, ph, pw = COMMON["patch_size"]
         tokens = (args.frames // pt) * (args.height // ph) * (args.width // pw)
         local_tokens = groups.sp.local_tokens(tokens) if groups.sp is not None else tokens
@@ -255,7 +255,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     reset_peak_rss()  # writing the checkpoint materialised the model once on rank 0
     phase.note(f"loading the '{args.preset}' Wan transformer (seed {args.seed}) on {world.size} rank(s): {parallel}")
     model = build_model(args, hsdp_cfg, folder)
-    if groups.sp is not None:  # the tokens split over the Ulysses group, HSDP over the same ranks
+    if groups.sp is not None:  # the tokens split over the Ulysses/ring ranks, HSDP over the same ranks
         from hsdp.parallel_torch import apply_sequence_parallel_torch
 
         apply_sequence_parallel_torch(model, groups.sp)
@@ -286,7 +286,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         report = build_report(args, parallel, per_rank, seconds, verify, params=params,
                               whole_bytes=params["unsharded_bytes"], ratio_of=args.param_dtype,
                               latent_shape=list(latents.shape), model="diffusers.WanTransformer3DModel",
-                              sequence_parallel={"ulysses_degree": groups.ulysses_degree, "tokens": tokens,
+                              sequence_parallel={"ulysses_degree": groups.ulysses_degree,
+                                                 "ring_degree": groups.ring_degree, "tokens": tokens,
                                                  "tokens_per_rank": local_tokens},
                               cfg={"guidance_scale": args.guidance_scale, "cfg_parallel_size": groups.cfg_degree},
                               device=args.device)

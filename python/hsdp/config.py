@@ -42,12 +42,11 @@ _WORLD_FACTORS: tuple[tuple[str, str], ...] = (
 )
 
 # Degrees the runtime does not execute yet, grouped by the feature that would execute them.
-# Ulysses and CFG parallel run (hsdp.parallel, hsdp.parallel_torch); ring attention does not.
+# Ulysses, ring attention and CFG parallel run (hsdp.parallel, hsdp.ring, hsdp.parallel_torch).
 # A config may still declare them (the HSDP mesh over those ranks is valid), but a model run
 # with them would silently compute redundantly instead of in parallel, so callers that run the
 # model check ``require_supported()`` first.
 _UNSUPPORTED: tuple[tuple[str, str], ...] = (
-    ("ring_degree", "ring attention"),
     ("tensor_parallel_size", "tensor parallelism"),
     ("pipeline_parallel_size", "pipeline parallelism"),
     ("data_parallel_size", "data parallelism"),

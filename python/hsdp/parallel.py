@@ -2,9 +2,11 @@
 
 Rank layout (HSDP adds no ranks; it shards over these same ones, see docs/launching.md):
 
-    world = cfg x ulysses, ulysses innermost:  rank = c * ulysses + u
-    sequence-parallel group of a rank: the ranks with its c   (consecutive ranks)
-    CFG group of a rank:               the ranks with its u   (one per branch)
+    world = cfg x ring x ulysses, ulysses innermost:  rank = c * (ring * ulysses) + r * ulysses + u
+    sequence-parallel group of a rank: the ranks with its c   (consecutive ranks; s = r * ulysses + u)
+    Ulysses group:                     the ranks with its c, r (consecutive ranks)
+    ring group:                        the ranks with its c, u (strided by ulysses: yunchang's layout)
+    CFG group of a rank:               the ranks with its s   (one per branch)
 
 - **Ulysses.** Each rank of a sequence-parallel group holds 1/ulysses of the tokens. Before
   self-attention an all-to-all turns (my tokens, all heads) into (all tokens, my heads);
@@ -13,8 +15,11 @@ Rank layout (HSDP adds no ranks; it shards over these same ones, see docs/launch
   Cross-attention needs no exchange: its keys are the text, whole on every rank.
 - **CFG.** The two halves of a CFG group compute the conditional and the unconditional
   branch; the noise predictions are all-gathered, so every rank applies the same guidance.
-- ``ring_degree > 1`` (ring attention) is not built: :func:`init_parallel_groups` raises
-  ``NotImplementedError``. Ulysses covers the same sequence lengths up to the head count.
+- **Ring** (``ring_degree > 1``, :mod:`hsdp.ring`): each rank of a ring group keeps its
+  queries; the key/value blocks pass around the ring by send/recv and the partial results
+  merge through the softmax log-sum-exp. With Ulysses too (USP) the all-to-all runs first,
+  ring attention inside, then the reverse all-to-all. ``ParallelGroups.sp`` is then a
+  :class:`hsdp.ring.USP`, with the interface of :class:`Ulysses` the reference model uses.
 """
 
 from __future__ import annotations
@@ -192,17 +197,21 @@ class ParallelGroups:
     cfg_degree: int
     ulysses_rank: int
     cfg_rank: int
-    sp: Ulysses | None
+    sp: Any | None  # Ulysses, or hsdp.ring.USP when ring_degree > 1
     cfg: Any | None
+    ring_degree: int = 1
+    ring_rank: int = 0
 
     @property
     def combined(self) -> bool:
-        return self.ulysses_degree > 1 or self.cfg_degree > 1
+        return self.ulysses_degree > 1 or self.cfg_degree > 1 or self.ring_degree > 1
 
     def describe(self) -> str:
         parts = []
         if self.ulysses_degree > 1:
             parts.append(f"ulysses {self.ulysses_rank}/{self.ulysses_degree}")
+        if self.ring_degree > 1:
+            parts.append(f"ring {self.ring_rank}/{self.ring_degree}")
         if self.cfg_degree > 1:
             parts.append(f"cfg branch {self.cfg_rank}/{self.cfg_degree}")
         return ", ".join(parts) or "no sequence or CFG parallelism"
@@ -215,11 +224,9 @@ SINGLE = ParallelGroups(ulysses_degree=1, cfg_degree=1, ulysses_rank=0, cfg_rank
 def init_parallel_groups(config: Any, world: Any) -> ParallelGroups:
     """Split `world` into the sequence-parallel and CFG groups `config` (a
     ``DiffusionParallelConfig``) declares. Collective: every rank calls it."""
-    if config.ring_degree > 1:
-        raise NotImplementedError(
-            f"ring attention (ring_degree={config.ring_degree}) is not built; use Ulysses sequence parallelism "
-            f"(ulysses_degree={config.ring_degree * config.ulysses_degree}, ring_degree=1) where the head count allows"
-        )
+    ring = config.ring_degree
+    if ring > 1:
+        return _init_usp_groups(config, world)
     sp, cfg = config.ulysses_degree, config.cfg_parallel_size
     config.check_world(world.size)  # ValueError naming both sizes and the launch command
     if sp * cfg == 1:  # standalone HSDP, or nothing parallel: no group to split off
@@ -243,8 +250,41 @@ def init_parallel_groups(config: Any, world: Any) -> ParallelGroups:
     )
 
 
-def apply_sequence_parallel(model: Any, sp: Ulysses | None) -> Any:
-    """Make a reference :class:`~hsdp.models.VideoDiT` run its tokens split over `sp`: the
+def _init_usp_groups(config: Any, world: Any) -> ParallelGroups:
+    """The groups of ring_degree > 1, alone or with Ulysses and CFG (the layout above)."""
+    from .ring import USP, Ring
+
+    uly, ring, cfg = config.ulysses_degree, config.ring_degree, config.cfg_parallel_size
+    sp = uly * ring
+    config.check_world(world.size)
+    if config.world_size != sp * cfg:
+        raise NotImplementedError(
+            f"only sequence and CFG parallelism run beside HSDP; the config's other degrees "
+            f"({config.describe()}) are not built"
+        )
+    s, c = world.rank % sp, world.rank // sp
+    u, r = s % uly, s // uly
+    # Every split on every rank, in this order: each is a collective over the world.
+    sp_group = world.split(color=c, key=s)
+    uly_group = world.split(color=c * ring + r, key=u)
+    ring_group = world.split(color=c * uly + u, key=r)
+    cfg_group = world.split(color=s, key=c)
+    usp = USP(sp_group, Ulysses(uly_group) if uly > 1 else None, Ring(ring_group))
+    return ParallelGroups(
+        ulysses_degree=uly,
+        cfg_degree=cfg,
+        ulysses_rank=u,
+        cfg_rank=c,
+        sp=usp,
+        cfg=cfg_group if cfg > 1 else None,
+        ring_degree=ring,
+        ring_rank=r,
+    )
+
+
+def apply_sequence_parallel(model: Any, sp: Any) -> Any:
+    """Make a reference :class:`~hsdp.models.VideoDiT` run its tokens split over `sp` (a
+    :class:`Ulysses`, or a :class:`hsdp.ring.USP` for ring attention): the
     model splits them after the patch embedding, every self-attention exchanges them, and
     the output is gathered whole on every rank. ``None`` turns it off. Returns the model."""
     from .models.dit import Attention, VideoDiT

@@ -116,9 +116,10 @@ class UlyssesWanAttnProcessor:
         return attn.to_out[1](hidden)
 
 
-def apply_sequence_parallel_torch(model: Any, sp: Ulysses) -> Any:
-    """Run a diffusers ``WanTransformer3DModel`` with its tokens split over `sp` (see the
-    module docstring). In place; returns the model. Works on a model hsdp has sharded."""
+def apply_sequence_parallel_torch(model: Any, sp: Any) -> Any:
+    """Run a diffusers ``WanTransformer3DModel`` with its tokens split over `sp`, a
+    :class:`~hsdp.parallel.Ulysses` or a :class:`hsdp.ring.USP` (ring attention, alone or
+    inside Ulysses: :class:`hsdp.ring_torch.USPWanAttnProcessor`) (see the module docstring). In place; returns the model. Works on a model hsdp has sharded."""
     from diffusers import WanTransformer3DModel
 
     if not isinstance(model, WanTransformer3DModel):
@@ -140,9 +141,12 @@ def apply_sequence_parallel_torch(model: Any, sp: Ulysses) -> Any:
             hidden = hidden[:, lo:hi].contiguous()
         return hidden, context, temb, (rotary[0][:, lo:hi], rotary[1][:, lo:hi])
 
+    processor: Any = UlyssesWanAttnProcessor
+    if not isinstance(sp, Ulysses):  # a hsdp.ring.USP (ring_degree > 1): Ulysses x ring attention
+        from .ring_torch import USPWanAttnProcessor as processor
     for block in model.blocks:
         block.register_forward_pre_hook(split)
-        block.attn1.set_processor(UlyssesWanAttnProcessor(sp, block.attn1.processor))
+        block.attn1.set_processor(processor(sp, block.attn1.processor))
     model.proj_out.register_forward_hook(lambda module, args, out: _all_gather_tokens(sp, out))
     return model
 

@@ -8,14 +8,14 @@ Order of work, the same on every rank:
    each component's folder and class, shard conditions, safetensors headers), the parallel
    modes against the pipeline and model classes. The ranks agree on the outcome, so a bad
    input is one clear error on every rank, before any weight is read.
-2. Split the world into the Ulysses and CFG groups (``hsdp.parallel.init_parallel_groups``).
+2. Split the world into the Ulysses, ring and CFG groups (``hsdp.parallel.init_parallel_groups``).
 3. Each sharded component: built empty (``accelerate.init_empty_weights()``: meta
    parameters, real buffers), then ``hsdp.load_model_sharded`` streams it, each rank reading
    only its own bytes; the peak is this rank's shards plus a block.
 4. ``<PipelineClass>.from_pretrained(path, <component>=<prebuilt>, ..., dtype=...)`` (the
    class ``model_index.json`` names) loads the rest whole (VAE, tokenizers, scheduler, image processors) and builds the
    pipeline class the folder names.
-5. Ulysses on every Wan transformer; the CFG split (:mod:`hsdp.pipelines.cfg`) on every
+5. Ulysses / ring attention (USP) on every Wan transformer; the CFG split (:mod:`hsdp.pipelines.cfg`) on every
    transformer; the state for reports on ``pipe._hsdp``.
 """
 
@@ -51,16 +51,16 @@ def _check_modes(config: Any, pipe_cls: type, components: list[Component]) -> No
     """The parallel modes this pipeline can run, refused here with the reason."""
     if config is None:
         return
-    config.require_supported()  # ring attention, TP, PP, DP, EP: NotImplementedError naming each
+    config.require_supported()  # TP, PP, DP, EP: NotImplementedError naming each
     transformers = [c for c in components if c.role == "transformer"]
-    if config.ulysses_degree > 1:
+    if config.sequence_parallel_size > 1:  # Ulysses, ring attention, or both (USP)
         from diffusers import WanTransformer3DModel
 
         for c in transformers:
             if not issubclass(c.cls, WanTransformer3DModel):
                 raise NotImplementedError(
-                    f"Ulysses sequence parallel (ulysses_degree={config.ulysses_degree}) is built for diffusers' "
-                    f"WanTransformer3DModel only; component '{c.name}' is a {c.class_name}"
+                    f"sequence parallel (ulysses_degree={config.ulysses_degree}, ring_degree={config.ring_degree}) "
+                    f"is built for diffusers' WanTransformer3DModel only; component '{c.name}' is a {c.class_name}"
                 )
     if config.cfg_parallel_size > 1:
         if config.cfg_parallel_size != 2:
@@ -149,8 +149,8 @@ def load_pipeline(
       transformer component, and every text encoder unless ``shard_text_encoders=False``,
       is streamed rank-locally into HSDP units (the registry in
       :mod:`hsdp.pipelines.conditions` says which submodules); None or ``use_hsdp=False``
-      loads them whole. Its Ulysses degree (Wan transformers) and CFG parallel size apply
-      either way; ``ring_degree > 1`` raises NotImplementedError.
+      loads them whole. Its Ulysses and ring degrees (Wan transformers; ring on GPUs is
+      untested) and CFG parallel size apply either way.
     - ``torch_dtype``: float32, bfloat16 or float16; what the sharded models are stored and
       computed in (``_keep_in_fp32_modules`` stay float32) and what diffusers loads the rest in.
     - ``device``: where the models run (None: the CPU); ``"cuda"`` shards onto each rank's GPU.

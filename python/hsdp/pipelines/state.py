@@ -53,6 +53,7 @@ class PipelineState:
             "rank": self.rank,
             "config": self.config.to_dict() if self.config is not None else None,
             "ulysses_degree": self.groups.ulysses_degree,
+            "ring_degree": self.groups.ring_degree,
             "cfg_degree": self.groups.cfg_degree,
             "sharded": self.sharded,
             "components": {n: c.as_dict() for n, c in self.components.items()},
