@@ -2,6 +2,7 @@
  *
  * Every narrowing conversion rounds to nearest, ties to even, with integer arithmetic on the
  * bit patterns, so the result never depends on the FPU rounding mode. Widening is exact. */
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -390,6 +391,96 @@ hsdp_status hsdp_cast(void *dst, hsdp_dtype dt, const void *src, hsdp_dtype st, 
     } else {
         /* Every other float dtype widens exactly to float. */
         for (size_t i = 0; i < n; i++) store_f32(d + i * dsz, dt, load_f32(s + i * ssz, st));
+    }
+    return HSDP_OK;
+}
+
+/* ---------------------------------------------------------------- block-scaled float8 */
+
+/* A 256-entry table of every e4m3fn pattern as float: decoding is then a load and a
+ * multiply. Built once (the MPI worker thread and the caller's may both decode). */
+static float e4m3_table[256];
+static pthread_once_t e4m3_once = PTHREAD_ONCE_INIT;
+
+static void e4m3_build(void) {
+    for (int i = 0; i < 256; i++) e4m3_table[i] = hsdp_f8e4m3_to_f32((uint8_t)i);
+}
+
+static const float *e4m3_lut(void) {
+    pthread_once(&e4m3_once, e4m3_build);
+    return e4m3_table;
+}
+
+static inline int finite_f32(float f) { return (f32_bits(f) & 0x7F800000u) != 0x7F800000u; }
+
+hsdp_status hsdp_quantize_blocks(uint8_t *q, float *scales, const void *src, hsdp_dtype st, size_t n) {
+    if (st != HSDP_F32 && st != HSDP_F16 && st != HSDP_BF16)
+        return hsdp_fail(HSDP_ETYPE, "only float32, float16 and bfloat16 are quantized to float8, not %s",
+                         safe_name(st));
+    size_t ssz = hsdp_dtype_size(st);
+    const unsigned char *s = src;
+    for (size_t b0 = 0, bi = 0; b0 < n; b0 += HSDP_WIRE_BLOCK, bi++) {
+        size_t m = n - b0 < HSDP_WIRE_BLOCK ? n - b0 : HSDP_WIRE_BLOCK;
+        float x[HSDP_WIRE_BLOCK], amax = 0.0f;
+        for (size_t j = 0; j < m; j++) {
+            x[j] = load_f32(s + (b0 + j) * ssz, st);
+            float a = x[j] < 0 ? -x[j] : x[j];
+            if (finite_f32(x[j]) && a > amax) amax = a; /* NaN compares false: skipped too */
+        }
+        /* absmax / 448 rounded once to float32; 0 for an all-zero (or all non-finite) block
+         * and for a block so small that the division underflows (absmax < 448 * 2^-150). */
+        float scale = amax / HSDP_F8E4M3_MAX;
+        memcpy(scales + bi, &scale, sizeof scale);
+        for (size_t j = 0; j < m; j++) {
+            float v = x[j];
+            uint8_t o;
+            if (!finite_f32(v)) {
+                o = hsdp_f32_to_f8e4m3(v); /* NaN stays NaN; +-inf becomes NaN (no inf in e4m3fn) */
+            } else if (scale == 0.0f) {
+                o = (uint8_t)(f32_bits(v) >> 31 << 7); /* +-0 */
+            } else {
+                /* A rounded scale can put absmax a hair over 448 (or, for a subnormal scale,
+                 * more): saturate, so a finite weight never becomes NaN. */
+                float r = v / scale;
+                if (r > HSDP_F8E4M3_MAX) r = HSDP_F8E4M3_MAX;
+                if (r < -HSDP_F8E4M3_MAX) r = -HSDP_F8E4M3_MAX;
+                o = hsdp_f32_to_f8e4m3(r);
+            }
+            q[b0 + j] = o;
+        }
+    }
+    return HSDP_OK;
+}
+
+hsdp_status hsdp_dequantize_blocks(void *dst, hsdp_dtype dt, const uint8_t *q, const float *scales, size_t n) {
+    if (dt != HSDP_F32 && dt != HSDP_F16 && dt != HSDP_BF16)
+        return hsdp_fail(HSDP_ETYPE, "float8 blocks are dequantized to float32, float16 or bfloat16, not %s",
+                         safe_name(dt));
+    const float *lut = e4m3_lut();
+    unsigned char *d = dst;
+    for (size_t b0 = 0, bi = 0; b0 < n; b0 += HSDP_WIRE_BLOCK, bi++) {
+        size_t m = n - b0 < HSDP_WIRE_BLOCK ? n - b0 : HSDP_WIRE_BLOCK;
+        float scale;
+        memcpy(&scale, scales + bi, sizeof scale);
+        const uint8_t *qb = q + b0;
+        unsigned char *db = d + b0 * hsdp_dtype_size(dt);
+        /* One loop per destination dtype, so the hot bfloat16 one has no dtype switch. */
+        if (dt == HSDP_BF16) {
+            for (size_t j = 0; j < m; j++) {
+                uint16_t h = bf16_from_bits(f32_bits(lut[qb[j]] * scale));
+                memcpy(db + 2 * j, &h, 2);
+            }
+        } else if (dt == HSDP_F16) {
+            for (size_t j = 0; j < m; j++) {
+                uint16_t h = f16_from_bits(f32_bits(lut[qb[j]] * scale));
+                memcpy(db + 2 * j, &h, 2);
+            }
+        } else {
+            for (size_t j = 0; j < m; j++) {
+                float f = lut[qb[j]] * scale;
+                memcpy(db + 4 * j, &f, 4);
+            }
+        }
     }
     return HSDP_OK;
 }
