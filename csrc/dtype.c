@@ -2,7 +2,6 @@
  *
  * Every narrowing conversion rounds to nearest, ties to even, with integer arithmetic on the
  * bit patterns, so the result never depends on the FPU rounding mode. Widening is exact. */
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -397,21 +396,58 @@ hsdp_status hsdp_cast(void *dst, hsdp_dtype dt, const void *src, hsdp_dtype st, 
 
 /* ---------------------------------------------------------------- block-scaled float8 */
 
-/* A 256-entry table of every e4m3fn pattern as float: decoding is then a load and a
- * multiply. Built once (the MPI worker thread and the caller's may both decode). */
-static float e4m3_table[256];
-static pthread_once_t e4m3_once = PTHREAD_ONCE_INIT;
-
-static void e4m3_build(void) {
-    for (int i = 0; i < 256; i++) e4m3_table[i] = hsdp_f8e4m3_to_f32((uint8_t)i);
+/* e4m3fn bits -> float, branch-free so that the loops below vectorise: the magnitude bits
+ * a = eeee mmm. A normal (e > 0) is the float with that exponent rebiased by 127 - 7 = 120
+ * and those mantissa bits on top; a subnormal (e == 0) is m * 2^-9, exact from the integer
+ * (no float subnormal is ever formed, so no CPU slow path). The one NaN per sign is a = 0x7F. */
+static inline float e4m3_mag(uint32_t a) {
+    uint32_t normal = (a << 20) + (120u << 23);
+    uint32_t sub = f32_bits((float)a * 0x1p-9f);
+    uint32_t is_sub = 0u - (uint32_t)(a < 8); /* all ones or zero: a select without a branch */
+    return f32_from_bits((sub & is_sub) | (normal & ~is_sub));
 }
 
-static const float *e4m3_lut(void) {
-    pthread_once(&e4m3_once, e4m3_build);
-    return e4m3_table;
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+/* AVX2 where the CPU has it (chosen at load time), SSE2 otherwise */
+#define HSDP_VECTORIZE __attribute__((optimize("O3"), target_clones("avx2", "default")))
+#elif defined(__GNUC__) && !defined(__clang__)
+#define HSDP_VECTORIZE __attribute__((optimize("O3")))
+#else
+#define HSDP_VECTORIZE
+#endif
+
+/* One block: dst[j] = e4m3(q[j]) * scale, rounded once to bfloat16 / float16 / float32. */
+HSDP_VECTORIZE static void dequant_bf16(uint16_t *restrict d, const uint8_t *restrict q, float scale, size_t m) {
+    for (size_t j = 0; j < m; j++) {
+        uint32_t a = q[j] & 0x7Fu, sign = (uint32_t)(q[j] & 0x80u) << 8;
+        uint32_t b = f32_bits(e4m3_mag(a) * scale); /* finite: |q| <= 448 and scale is finite */
+        uint32_t h = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
+        uint32_t is_nan = 0u - (uint32_t)(a == 0x7Fu);
+        d[j] = (uint16_t)(((0x7FC0u & is_nan) | (h & ~is_nan)) | sign);
+    }
+}
+
+HSDP_VECTORIZE static void dequant_f32(float *restrict d, const uint8_t *restrict q, float scale, size_t m) {
+    for (size_t j = 0; j < m; j++) {
+        uint32_t a = q[j] & 0x7Fu, sign = (uint32_t)(q[j] & 0x80u) << 24;
+        uint32_t b = f32_bits(e4m3_mag(a) * scale);
+        uint32_t is_nan = 0u - (uint32_t)(a == 0x7Fu);
+        d[j] = f32_from_bits((0x7FC00000u & is_nan) | (b & ~is_nan) | sign);
+    }
 }
 
 static inline int finite_f32(float f) { return (f32_bits(f) & 0x7F800000u) != 0x7F800000u; }
+
+/* float -> e4m3fn for a finite |r| <= 448, rounding to nearest even: for a normal result,
+ * the float's 23 mantissa bits round to 3 (a carry bumps the exponent, as it should) and the
+ * exponent is rebiased 127 -> 7; below 2^-6 the result is subnormal, rare in a scaled block,
+ * and the generic encoder does it. */
+static inline uint8_t e4m3_from_finite(float r) {
+    uint32_t b = f32_bits(r), sign = (b >> 24) & 0x80u, a = b & 0x7FFFFFFFu;
+    if (a < 0x3C800000u) return (uint8_t)(sign | hsdp_f32_to_f8e4m3(f32_from_bits(a)));
+    uint32_t rounded = a + 0x7FFFFu + ((a >> 20) & 1u);
+    return (uint8_t)(sign | ((rounded >> 20) - (120u << 3)));
+}
 
 hsdp_status hsdp_quantize_blocks(uint8_t *q, float *scales, const void *src, hsdp_dtype st, size_t n) {
     if (st != HSDP_F32 && st != HSDP_F16 && st != HSDP_BF16)
@@ -422,8 +458,9 @@ hsdp_status hsdp_quantize_blocks(uint8_t *q, float *scales, const void *src, hsd
     for (size_t b0 = 0, bi = 0; b0 < n; b0 += HSDP_WIRE_BLOCK, bi++) {
         size_t m = n - b0 < HSDP_WIRE_BLOCK ? n - b0 : HSDP_WIRE_BLOCK;
         float x[HSDP_WIRE_BLOCK], amax = 0.0f;
+        hsdp_status cst = hsdp_cast(x, HSDP_F32, s + b0 * ssz, st, m); /* the block as float32 */
+        if (cst != HSDP_OK) return cst;
         for (size_t j = 0; j < m; j++) {
-            x[j] = load_f32(s + (b0 + j) * ssz, st);
             float a = x[j] < 0 ? -x[j] : x[j];
             if (finite_f32(x[j]) && a > amax) amax = a; /* NaN compares false: skipped too */
         }
@@ -444,7 +481,7 @@ hsdp_status hsdp_quantize_blocks(uint8_t *q, float *scales, const void *src, hsd
                 float r = v / scale;
                 if (r > HSDP_F8E4M3_MAX) r = HSDP_F8E4M3_MAX;
                 if (r < -HSDP_F8E4M3_MAX) r = -HSDP_F8E4M3_MAX;
-                o = hsdp_f32_to_f8e4m3(r);
+                o = e4m3_from_finite(r);
             }
             q[b0 + j] = o;
         }
@@ -456,29 +493,22 @@ hsdp_status hsdp_dequantize_blocks(void *dst, hsdp_dtype dt, const uint8_t *q, c
     if (dt != HSDP_F32 && dt != HSDP_F16 && dt != HSDP_BF16)
         return hsdp_fail(HSDP_ETYPE, "float8 blocks are dequantized to float32, float16 or bfloat16, not %s",
                          safe_name(dt));
-    const float *lut = e4m3_lut();
-    unsigned char *d = dst;
+    /* dst is element-aligned: slots and their pieces start on element boundaries of
+     * 64-byte-aligned buffers (callers of this function keep that). */
     for (size_t b0 = 0, bi = 0; b0 < n; b0 += HSDP_WIRE_BLOCK, bi++) {
         size_t m = n - b0 < HSDP_WIRE_BLOCK ? n - b0 : HSDP_WIRE_BLOCK;
         float scale;
         memcpy(&scale, scales + bi, sizeof scale);
-        const uint8_t *qb = q + b0;
-        unsigned char *db = d + b0 * hsdp_dtype_size(dt);
-        /* One loop per destination dtype, so the hot bfloat16 one has no dtype switch. */
         if (dt == HSDP_BF16) {
+            dequant_bf16((uint16_t *)dst + b0, q + b0, scale, m);
+        } else if (dt == HSDP_F32) {
+            dequant_f32((float *)dst + b0, q + b0, scale, m);
+        } else { /* float16: rare (models are bfloat16 or float32), so the scalar encoder */
             for (size_t j = 0; j < m; j++) {
-                uint16_t h = bf16_from_bits(f32_bits(lut[qb[j]] * scale));
-                memcpy(db + 2 * j, &h, 2);
-            }
-        } else if (dt == HSDP_F16) {
-            for (size_t j = 0; j < m; j++) {
-                uint16_t h = f16_from_bits(f32_bits(lut[qb[j]] * scale));
-                memcpy(db + 2 * j, &h, 2);
-            }
-        } else {
-            for (size_t j = 0; j < m; j++) {
-                float f = lut[qb[j]] * scale;
-                memcpy(db + 4 * j, &f, 4);
+                uint32_t a = q[b0 + j] & 0x7Fu;
+                float v = a == 0x7Fu ? f32_from_bits(0x7FC00000u) : e4m3_mag(a) * scale;
+                uint16_t h = (uint16_t)(f16_from_bits(f32_bits(v)) | ((uint32_t)(q[b0 + j] & 0x80u) << 8));
+                memcpy((unsigned char *)dst + 2 * (b0 + j), &h, 2);
             }
         }
     }

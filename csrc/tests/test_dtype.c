@@ -694,6 +694,32 @@ static void test_blocks(void) {
     CHECK(hsdp_dequantize_blocks(y, HSDP_F32, q, sc, N) == HSDP_OK);
     CHECK(memcmp(x, y, sizeof x) == 0);
 
+    /* The encoder is the scalar one: with absmax 448 the scale is 1, so every code must be
+     * hsdp_f32_to_f8e4m3's (nearest even, subnormals included), for random floats over
+     * e4m3's whole range and every midpoint between two e4m3 values. */
+    uint64_t seed0 = 12345;
+    for (int round = 0; round < 200; round++) {
+        for (size_t i = 0; i < N; i++) {
+            if (round % 2) { /* the midpoints, and just either side of them */
+                uint8_t c = (uint8_t)(xorshift(&seed0) % 0x7E);
+                double mid = ((double)hsdp_f8e4m3_to_f32(c) + (double)hsdp_f8e4m3_to_f32((uint8_t)(c + 1))) / 2;
+                float f = (float)mid;
+                int k = (int)(xorshift(&seed0) % 3);
+                x[i] = k == 0 ? f : k == 1 ? nextafterf(f, 0) : nextafterf(f, 1000);
+            } else {
+                x[i] = ldexpf((float)(xorshift(&seed0) >> 40) / (float)(1 << 24), (int)(xorshift(&seed0) % 20) - 11);
+            }
+            if (xorshift(&seed0) & 1) x[i] = -x[i];
+            if (x[i] > 448.0f) x[i] = 448.0f;
+            if (x[i] < -448.0f) x[i] = -448.0f;
+        }
+        for (size_t b = 0; b < nb; b++) x[b * HSDP_WIRE_BLOCK] = 448.0f;
+        CHECK(hsdp_quantize_blocks(q, sc, x, HSDP_F32, N) == HSDP_OK);
+        int same = 1;
+        for (size_t i = 0; i < N; i++) same &= q[i] == hsdp_f32_to_f8e4m3(x[i]);
+        CHECK(same);
+    }
+
     /* Bounded: random weights over many magnitudes. Every element is within 2^-4 of its
      * value (e4m3 keeps 3 mantissa bits) plus half the smallest subnormal step times the
      * scale (scale * 2^-10), so within absmax * (2^-4 + 2^-10 / 448) of the block's absmax
