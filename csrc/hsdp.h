@@ -263,13 +263,21 @@ typedef struct {
     hsdp_req req;
     hsdp_unit *u;
     void *full, *widened;
-    void *wire; /* owned while in flight: the gathered encodings, freed by the wait */
+    void *wire;     /* the gathered encodings while in flight (hsdp_unit_wire_bytes) */
+    int wire_owned; /* wire was allocated by the request: the wait frees it */
 } hsdp_gather_req;
 /* Asynchronous gather + conversion through the backend's asynchronous slots (with none, it
  * runs on the caller's thread before returning). req is owned by the caller and must stay
  * alive until hsdp_unit_gather_wait returns; one request per unit at a time. */
 hsdp_status hsdp_unit_gather_start(hsdp_unit *u, void *full, void *widened, hsdp_gather_req *req);
 hsdp_status hsdp_unit_gather_wait(hsdp_unit *u, hsdp_gather_req *req);
+/* The same, receiving a unit with a wire encoding into `wire` (hsdp_unit_wire_bytes, the
+ * caller's, alive until the wait returns; a pooled buffer, say) rather than into a buffer
+ * the request allocates and frees. wire is ignored without an encoding. */
+hsdp_status hsdp_unit_gather_start_wire(hsdp_unit *u, void *full, void *widened, void *wire, hsdp_gather_req *req);
+hsdp_status hsdp_unit_gather_now_wire(hsdp_unit *u, void *full, void *widened, void *wire, hsdp_gather_req *req);
+/* Bytes of the buffer a gather receives the encodings in (0 without a wire encoding). */
+size_t hsdp_unit_wire_bytes(const hsdp_unit *u);
 /* Synchronous gather + conversion through the same request (so traces see its times). */
 hsdp_status hsdp_unit_gather_now(hsdp_unit *u, void *full, void *widened, hsdp_gather_req *req);
 /* Converts the slots whose compute dtype differs from their storage dtype from `full` into

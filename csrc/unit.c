@@ -242,6 +242,10 @@ hsdp_status hsdp_unit_decode(const hsdp_unit *u, const void *wire, void *full) {
 /* The gathered encodings' buffer: accounted as unsharded while a gather holds it. */
 static size_t wire_total(const hsdp_unit *u) { return u->wire_chunk_bytes * (size_t)u->layout.shard; }
 
+size_t hsdp_unit_wire_bytes(const hsdp_unit *u) {
+    return u->quant && u->layout.total_bytes ? wire_total(u) : 0;
+}
+
 hsdp_status hsdp_unit_gather(hsdp_unit *u, void *full) {
     atomic_fetch_add(&u->stats->gathers, 1);
     if (u->layout.total_bytes == 0) return HSDP_OK;
@@ -279,33 +283,40 @@ static hsdp_status convert_job(void *arg) {
 }
 
 /* Sets up the request; with a wire encoding, encodes the shard (first gather) and takes the
- * buffer the encodings arrive in. */
-static hsdp_status req_init(hsdp_gather_req *r, hsdp_unit *u, void *full, void *widened) {
+ * buffer the encodings arrive in: the caller's `wire`, or one allocated here. */
+static hsdp_status req_init(hsdp_gather_req *r, hsdp_unit *u, void *full, void *widened, void *wire) {
     r->req.label = u->label;
     r->req.ident = u->ident;
     r->u = u;
     r->full = full;
     r->widened = widened;
     r->wire = NULL;
+    r->wire_owned = 0;
     atomic_fetch_add(&u->stats->gathers, 1);
     if (!u->quant || u->layout.total_bytes == 0) return HSDP_OK;
     hsdp_status st = hsdp_unit_encode(u);
     if (st != HSDP_OK) return st;
+    if (wire) {
+        r->wire = wire;
+        return HSDP_OK;
+    }
     r->wire = hsdp_buffer_alloc(u->stats, wire_total(u));
+    r->wire_owned = r->wire != NULL;
     return r->wire ? HSDP_OK : HSDP_ENOMEM;
 }
 
 static void req_release(hsdp_gather_req *r) {
-    if (!r->wire) return;
-    hsdp_buffer_free(r->u->stats, r->wire, wire_total(r->u));
+    if (r->wire && r->wire_owned) hsdp_buffer_free(r->u->stats, r->wire, wire_total(r->u));
     r->wire = NULL;
+    r->wire_owned = 0;
 }
 
 typedef hsdp_status (*gather_fn)(hsdp_req *, hsdp_group *, void **, const void *, void *, size_t,
                                  hsdp_status (*)(void *), void *);
 
-static hsdp_status unit_gather_via(gather_fn fn, hsdp_unit *u, void *full, void *widened, hsdp_gather_req *r) {
-    hsdp_status st = req_init(r, u, full, widened);
+static hsdp_status unit_gather_via(gather_fn fn, hsdp_unit *u, void *full, void *widened, void *wire,
+                                   hsdp_gather_req *r) {
+    hsdp_status st = req_init(r, u, full, widened, wire);
     if (st != HSDP_OK) {
         req_release(r);
         return st;
@@ -320,11 +331,19 @@ static hsdp_status unit_gather_via(gather_fn fn, hsdp_unit *u, void *full, void 
 }
 
 hsdp_status hsdp_unit_gather_start(hsdp_unit *u, void *full, void *widened, hsdp_gather_req *r) {
-    return unit_gather_via(hsdp_gather_start, u, full, widened, r);
+    return unit_gather_via(hsdp_gather_start, u, full, widened, NULL, r);
 }
 
 hsdp_status hsdp_unit_gather_now(hsdp_unit *u, void *full, void *widened, hsdp_gather_req *r) {
-    return unit_gather_via(hsdp_gather_now, u, full, widened, r);
+    return unit_gather_via(hsdp_gather_now, u, full, widened, NULL, r);
+}
+
+hsdp_status hsdp_unit_gather_start_wire(hsdp_unit *u, void *full, void *widened, void *wire, hsdp_gather_req *r) {
+    return unit_gather_via(hsdp_gather_start, u, full, widened, wire, r);
+}
+
+hsdp_status hsdp_unit_gather_now_wire(hsdp_unit *u, void *full, void *widened, void *wire, hsdp_gather_req *r) {
+    return unit_gather_via(hsdp_gather_now, u, full, widened, wire, r);
 }
 
 hsdp_status hsdp_unit_gather_wait(hsdp_unit *u, hsdp_gather_req *r) {

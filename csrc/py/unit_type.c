@@ -25,6 +25,7 @@ typedef struct {
     size_t *dim_off;       /* owned: where slot i's dims start */
     BufferObject *full;    /* strong while unsharded or pending */
     BufferObject *widened; /* strong while unsharded or pending, when anything widens */
+    BufferObject *wirebuf; /* strong while a gather with a float8 wire is in flight: its encodings */
     int pending;           /* a gather is in flight into full/widened (req) */
     hsdp_gather_req req;   /* the in-flight gather; embedded so starting one allocates nothing */
 } UnitObject;
@@ -381,14 +382,36 @@ static int unit_take_buffers(UnitObject *self) {
             return -1;
         }
     }
+    BufferObject *wire = NULL;
+    size_t wire_bytes = hsdp_unit_wire_bytes(&self->u);
+    if (wire_bytes) { /* from the pool too: a steady-state forward allocates nothing */
+        wire = hsdp_py_buffer_take(ms, wire_bytes, b, HSDP_DEVICE_HOST);
+        if (!wire) {
+            hsdp_py_buffer_give(ms, full);
+            hsdp_py_buffer_give(ms, wide);
+            return -1;
+        }
+    }
     self->full = full;
     self->widened = wide;
-    ms->live_buffers += wide ? 2 : 1;
+    self->wirebuf = wire;
+    ms->live_buffers += (wide ? 2 : 1) + (wire ? 1 : 0);
     if (ms->live_buffers > ms->peak_live_buffers) ms->peak_live_buffers = ms->live_buffers;
     return 0;
 }
 
+/* The encodings are dequantized by the time the gather is waited: their buffer goes back. */
+static void unit_drop_wire(UnitObject *self) {
+    if (!self->wirebuf) return;
+    modstate *ms = hsdp_py_state(Py_TYPE(self));
+    BufferObject *w = self->wirebuf;
+    self->wirebuf = NULL;
+    ms->live_buffers -= 1;
+    hsdp_py_buffer_give(ms, w);
+}
+
 static void unit_drop_buffers(UnitObject *self) {
+    unit_drop_wire(self);
     if (!self->full) return;
     modstate *ms = hsdp_py_state(Py_TYPE(self));
     BufferObject *f = self->full, *w = self->widened;
@@ -409,12 +432,13 @@ static int unit_start_sync(UnitObject *self) { return unit_start_impl(self, 1); 
 static int unit_start_impl(UnitObject *self, int sync) {
     if (unit_take_buffers(self) < 0) return -1;
     void *full = self->full->p, *wide = self->widened ? self->widened->p : NULL;
+    void *wire = self->wirebuf ? self->wirebuf->p : NULL;
     self->pending = 1;
     hsdp_status st;
     if (sync) /* complete when it returns: unit_finish's wait then returns at once */
-        HSDP_PY_BUSY_NOGIL(self->busy, st = hsdp_unit_gather_now(&self->u, full, wide, &self->req));
+        HSDP_PY_BUSY_NOGIL(self->busy, st = hsdp_unit_gather_now_wire(&self->u, full, wide, wire, &self->req));
     else /* through the backend's asynchronous slots: only queued when it has them */
-        HSDP_PY_BUSY_NOGIL(self->busy, st = hsdp_unit_gather_start(&self->u, full, wide, &self->req));
+        HSDP_PY_BUSY_NOGIL(self->busy, st = hsdp_unit_gather_start_wire(&self->u, full, wide, wire, &self->req));
     if (st != HSDP_OK) { /* nothing in flight */
         self->pending = 0;
         unit_drop_buffers(self);
@@ -429,6 +453,7 @@ static int unit_finish(UnitObject *self) {
     hsdp_status st;
     HSDP_PY_BUSY_NOGIL(self->busy, st = hsdp_unit_gather_wait(&self->u, &self->req));
     self->pending = 0;
+    unit_drop_wire(self);
     if (st != HSDP_OK) {
         unit_drop_buffers(self);
         hsdp_py_raise(st);
@@ -694,6 +719,10 @@ static PyObject *unit_get_wire_dtype(UnitObject *self, void *c) {
     if (!self->u.quant) Py_RETURN_NONE;
     return PyUnicode_FromString(hsdp_dtype_name(HSDP_F8E4M3));
 }
+static PyObject *unit_get_wire_bytes(UnitObject *self, void *c) {
+    (void)c;
+    return PyLong_FromSize_t(hsdp_unit_wire_bytes(&self->u));
+}
 static PyObject *unit_get_wire_chunk(UnitObject *self, void *c) {
     (void)c;
     return PyLong_FromSize_t(self->u.quant ? self->u.wire_chunk_bytes : self->u.layout.chunk_bytes);
@@ -753,6 +782,8 @@ static PyGetSetDef unit_getset[] = {
     {"wire_chunk_bytes", (getter)unit_get_wire_chunk, NULL,
      "bytes each rank sends per gather (chunk_bytes without a wire dtype)", NULL},
     {"is_encoded", (getter)unit_get_encoded, NULL, "whether the shard is held as its float8 encoding", NULL},
+    {"wire_bytes", (getter)unit_get_wire_bytes, NULL,
+     "bytes of the buffer a gather receives the float8 encodings in (0 without a wire dtype)", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

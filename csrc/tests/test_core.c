@@ -442,6 +442,17 @@ static void test_unit_wire(void) {
     CHECK(hsdp_unit_gather_now(&u, full, NULL, &req) == HSDP_OK && req.wire == NULL);
     CHECK(memcmp(full, ref, u.layout.total_bytes) == 0);
     CHECK(st.unsharded_bytes == u.layout.total_bytes && st.gathers == 3);
+    /* into the caller's buffer (a pooled one): nothing allocated, nothing freed */
+    CHECK(hsdp_unit_wire_bytes(&u) == u.wire_chunk_bytes);
+    void *wire = hsdp_buffer_alloc(&st, hsdp_unit_wire_bytes(&u)); /* owned here */
+    uint64_t allocs = st.buffer_allocs;
+    memset(full, 0, u.layout.total_bytes);
+    CHECK(hsdp_unit_gather_start_wire(&u, full, NULL, wire, &req) == HSDP_OK && req.wire == wire && !req.wire_owned);
+    CHECK(hsdp_unit_gather_wait(&u, &req) == HSDP_OK && memcmp(full, ref, u.layout.total_bytes) == 0);
+    memset(full, 0, u.layout.total_bytes);
+    CHECK(hsdp_unit_gather_now_wire(&u, full, NULL, wire, &req) == HSDP_OK);
+    CHECK(memcmp(full, ref, u.layout.total_bytes) == 0 && st.buffer_allocs == allocs);
+    hsdp_buffer_free(&st, wire, hsdp_unit_wire_bytes(&u));
     hsdp_buffer_free(&st, full, u.layout.total_bytes);
     free(ref);
     hsdp_unit_free(&u);
