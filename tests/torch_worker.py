@@ -3,9 +3,9 @@ shard a stock diffusers model over the (R, S) mesh and require its output to equ
 unsharded reference bit for bit, over several forwards (prefetch on), and the gathered
 state dict to equal the reference's.
 
-usage: torch_worker.py R S KIND:PARAM_DTYPE [KIND:PARAM_DTYPE ...]
+usage: torch_worker.py R S SPEC [SPEC ...]   SPEC: KIND:PARAM_DTYPE, or "wire" (R = 1): a
+                                            bfloat16 Wan with a float8 wire, against without
        torch_worker.py load DIR R S PARAM_DTYPE   (a Wan save_pretrained folder, streamed in)
-       torch_worker.py wire S                     (a bfloat16 Wan with a float8 wire, against without)
 """
 
 from __future__ import annotations
@@ -83,10 +83,11 @@ def wire(s: int) -> None:
     def build(wire_dtype: str | None) -> tuple[torch.nn.Module, int]:
         model = make_wan_wide(0)
         model._hsdp_shard_conditions = [MODELS["wan"][2]]
-        before = hsdp.memory_stats()["sharded_bytes"]
         hsdp.apply_hsdp_to_model(model, hsdp.HSDPInferenceConfig(
             enabled=True, hsdp_shard_size=s, param_dtype="bfloat16", wire_dtype=wire_dtype))
-        return model, hsdp.memory_stats()["sharded_bytes"] - before
+        # what sharded_bytes counts for this model's units (other models in this process come
+        # and go with the garbage collector, so the global counter's delta would not do)
+        return model, sum(len(st.unit.shard_bytes()) for st in hsdp.get_units(model))
 
     plain, plain_bytes = build(None)
     fp8, fp8_bytes = build("float8_e4m3fn")
@@ -112,13 +113,14 @@ def wire(s: int) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "wire":
-        wire(int(sys.argv[2]))
-        sys.exit(0)
     if sys.argv[1] == "load":
         load(sys.argv[2], sys.argv[5], int(sys.argv[3]), int(sys.argv[4]))
         sys.exit(0)
     r, s = int(sys.argv[1]), int(sys.argv[2])
     for spec in sys.argv[3:]:
+        if spec == "wire":
+            assert r == 1, "the wire check runs on a (1, S) mesh"
+            wire(s)
+            continue
         kind, dtype = spec.split(":")
         main(kind, dtype, r, s)
