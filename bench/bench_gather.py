@@ -8,6 +8,7 @@ buffer from the same allocator. Ratio = raw time / hsdp time (1.0 = as fast as t
 
     .venv/bin/python bench/bench_gather.py            # 2 and 4 ranks, 1 MiB .. 256 MiB
     .venv/bin/python bench/bench_gather.py --busy     # a gather beside busy ranks: direct vs collective
+    .venv/bin/python bench/bench_gather.py --wire     # the float8 wire against bfloat16
 
 ``--agreement`` measures what the agreement check costs: on the collective path
 (``HSDP_DIRECT_GATHER=0``, where it runs) a 1 MiB unit gather, with the check (the tickets
@@ -15,6 +16,11 @@ beside the data, the default in groups of up to 8 ranks), against the same gathe
 check off, with the tickets in their own all-gather first (what groups of more than 8 ranks
 do), the 64-byte all-gather alone and the raw 1 MiB ``MPI_Allgather``; 2 and 4 ranks, 9
 launches each (a launch's placement of ranks on cores drifts more than the check costs).
+
+``--wire`` times a 16 MiB bfloat16 unit's gather with the float8 wire (``wire_dtype=
+"float8_e4m3fn"``: 8 MiB of float8 and the scales move, then are dequantized) against the
+same unit without it, on 2 ranks, on both paths (direct and collective); the ratio is
+float8 time / bfloat16 time.
 
 ``--busy`` times one 16 MiB gather on 2 ranks while each rank's Python thread computes for
 50 ms (what a forward does while the next block prefetches), against the same gather with
@@ -122,6 +128,50 @@ def rank_busy() -> None:
         print("RESULT " + json.dumps({f"{p}/{'busy' if b else 'idle'}": t for (p, b), t in med.items()}))
 
 
+WIRE_MIB = 16
+
+
+def rank_wire() -> None:
+    import os
+
+    import numpy as np
+
+    import hsdp
+    from hsdp import _C
+    from harness import interleaved
+
+    world = hsdp.distributed.init_process_group()
+    group = hsdp.init_device_mesh("cpu", (1, world.size)).shard_group
+    n = (WIRE_MIB << 20) // 2
+    values = (np.random.default_rng(0).standard_normal(n) * 0.02).astype(np.float32)
+    res = {}
+    for path in ("direct", "collective"):
+        if path == "collective":
+            os.environ["HSDP_DIRECT_GATHER"] = "0"  # read by each unit's first gather
+        units = []
+        for wire in (None, "float8_e4m3fn"):
+            u = _C.Unit(group, ["bfloat16"], [(n,)], name=f"{path}-{wire}", compute_dtypes=["bfloat16"],
+                        wire_dtype=wire)
+            u.write(0, values)
+            u.encode()
+            units.append(u)
+
+        def gather(u):
+            def run() -> None:
+                u.unshard()
+                u.reshard()
+            return run
+
+        fns = [gather(u) for u in units]
+        interleaved(fns, 3, sync=world.barrier)
+        t_bf16, t_fp8 = interleaved(fns, 25, sync=world.barrier)
+        assert all(u.gather_path == path for u in units), [u.gather_path for u in units]
+        res[path] = {"bf16_s": t_bf16, "fp8_s": t_fp8, "wire_bytes": units[1].wire_chunk_bytes * world.size,
+                     "bf16_bytes": units[0].total_bytes}
+    if world.rank == 0:
+        print("RESULT " + json.dumps(res))
+
+
 def rank_agreement() -> None:
     import os
     import statistics
@@ -191,6 +241,17 @@ def main() -> None:
                      "64-byte all-gather from Python us", "raw 1 MiB us", "raw / gather"], rows))
         return
 
+    if "--wire" in sys.argv:
+        line = next(l for l in launch(2, "bench/bench_gather.py", "--rank-wire").splitlines() if l.startswith("RESULT "))
+        r = json.loads(line[7:])
+        rows = [[p, f"{r[p]['bf16_bytes'] / 2**20:.2f}", f"{r[p]['wire_bytes'] / 2**20:.2f}",
+                 f"{r[p]['bf16_s'] * 1e3:.2f}", f"{r[p]['fp8_s'] * 1e3:.2f}", f"{r[p]['fp8_s'] / r[p]['bf16_s']:.2f}"]
+                for p in ("direct", "collective")]
+        print(f"A {WIRE_MIB} MiB bfloat16 unit gathered as bfloat16 and with the float8 wire, 2 ranks "
+              f"({machine()}); median ms of unshard + reshard, 25 interleaved")
+        print(table(["path", "bfloat16 MiB", "float8 wire MiB", "bfloat16 ms", "float8 ms", "float8 / bfloat16"], rows))
+        return
+
     if "--busy" in sys.argv:
         line = next(l for l in launch(2, "bench/bench_gather.py", "--rank-busy").splitlines() if l.startswith("RESULT "))
         r = json.loads(line[7:])
@@ -224,6 +285,8 @@ if __name__ == "__main__":
     sys.path.insert(0, __import__("os").path.dirname(__file__))
     if "--rank-busy" in sys.argv:
         rank_busy()
+    elif "--rank-wire" in sys.argv:
+        rank_wire()
     elif "--rank-agreement" in sys.argv:
         rank_agreement()
     elif "--rank" in sys.argv:

@@ -2,7 +2,8 @@
 bytes, with two ranks in two network namespaces joined by veth (bench/netns.py; root and
 `ip netns` needed), Open MPI's TCP transport only. The ranks see different hosts, so the
 unit's gathers are collective (with the agreement check), as between real hosts; the model
-check (sharded equals unsharded) runs first. Library defaults otherwise.
+check (sharded equals unsharded) runs first. Library defaults otherwise. Then a 16 MiB
+bfloat16 unit's gather with the float8 wire against the same unit without it.
 
     .venv/bin/python bench/bench_tcp.py
 """
@@ -41,6 +42,13 @@ def main() -> None:
                 [[r["rank"], r["host"], r["exact"], "/".join(r["paths"]), f"{r['raw_s'] * 1e3:.2f}",
                   f"{r['ours_s'] * 1e3:.2f}", f"{r['off_s'] * 1e3:.2f}", f"{r['raw_s'] / r['ours_s']:.3f}"]
                  for r in rows]))
+    print()
+    print("16 MiB bfloat16 unit gathered as bfloat16 and with the float8 wire (wire_dtype='float8_e4m3fn'), "
+          "same link; median ms")
+    print(table(["rank", "bfloat16 ms", "float8 wire ms", "float8 wire MiB", "raw all-gather of those MiB ms",
+                 "float8 / bfloat16"],
+                [[r["rank"], f"{r['bf16_s'] * 1e3:.2f}", f"{r['fp8_s'] * 1e3:.2f}", f"{r['wire_mib']:.2f}",
+                  f"{r['raw8_s'] * 1e3:.2f}", f"{r['fp8_s'] / r['bf16_s']:.3f}"] for r in rows]))
 
 
 if __name__ == "__main__":

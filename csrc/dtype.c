@@ -393,3 +393,124 @@ hsdp_status hsdp_cast(void *dst, hsdp_dtype dt, const void *src, hsdp_dtype st, 
     }
     return HSDP_OK;
 }
+
+/* ---------------------------------------------------------------- block-scaled float8 */
+
+/* e4m3fn bits -> float, branch-free so that the loops below vectorise: the magnitude bits
+ * a = eeee mmm. A normal (e > 0) is the float with that exponent rebiased by 127 - 7 = 120
+ * and those mantissa bits on top; a subnormal (e == 0) is m * 2^-9, exact from the integer
+ * (no float subnormal is ever formed, so no CPU slow path). The one NaN per sign is a = 0x7F. */
+static inline float e4m3_mag(uint32_t a) {
+    uint32_t normal = (a << 20) + (120u << 23);
+    uint32_t sub = f32_bits((float)a * 0x1p-9f);
+    uint32_t is_sub = 0u - (uint32_t)(a < 8); /* all ones or zero: a select without a branch */
+    return f32_from_bits((sub & is_sub) | (normal & ~is_sub));
+}
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+/* AVX2 where the CPU has it (chosen at load time), SSE2 otherwise */
+#define HSDP_VECTORIZE __attribute__((optimize("O3"), target_clones("avx2", "default")))
+#elif defined(__GNUC__) && !defined(__clang__)
+#define HSDP_VECTORIZE __attribute__((optimize("O3")))
+#else
+#define HSDP_VECTORIZE
+#endif
+
+/* One block: dst[j] = e4m3(q[j]) * scale, rounded once to bfloat16 / float16 / float32. */
+HSDP_VECTORIZE static void dequant_bf16(uint16_t *restrict d, const uint8_t *restrict q, float scale, size_t m) {
+    for (size_t j = 0; j < m; j++) {
+        uint32_t a = q[j] & 0x7Fu, sign = (uint32_t)(q[j] & 0x80u) << 8;
+        uint32_t b = f32_bits(e4m3_mag(a) * scale); /* finite: |q| <= 448 and scale is finite */
+        uint32_t h = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
+        uint32_t is_nan = 0u - (uint32_t)(a == 0x7Fu);
+        d[j] = (uint16_t)(((0x7FC0u & is_nan) | (h & ~is_nan)) | sign);
+    }
+}
+
+HSDP_VECTORIZE static void dequant_f32(float *restrict d, const uint8_t *restrict q, float scale, size_t m) {
+    for (size_t j = 0; j < m; j++) {
+        uint32_t a = q[j] & 0x7Fu, sign = (uint32_t)(q[j] & 0x80u) << 24;
+        uint32_t b = f32_bits(e4m3_mag(a) * scale);
+        uint32_t is_nan = 0u - (uint32_t)(a == 0x7Fu);
+        d[j] = f32_from_bits((0x7FC00000u & is_nan) | (b & ~is_nan) | sign);
+    }
+}
+
+static inline int finite_f32(float f) { return (f32_bits(f) & 0x7F800000u) != 0x7F800000u; }
+
+/* float -> e4m3fn for a finite |r| <= 448, rounding to nearest even: for a normal result,
+ * the float's 23 mantissa bits round to 3 (a carry bumps the exponent, as it should) and the
+ * exponent is rebiased 127 -> 7; below 2^-6 the result is subnormal, rare in a scaled block,
+ * and the generic encoder does it. */
+static inline uint8_t e4m3_from_finite(float r) {
+    uint32_t b = f32_bits(r), sign = (b >> 24) & 0x80u, a = b & 0x7FFFFFFFu;
+    if (a < 0x3C800000u) return (uint8_t)(sign | hsdp_f32_to_f8e4m3(f32_from_bits(a)));
+    uint32_t rounded = a + 0x7FFFFu + ((a >> 20) & 1u);
+    return (uint8_t)(sign | ((rounded >> 20) - (120u << 3)));
+}
+
+hsdp_status hsdp_quantize_blocks(uint8_t *q, float *scales, const void *src, hsdp_dtype st, size_t n) {
+    if (st != HSDP_F32 && st != HSDP_F16 && st != HSDP_BF16)
+        return hsdp_fail(HSDP_ETYPE, "only float32, float16 and bfloat16 are quantized to float8, not %s",
+                         safe_name(st));
+    size_t ssz = hsdp_dtype_size(st);
+    const unsigned char *s = src;
+    for (size_t b0 = 0, bi = 0; b0 < n; b0 += HSDP_WIRE_BLOCK, bi++) {
+        size_t m = n - b0 < HSDP_WIRE_BLOCK ? n - b0 : HSDP_WIRE_BLOCK;
+        float x[HSDP_WIRE_BLOCK], amax = 0.0f;
+        hsdp_status cst = hsdp_cast(x, HSDP_F32, s + b0 * ssz, st, m); /* the block as float32 */
+        if (cst != HSDP_OK) return cst;
+        for (size_t j = 0; j < m; j++) {
+            float a = x[j] < 0 ? -x[j] : x[j];
+            if (finite_f32(x[j]) && a > amax) amax = a; /* NaN compares false: skipped too */
+        }
+        /* absmax / 448 rounded once to float32; 0 for an all-zero (or all non-finite) block
+         * and for a block so small that the division underflows (absmax < 448 * 2^-150). */
+        float scale = amax / HSDP_F8E4M3_MAX;
+        memcpy(scales + bi, &scale, sizeof scale);
+        for (size_t j = 0; j < m; j++) {
+            float v = x[j];
+            uint8_t o;
+            if (!finite_f32(v)) {
+                o = hsdp_f32_to_f8e4m3(v); /* NaN stays NaN; +-inf becomes NaN (no inf in e4m3fn) */
+            } else if (scale == 0.0f) {
+                o = (uint8_t)(f32_bits(v) >> 31 << 7); /* +-0 */
+            } else {
+                /* A rounded scale can put absmax a hair over 448 (or, for a subnormal scale,
+                 * more): saturate, so a finite weight never becomes NaN. */
+                float r = v / scale;
+                if (r > HSDP_F8E4M3_MAX) r = HSDP_F8E4M3_MAX;
+                if (r < -HSDP_F8E4M3_MAX) r = -HSDP_F8E4M3_MAX;
+                o = e4m3_from_finite(r);
+            }
+            q[b0 + j] = o;
+        }
+    }
+    return HSDP_OK;
+}
+
+hsdp_status hsdp_dequantize_blocks(void *dst, hsdp_dtype dt, const uint8_t *q, const float *scales, size_t n) {
+    if (dt != HSDP_F32 && dt != HSDP_F16 && dt != HSDP_BF16)
+        return hsdp_fail(HSDP_ETYPE, "float8 blocks are dequantized to float32, float16 or bfloat16, not %s",
+                         safe_name(dt));
+    /* dst is element-aligned: slots and their pieces start on element boundaries of
+     * 64-byte-aligned buffers (callers of this function keep that). */
+    for (size_t b0 = 0, bi = 0; b0 < n; b0 += HSDP_WIRE_BLOCK, bi++) {
+        size_t m = n - b0 < HSDP_WIRE_BLOCK ? n - b0 : HSDP_WIRE_BLOCK;
+        float scale;
+        memcpy(&scale, scales + bi, sizeof scale);
+        if (dt == HSDP_BF16) {
+            dequant_bf16((uint16_t *)dst + b0, q + b0, scale, m);
+        } else if (dt == HSDP_F32) {
+            dequant_f32((float *)dst + b0, q + b0, scale, m);
+        } else { /* float16: rare (models are bfloat16 or float32), so the scalar encoder */
+            for (size_t j = 0; j < m; j++) {
+                uint32_t a = q[b0 + j] & 0x7Fu;
+                float v = a == 0x7Fu ? f32_from_bits(0x7FC00000u) : e4m3_mag(a) * scale;
+                uint16_t h = (uint16_t)(f16_from_bits(f32_bits(v)) | ((uint32_t)(q[b0 + j] & 0x80u) << 8));
+                memcpy((unsigned char *)dst + 2 * (b0 + j), &h, 2);
+            }
+        }
+    }
+    return HSDP_OK;
+}

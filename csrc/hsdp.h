@@ -72,6 +72,20 @@ float hsdp_f8e4m3_to_f32(uint8_t b);
 uint8_t hsdp_f32_to_f8e5m2(float f);
 float hsdp_f8e5m2_to_f32(uint8_t b);
 
+/* Block-scaled float8 e4m3fn, the wire format of a unit with a wire dtype (unit.c). n
+ * elements go in blocks of HSDP_WIRE_BLOCK consecutive elements (the last one shorter), one
+ * float32 scale per block: scale = absmax / 448 over the block's finite values (rounded once
+ * to float32), q = e4m3(x / scale) rounded to nearest even and saturated at +-448, so a
+ * finite weight never becomes NaN. A block whose scale is 0 (all zeros, or absmax below
+ * 448 * 2^-150) stores +-0. NaN stays NaN and +-inf becomes NaN (e4m3fn has no infinity,
+ * as torch's own cast); neither takes part in the scale. Dequantizing is e4m3(q) * scale in
+ * float32, rounded once to the destination dtype. src/dst: float32, float16 or bfloat16;
+ * scales holds ceil(n / HSDP_WIRE_BLOCK) floats (need not be aligned). */
+#define HSDP_WIRE_BLOCK 128
+#define HSDP_F8E4M3_MAX 448.0f
+hsdp_status hsdp_quantize_blocks(uint8_t *q, float *scales, const void *src, hsdp_dtype st, size_t n);
+hsdp_status hsdp_dequantize_blocks(void *dst, hsdp_dtype dt, const uint8_t *q, const float *scales, size_t n);
+
 /* Casts n elements from src (dtype st) to dst (dtype dt). Same dtype: a copy. Between
  * floating dtypes: a conversion (through double when either side is f64, else float).
  * Anything else (int <-> float, int <-> other int) is HSDP_ETYPE. dst and src must not
@@ -205,6 +219,10 @@ typedef struct {
     char label[64];         /* the unit's name, for messages (set by the caller; may be empty) */
     uint64_t ident;         /* which unit of its group, counted as made (group->units_made):
                              * the same on every rank, checked by the gathers that agree */
+    /* The wire encoding (hsdp_unit_set_wire), NULL/0 without one. */
+    unsigned char *quant;    /* owned: per slot, 1 when it travels as block-scaled float8 */
+    size_t wire_chunk_bytes; /* each rank's encoded chunk, the same on every rank */
+    int wire_encoded;        /* the shard holds the encoding: fixed from then on */
 } hsdp_unit;
 
 /* Sets up the layout and a zeroed shard. compute[i] is the dtype slot i is computed in, as
@@ -220,6 +238,21 @@ void hsdp_unit_free(hsdp_unit *u);
  * first = 0, count = numel. */
 hsdp_status hsdp_unit_write(hsdp_unit *u, size_t i, size_t first, size_t count, const void *src,
                             hsdp_dtype src_dt);
+/* Makes the unit travel block-scaled: the slots with quant[i] set (float32, float16 or
+ * bfloat16 storage) are sent as float8 (wire must be HSDP_F8E4M3) with one float32 scale per
+ * HSDP_WIRE_BLOCK elements, the others as they are stored. Before any gather; nothing
+ * changes when no slot is marked. Each rank's chunk is encoded alone (blocks start at the
+ * start of each parameter's piece of the chunk and never span two parameters), by
+ * hsdp_unit_encode or else by the first gather; from then on the shard is the encoding
+ * (layout.chunk_bytes of storage dtypes become wire_chunk_bytes) and it is fixed. Every
+ * gather dequantizes into the storage dtypes of `full` right after the collective. */
+hsdp_status hsdp_unit_set_wire(hsdp_unit *u, hsdp_dtype wire, const unsigned char *quant);
+hsdp_status hsdp_unit_encode(hsdp_unit *u);
+/* Bytes of the shard as held now (the encoding's once encoded). */
+size_t hsdp_unit_shard_bytes(const hsdp_unit *u);
+/* Decodes the gathered encodings (shard * wire_chunk_bytes) into `full` (layout.total_bytes,
+ * storage dtypes; padding zeroed). */
+hsdp_status hsdp_unit_decode(const hsdp_unit *u, const void *wire, void *full);
 /* HSDP_ESTATE once the unit has been gathered: from then on its shard is fixed (peers may
  * read it directly), so write, read and broadcast into it are refused. */
 hsdp_status hsdp_unit_check_writable(const hsdp_unit *u);
@@ -237,12 +270,21 @@ typedef struct {
     hsdp_req req;
     hsdp_unit *u;
     void *full, *widened;
+    void *wire;     /* the gathered encodings while in flight (hsdp_unit_wire_bytes) */
+    int wire_owned; /* wire was allocated by the request: the wait frees it */
 } hsdp_gather_req;
 /* Asynchronous gather + conversion through the backend's asynchronous slots (with none, it
  * runs on the caller's thread before returning). req is owned by the caller and must stay
  * alive until hsdp_unit_gather_wait returns; one request per unit at a time. */
 hsdp_status hsdp_unit_gather_start(hsdp_unit *u, void *full, void *widened, hsdp_gather_req *req);
 hsdp_status hsdp_unit_gather_wait(hsdp_unit *u, hsdp_gather_req *req);
+/* The same, receiving a unit with a wire encoding into `wire` (hsdp_unit_wire_bytes, the
+ * caller's, alive until the wait returns; a pooled buffer, say) rather than into a buffer
+ * the request allocates and frees. wire is ignored without an encoding. */
+hsdp_status hsdp_unit_gather_start_wire(hsdp_unit *u, void *full, void *widened, void *wire, hsdp_gather_req *req);
+hsdp_status hsdp_unit_gather_now_wire(hsdp_unit *u, void *full, void *widened, void *wire, hsdp_gather_req *req);
+/* Bytes of the buffer a gather receives the encodings in (0 without a wire encoding). */
+size_t hsdp_unit_wire_bytes(const hsdp_unit *u);
 /* Synchronous gather + conversion through the same request (so traces see its times). */
 hsdp_status hsdp_unit_gather_now(hsdp_unit *u, void *full, void *widened, hsdp_gather_req *req);
 /* Converts the slots whose compute dtype differs from their storage dtype from `full` into

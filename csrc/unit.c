@@ -2,7 +2,9 @@
  * whole flat buffer, and the conversion of slots whose compute dtype (chosen by the caller's
  * framework) differs from their storage dtype. Collectives go through the backend table
  * only. The unsharded buffers are allocated by the caller so that their lifetime can follow
- * whoever holds views into them; the unit owns only its shard. */
+ * whoever holds views into them; the unit owns only its shard. A unit with a wire dtype
+ * (hsdp_unit_set_wire) holds and sends its shard as block-scaled float8 and dequantizes
+ * what it gathers, on the host, right after the collective. */
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -60,8 +62,14 @@ hsdp_status hsdp_unit_init(hsdp_unit *u, const size_t *numels, const hsdp_dtype 
     return HSDP_OK;
 }
 
+size_t hsdp_unit_shard_bytes(const hsdp_unit *u) {
+    return u->wire_encoded ? u->wire_chunk_bytes : u->layout.chunk_bytes;
+}
+
 void hsdp_unit_free(hsdp_unit *u) {
-    if (u->shard && u->stats) atomic_fetch_sub(&u->stats->sharded_bytes, u->layout.chunk_bytes);
+    if (u->shard && u->stats) atomic_fetch_sub(&u->stats->sharded_bytes, hsdp_unit_shard_bytes(u));
+    free(u->quant);
+    u->quant = NULL;
     /* A shard peers may read directly is freed by the backend once none can still be reading. */
     hsdp_share_free(u->group, u->share, u->shard);
     u->share = NULL;
@@ -74,6 +82,9 @@ void hsdp_unit_free(hsdp_unit *u) {
 }
 
 hsdp_status hsdp_unit_check_writable(const hsdp_unit *u) {
+    if (u->wire_encoded)
+        return hsdp_fail(HSDP_ESTATE, "the unit's shard has been encoded as float8 for the wire, so it is fixed: "
+                                      "write its parameters before it is encoded (the first gather encodes it)");
     if (u->share)
         return hsdp_fail(HSDP_ESTATE, "the unit has been gathered, so its shard is fixed: its peers may read it "
                                       "at any time, and a write now would reach some of their gathers and not others");
@@ -126,10 +137,152 @@ hsdp_status hsdp_unit_read_shard(hsdp_unit *u, void *out) {
     return hsdp_share_read(u->group, u->share, out, u->layout.chunk_bytes);
 }
 
+/* ---------------------------------------------------------------- the wire encoding
+ *
+ * Rank s's encoded chunk: the float32 scales of all its blocks first, then its pieces of the
+ * slots in layout order, a quantized piece as one float8 byte per element and any other as
+ * its stored bytes; zeros after. The padding between slots is not sent (it is zero). Sizes
+ * differ between ranks; every rank sends wire_chunk_bytes, the largest rounded up to
+ * HSDP_ALIGN, so the all-gather keeps fixed-size blocks. */
+
+/* Rank s's blocks and encoded bytes (scales included). */
+static size_t wire_size(const hsdp_unit *u, int s, size_t *nblocks) {
+    size_t nb = 0, payload = 0;
+    for (size_t i = 0; i < u->layout.nslots; i++) {
+        size_t b, e, off;
+        if (!hsdp_layout_owned(&u->layout, i, s, &b, &e, &off)) continue;
+        size_t n = (e - b) / hsdp_dtype_size(u->layout.slots[i].dtype);
+        if (u->quant[i]) {
+            nb += (n + HSDP_WIRE_BLOCK - 1) / HSDP_WIRE_BLOCK;
+            payload += n;
+        } else {
+            payload += e - b;
+        }
+    }
+    *nblocks = nb;
+    return nb * sizeof(float) + payload;
+}
+
+hsdp_status hsdp_unit_set_wire(hsdp_unit *u, hsdp_dtype wire, const unsigned char *quant) {
+    if (u->quant || u->wire_encoded) return hsdp_fail(HSDP_ESTATE, "the unit already has a wire dtype");
+    if (u->share) return hsdp_fail(HSDP_ESTATE, "the unit has been gathered already: set its wire dtype before");
+    if (wire != HSDP_F8E4M3)
+        return hsdp_fail(HSDP_ETYPE, "the wire dtype must be float8_e4m3fn, got %s",
+                         hsdp_dtype_name(wire) ? hsdp_dtype_name(wire) : "an unknown dtype");
+    size_t n = u->layout.nslots, marked = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (!quant[i]) continue;
+        hsdp_dtype dt = u->layout.slots[i].dtype;
+        if (dt != HSDP_F32 && dt != HSDP_F16 && dt != HSDP_BF16)
+            return hsdp_fail(HSDP_ETYPE, "parameter %zu is stored as %s: only float32, float16 and bfloat16 "
+                             "parameters are quantized for the wire", i, hsdp_dtype_name(dt));
+        marked++;
+    }
+    if (marked == 0) return HSDP_OK; /* nothing to gain: the unit travels as it is stored */
+    u->quant = malloc(n); /* owned by the unit until hsdp_unit_free */
+    if (!u->quant) return hsdp_fail(HSDP_ENOMEM, "could not allocate the wire flags of %zu parameters", n);
+    for (size_t i = 0; i < n; i++) u->quant[i] = quant[i] ? 1 : 0;
+    size_t w = 0, nb;
+    for (int s = 0; s < u->layout.shard; s++) {
+        size_t ws = wire_size(u, s, &nb);
+        if (ws > w) w = ws;
+    }
+    u->wire_chunk_bytes = round_up(w, HSDP_ALIGN);
+    return HSDP_OK;
+}
+
+hsdp_status hsdp_unit_encode(hsdp_unit *u) {
+    if (!u->quant || u->wire_encoded) return HSDP_OK;
+    hsdp_status st = hsdp_unit_check_writable(u); /* not gathered yet: no peer reads the shard */
+    if (st != HSDP_OK) return st;
+    size_t W = u->wire_chunk_bytes, nb;
+    (void)wire_size(u, u->s, &nb);
+    /* Owned by the unit in place of the old shard (hsdp_unit_free, or the backend's
+     * share_free once gathered). Zeroed: the tail past this rank's encoding is sent too. */
+    unsigned char *enc = aligned_alloc(HSDP_ALIGN, W ? W : HSDP_ALIGN);
+    if (!enc) return hsdp_fail(HSDP_ENOMEM, "could not allocate an encoded shard of %zu bytes", W);
+    memset(enc, 0, W);
+    float *scales = (float *)(void *)enc; /* aligned: enc is */
+    unsigned char *pay = enc + nb * sizeof(float);
+    size_t bi = 0;
+    for (size_t i = 0; i < u->layout.nslots; i++) {
+        size_t b, e, off;
+        if (!hsdp_layout_owned(&u->layout, i, u->s, &b, &e, &off)) continue;
+        const hsdp_slot *p = &u->layout.slots[i];
+        size_t n = (e - b) / hsdp_dtype_size(p->dtype);
+        if (u->quant[i]) {
+            st = hsdp_quantize_blocks(pay, scales + bi, u->shard + off, p->dtype, n);
+            if (st != HSDP_OK) {
+                free(enc);
+                return st;
+            }
+            bi += (n + HSDP_WIRE_BLOCK - 1) / HSDP_WIRE_BLOCK;
+            pay += n;
+        } else {
+            memcpy(pay, u->shard + off, e - b);
+            pay += e - b;
+        }
+    }
+    free(u->shard); /* never gathered (checked above), so no peer holds it */
+    u->shard = enc;
+    u->wire_encoded = 1;
+    atomic_fetch_sub(&u->stats->sharded_bytes, u->layout.chunk_bytes);
+    atomic_fetch_add(&u->stats->sharded_bytes, W);
+    return HSDP_OK;
+}
+
+hsdp_status hsdp_unit_decode(const hsdp_unit *u, const void *wire, void *full) {
+    for (int s = 0; s < u->layout.shard; s++) {
+        size_t nb;
+        (void)wire_size(u, s, &nb);
+        const unsigned char *w = (const unsigned char *)wire + (size_t)s * u->wire_chunk_bytes;
+        const float *scales = (const float *)(const void *)w; /* memcpy'd inside: alignment not needed */
+        const unsigned char *pay = w + nb * sizeof(float);
+        unsigned char *out = (unsigned char *)full + (size_t)s * u->layout.chunk_bytes;
+        size_t bi = 0, at = 0; /* at: how far into the chunk `out` is written */
+        for (size_t i = 0; i < u->layout.nslots; i++) {
+            size_t b, e, off;
+            if (!hsdp_layout_owned(&u->layout, i, s, &b, &e, &off)) continue;
+            const hsdp_slot *p = &u->layout.slots[i];
+            if (off > at) memset(out + at, 0, off - at); /* the padding between slots */
+            size_t n = (e - b) / hsdp_dtype_size(p->dtype);
+            if (u->quant[i]) {
+                hsdp_status st = hsdp_dequantize_blocks(out + off, p->dtype, pay, scales + bi, n);
+                if (st != HSDP_OK) return st;
+                bi += (n + HSDP_WIRE_BLOCK - 1) / HSDP_WIRE_BLOCK;
+                pay += n;
+            } else {
+                memcpy(out + off, pay, e - b);
+                pay += e - b;
+            }
+            at = off + (e - b);
+        }
+        if (u->layout.chunk_bytes > at) memset(out + at, 0, u->layout.chunk_bytes - at);
+    }
+    return HSDP_OK;
+}
+
+/* The gathered encodings' buffer: accounted as unsharded while a gather holds it. */
+static size_t wire_total(const hsdp_unit *u) { return u->wire_chunk_bytes * (size_t)u->layout.shard; }
+
+size_t hsdp_unit_wire_bytes(const hsdp_unit *u) {
+    return u->quant && u->layout.total_bytes ? wire_total(u) : 0;
+}
+
 hsdp_status hsdp_unit_gather(hsdp_unit *u, void *full) {
     atomic_fetch_add(&u->stats->gathers, 1);
     if (u->layout.total_bytes == 0) return HSDP_OK;
-    return drop_host(u, hsdp_gather_fixed(u->group, &u->share, u->shard, full, u->layout.chunk_bytes, u->label, u->ident));
+    if (!u->quant)
+        return drop_host(u, hsdp_gather_fixed(u->group, &u->share, u->shard, full, u->layout.chunk_bytes, u->label,
+                                              u->ident));
+    hsdp_status st = hsdp_unit_encode(u);
+    if (st != HSDP_OK) return st;
+    void *wire = hsdp_buffer_alloc(u->stats, wire_total(u));
+    if (!wire) return HSDP_ENOMEM;
+    st = hsdp_gather_fixed(u->group, &u->share, u->shard, wire, u->wire_chunk_bytes, u->label, u->ident);
+    if (st == HSDP_OK) st = hsdp_unit_decode(u, wire, full);
+    hsdp_buffer_free(u->stats, wire, wire_total(u));
+    return st;
 }
 
 hsdp_status hsdp_unit_widen(const hsdp_unit *u, const void *full, void *widened) {
@@ -146,31 +299,80 @@ hsdp_status hsdp_unit_widen(const hsdp_unit *u, const void *full, void *widened)
 /* `then` of a unit's gather: the conversion, on the backend's completion context. */
 static hsdp_status convert_job(void *arg) {
     hsdp_gather_req *r = arg;
-    return hsdp_unit_widen(r->u, r->full, r->widened);
+    if (r->wire) { /* the dequantization, straight out of the gathered encodings */
+        hsdp_status st = hsdp_unit_decode(r->u, r->wire, r->full);
+        if (st != HSDP_OK) return st;
+    }
+    return r->u->widened_bytes ? hsdp_unit_widen(r->u, r->full, r->widened) : HSDP_OK;
 }
 
-static void req_init(hsdp_gather_req *r, hsdp_unit *u, void *full, void *widened) {
+/* Sets up the request; with a wire encoding, encodes the shard (first gather) and takes the
+ * buffer the encodings arrive in: the caller's `wire`, or one allocated here. */
+static hsdp_status req_init(hsdp_gather_req *r, hsdp_unit *u, void *full, void *widened, void *wire) {
     r->req.label = u->label;
     r->req.ident = u->ident;
     r->u = u;
     r->full = full;
     r->widened = widened;
+    r->wire = NULL;
+    r->wire_owned = 0;
     atomic_fetch_add(&u->stats->gathers, 1);
+    if (!u->quant || u->layout.total_bytes == 0) return HSDP_OK;
+    hsdp_status st = hsdp_unit_encode(u);
+    if (st != HSDP_OK) return st;
+    if (wire) {
+        r->wire = wire;
+        return HSDP_OK;
+    }
+    r->wire = hsdp_buffer_alloc(u->stats, wire_total(u));
+    r->wire_owned = r->wire != NULL;
+    return r->wire ? HSDP_OK : HSDP_ENOMEM;
+}
+
+static void req_release(hsdp_gather_req *r) {
+    if (r->wire && r->wire_owned) hsdp_buffer_free(r->u->stats, r->wire, wire_total(r->u));
+    r->wire = NULL;
+    r->wire_owned = 0;
+}
+
+typedef hsdp_status (*gather_fn)(hsdp_req *, hsdp_group *, void **, const void *, void *, size_t,
+                                 hsdp_status (*)(void *), void *);
+
+static hsdp_status unit_gather_via(gather_fn fn, hsdp_unit *u, void *full, void *widened, void *wire,
+                                   hsdp_gather_req *r) {
+    hsdp_status st = req_init(r, u, full, widened, wire);
+    if (st != HSDP_OK) {
+        req_release(r);
+        return st;
+    }
+    void *recv = r->wire ? r->wire : full;
+    size_t nbytes = r->wire ? u->wire_chunk_bytes : u->layout.chunk_bytes;
+    st = drop_host(u, fn(&r->req, u->group, &u->share, u->shard, recv, nbytes,
+                         (u->widened_bytes || r->wire) ? convert_job : NULL, r));
+    /* nothing in flight after an error, nor after a synchronous gather */
+    if (st != HSDP_OK || fn == hsdp_gather_now) req_release(r);
+    return st;
 }
 
 hsdp_status hsdp_unit_gather_start(hsdp_unit *u, void *full, void *widened, hsdp_gather_req *r) {
-    req_init(r, u, full, widened);
-    return drop_host(u, hsdp_gather_start(&r->req, u->group, &u->share, u->shard, full, u->layout.chunk_bytes,
-                                          u->widened_bytes ? convert_job : NULL, r));
+    return unit_gather_via(hsdp_gather_start, u, full, widened, NULL, r);
 }
 
 hsdp_status hsdp_unit_gather_now(hsdp_unit *u, void *full, void *widened, hsdp_gather_req *r) {
-    req_init(r, u, full, widened);
-    return drop_host(u, hsdp_gather_now(&r->req, u->group, &u->share, u->shard, full, u->layout.chunk_bytes,
-                                        u->widened_bytes ? convert_job : NULL, r));
+    return unit_gather_via(hsdp_gather_now, u, full, widened, NULL, r);
+}
+
+hsdp_status hsdp_unit_gather_start_wire(hsdp_unit *u, void *full, void *widened, void *wire, hsdp_gather_req *r) {
+    return unit_gather_via(hsdp_gather_start, u, full, widened, wire, r);
+}
+
+hsdp_status hsdp_unit_gather_now_wire(hsdp_unit *u, void *full, void *widened, void *wire, hsdp_gather_req *r) {
+    return unit_gather_via(hsdp_gather_now, u, full, widened, wire, r);
 }
 
 hsdp_status hsdp_unit_gather_wait(hsdp_unit *u, hsdp_gather_req *r) {
     (void)u;
-    return hsdp_gather_wait(&r->req);
+    hsdp_status st = hsdp_gather_wait(&r->req);
+    req_release(r); /* done with it, whatever the status: the collective no longer runs */
+    return st;
 }

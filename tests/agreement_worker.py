@@ -54,6 +54,21 @@ def scenario_unequal(rank: int) -> None:
     report(rank, "RETURNED")
 
 
+def scenario_wire(rank: int) -> None:
+    """Rank 0 shards with the float8 wire, the others without: a config that differs between
+    ranks. Their gathers move different bytes, so every rank raises at the first; none
+    returns bfloat16 bytes read as float8, or the reverse."""
+    model = models.make_model("tiny", seed=0)
+    hsdp.apply_hsdp_to_model(model, hsdp.HSDPInferenceConfig(
+        enabled=True, wire_dtype="float8_e4m3fn" if rank == 0 else None))
+    try:
+        hsdp.unshard(model.blocks[0])
+    except RuntimeError as exc:
+        report(rank, f"RAISED {exc}")
+        return
+    report(rank, "RETURNED")
+
+
 def scenario_twins(rank: int) -> None:
     """Two models of one architecture: rank 0 unshards the first one's blocks.0, the others
     the second one's. Same name, same size, same gather count: only the units' identity

@@ -1,7 +1,8 @@
 """One rank of the across-hosts check (tests/test_netns.py): two ranks in two network
 namespaces joined by veth, Open MPI over TCP only. Sharded equals unsharded exactly, the
 ranks see different hosts so every gather is collective (TCP), and with --bench a 16 MiB
-unit gather is timed against the raw MPI_Allgather over the same link."""
+unit gather is timed against the raw MPI_Allgather over the same link, and a 16 MiB bfloat16
+unit's gather with the float8 wire against without it."""
 
 from __future__ import annotations
 
@@ -42,10 +43,31 @@ def main() -> None:
             ours()
             _C._set_agreement_check(True)
 
-        fns = [ours, lambda: world.all_gather(send, recv), unchecked]
+        # a 16 MiB bfloat16 unit, gathered as bfloat16 and with the float8 wire
+        n = nbytes // 2
+        values = (np.random.default_rng(0).standard_normal(n) * 0.02).astype(np.float32)
+        wire_units = []
+        for wire in (None, "float8_e4m3fn"):
+            u = _C.Unit(world, ["bfloat16"], [(n,)], name=f"16MiB-{wire}", compute_dtypes=["bfloat16"],
+                        wire_dtype=wire)
+            u.write(0, values)
+            wire_units.append(u)
+
+        def gather(u):
+            def run() -> None:
+                u.unshard()
+                u.reshard()
+            return run
+
+        # the raw MPI_Allgather of the float8 bytes alone: what the link costs them
+        wire_chunk = wire_units[1].wire_chunk_bytes
+        send8, recv8 = _C.empty_aligned(wire_chunk), _C.empty_aligned(wire_chunk * world.size)
+        fns = [ours, lambda: world.all_gather(send, recv), unchecked, *map(gather, wire_units),
+               lambda: world.all_gather(send8, recv8)]
         interleaved(fns, 2, sync=world.barrier)
-        t_ours, t_raw, t_off = interleaved(fns, 25, sync=world.barrier)
-        res.update(ours_s=t_ours, raw_s=t_raw, off_s=t_off)
+        t_ours, t_raw, t_off, t_bf16, t_fp8, t_raw8 = interleaved(fns, 25, sync=world.barrier)
+        res.update(ours_s=t_ours, raw_s=t_raw, off_s=t_off, bf16_s=t_bf16, fp8_s=t_fp8, raw8_s=t_raw8,
+                   wire_mib=wire_chunk * world.size / 2**20)
     print("RESULT " + json.dumps(res), flush=True)
 
 

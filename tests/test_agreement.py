@@ -72,6 +72,13 @@ def test_units_of_different_sizes_raise_on_every_rank_not_a_truncation(mode, n):
         assert len(sizes) == n and len(set(sizes)) == 2, line  # every rank unlike rank 0 is named
 
 
+def test_ranks_that_disagree_on_the_float8_wire_raise_on_every_rank():
+    for line in one_line_per_rank("wire", "fused", 2):
+        assert "do not gather the same unit" in line and "asks for unit 'blocks.0'" in line, line
+        sizes = [int(v) for v in re.findall(r"(\d+) bytes per rank", line)]
+        assert len(sizes) == 2 and sizes[0] < sizes[1], line  # rank 0's float8 chunk is the smaller
+
+
 @pytest.mark.parametrize("direct", ["1", "0"])
 def test_a_caught_per_rank_exception_never_gives_wrong_numbers(direct):
     """Rank 1 raises inside request 2 (block 0 of 4) and goes on. With direct gathers the ranks stay

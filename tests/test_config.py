@@ -638,9 +638,9 @@ def test_to_hsdp_config_passes_every_field(monkeypatch: pytest.MonkeyPatch) -> N
     fake = types.ModuleType("hsdp._C")
     fake.HSDPInferenceConfig = fake_config  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "hsdp._C", fake)
-    C(use_hsdp=True, cfg_parallel_size=2, ulysses_degree=2, hsdp_replicate_size=2).to_hsdp_config(
-        output_dtype="float16", reshard_after_forward=False, prefetch_depth=2
-    )
+    C(use_hsdp=True, cfg_parallel_size=2, ulysses_degree=2, hsdp_replicate_size=2,
+      hsdp_wire_dtype="float8_e4m3fn").to_hsdp_config(output_dtype="float16", reshard_after_forward=False,
+                                                       prefetch_depth=2)
     assert seen == {
         "enabled": True,
         "hsdp_replicate_size": 2,
@@ -651,6 +651,7 @@ def test_to_hsdp_config_passes_every_field(monkeypatch: pytest.MonkeyPatch) -> N
         "reshard_after_forward": False,
         "prefetch_depth": 2,
         "max_unsharded_bytes": None,
+        "wire_dtype": "float8_e4m3fn",
     }
 
 

@@ -53,13 +53,16 @@ def test_parity_with_the_unsharded_model(kind, param_dtype, depth):
 @pytest.mark.parametrize("mesh", [(1, 2), (2, 2), (1, 4)])
 def test_parity_across_ranks(mesh):
     """On real MPI ranks: Wan and Flux, float32 and bfloat16, equal the unsharded model (and on
-    1x2, Wan with units inside its _keep_in_fp32_modules)."""
+    1x2, Wan with units inside its _keep_in_fp32_modules, and a bfloat16 Wan with the float8
+    wire against without it: tests/test_wire.py says what that checks)."""
     r, s = mesh
     specs = ["wan:float32", "wan:bfloat16", "flux:float32", "flux:bfloat16"]
     if mesh == (1, 2):  # units inside diffusers' _keep_in_fp32_modules (float32 in a bfloat16 model)
-        specs.append("wan-kept:bfloat16")
+        specs += ["wan-kept:bfloat16", "wire"]  # in this launch: a job of its own would cost its start
     out = run_ranks(r * s, "tests/torch_worker.py", str(r), str(s), *specs, timeout=300).stdout
     assert out.count("ok") == r * s * len(specs), out
+    if mesh == (1, 2):
+        assert out.count("ok wire") == 2, out
 
 
 def test_parameters_keep_identity_and_become_placeholders():

@@ -43,6 +43,19 @@ def make_wan(seed: int = 0, layers: int = 3) -> Any:
     ).eval()
 
 
+def make_wan_wide(seed: int = 0) -> Any:
+    """A Wan whose blocks are wide enough (dim 128, ffn 512) for the per-block scales and the
+    float32 time embedder to weigh what they do in a real one: the float8 wire's memory test."""
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(seed)
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=32, in_channels=4, out_channels=4,
+        text_dim=32, freq_dim=32, ffn_dim=512, num_layers=4, cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
+    ).eval()
+
+
 def wan_inputs(seed: int = 1) -> tuple[tuple[Any, ...], dict[str, Any]]:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(1, 4, 2, 8, 8, generator=g)

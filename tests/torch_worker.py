@@ -3,7 +3,8 @@ shard a stock diffusers model over the (R, S) mesh and require its output to equ
 unsharded reference bit for bit, over several forwards (prefetch on), and the gathered
 state dict to equal the reference's.
 
-usage: torch_worker.py R S KIND:PARAM_DTYPE [KIND:PARAM_DTYPE ...]
+usage: torch_worker.py R S SPEC [SPEC ...]   SPEC: KIND:PARAM_DTYPE, or "wire" (R = 1): a
+                                            bfloat16 Wan with a float8 wire, against without
        torch_worker.py load DIR R S PARAM_DTYPE   (a Wan save_pretrained folder, streamed in)
 """
 
@@ -66,11 +67,60 @@ def load(folder: str, param_dtype: str, r: int, s: int) -> None:
     print(f"rank {world.rank}: ok load {param_dtype} {r}x{s} read {report.bytes_read} of {report.bytes_read_total}")
 
 
+def wire(s: int) -> None:
+    """Wan in bfloat16 sharded twice over S ranks, with and without the float8 wire: the
+    wire's shards weigh <= 0.56 of the bfloat16 ones, its forwards are within a relative L2
+    error of 0.05 of the bfloat16 sharded model's (and the same on every forward), the kept
+    float32 time embedder and the 0-d / non-float parameters travel as they are, the second
+    gather reads the peers' float8 shards directly, and wire_error reports each weight within
+    e4m3's bound of the source."""
+    from torch_models import make_wan_wide
+
+    world = hsdp.distributed.init_process_group()
+    assert world.backend == "mpi" and world.size == s, (world.backend, world.size)
+    args, kwargs = MODELS["wan"][1]()
+
+    def build(wire_dtype: str | None) -> tuple[torch.nn.Module, int]:
+        model = make_wan_wide(0)
+        model._hsdp_shard_conditions = [MODELS["wan"][2]]
+        hsdp.apply_hsdp_to_model(model, hsdp.HSDPInferenceConfig(
+            enabled=True, hsdp_shard_size=s, param_dtype="bfloat16", wire_dtype=wire_dtype))
+        # what sharded_bytes counts for this model's units (other models in this process come
+        # and go with the garbage collector, so the global counter's delta would not do)
+        return model, sum(len(st.unit.shard_bytes()) for st in hsdp.get_units(model))
+
+    plain, plain_bytes = build(None)
+    fp8, fp8_bytes = build("float8_e4m3fn")
+    ratio = fp8_bytes / plain_bytes
+    assert ratio <= 0.56, f"rank {world.rank}: float8 shards are {ratio:.3f} of the bfloat16 ones"
+    with torch.inference_mode():
+        expect = plain(*args, **kwargs)[0].float()
+        outs = [fp8(*args, **kwargs)[0] for _ in range(2)]
+    assert outs[0].dtype == torch.bfloat16 and torch.equal(outs[0], outs[1]), "float8 forwards differ"
+    rel = ((outs[0].float() - expect).norm() / expect.norm()).item()
+    assert rel <= 0.05, f"rank {world.rank}: relative L2 error {rel:.4f} of the float8 wire's output"
+    for st in hsdp.get_units(fp8):
+        assert st.unit.is_encoded and st.unit.gather_path == ("direct" if s > 1 else "collective"), st.label
+        for name, flag, dt in zip(st.names, st.unit.wire_params, st.unit.dtypes):
+            kept = "time_embedder" in name  # Wan's _keep_in_fp32_modules
+            assert flag == (not kept and dt == "bfloat16"), (name, flag, dt)
+    ref = make_wan_wide(0).to(torch.bfloat16).state_dict()
+    errs = hsdp.wire_error(fp8, ref)
+    assert errs and all(e.max_abs_error <= e.max_abs_value * 0.07 for e in errs.values()), errs
+    worst = max(e.rel_l2 for e in errs.values())
+    assert worst < 0.05, worst
+    print(f"rank {world.rank}: ok wire {s} ratio {ratio:.3f} rel_l2 {rel:.4f} worst weight rel_l2 {worst:.4f}")
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "load":
         load(sys.argv[2], sys.argv[5], int(sys.argv[3]), int(sys.argv[4]))
         sys.exit(0)
     r, s = int(sys.argv[1]), int(sys.argv[2])
     for spec in sys.argv[3:]:
+        if spec == "wire":
+            assert r == 1, "the wire check runs on a (1, S) mesh"
+            wire(s)
+            continue
         kind, dtype = spec.split(":")
         main(kind, dtype, r, s)

@@ -14,6 +14,7 @@ typedef struct {
     int reshard_after_forward;
     int prefetch_depth;          /* units gathered ahead of the one computing (0: none) */
     long long max_unsharded_bytes; /* cap on bytes in flight + unsharded; -1 = None */
+    int wire_dtype;              /* hsdp_dtype the shards travel in (float8_e4m3fn), or -1 for None */
 } ConfigObject;
 
 /* None -> -1; else a floating dtype code. `what` names the parameter in errors. */
@@ -38,6 +39,20 @@ static int parse_optional_float_dtype(PyObject *obj, const char *what, int *out)
     }
     *out = (int)dt;
     return 0;
+}
+
+/* wire_dtype: None or float8_e4m3fn (the one block-scaled wire format built). */
+static int parse_wire_dtype(PyObject *obj, int *out) {
+    if (parse_optional_float_dtype(obj, "wire_dtype", out) < 0) return -1;
+    if (*out == -1 || *out == (int)HSDP_F8E4M3) return 0;
+    if (*out == (int)HSDP_F8E5M2) {
+        PyErr_SetString(PyExc_NotImplementedError, "wire_dtype='float8_e5m2' is not built: the block-scaled wire "
+                        "is float8_e4m3fn (more mantissa; the per-block scale makes e5m2's range unneeded)");
+        return -1;
+    }
+    PyErr_Format(PyExc_ValueError, "wire_dtype must be 'float8_e4m3fn' or None, got %s",
+                 hsdp_dtype_name((hsdp_dtype)*out));
+    return -1;
 }
 
 static int config_check_sizes(int replicate, int shard) {
@@ -71,12 +86,14 @@ static int parse_max_bytes(PyObject *v, long long *out) {
 static int config_init(ConfigObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"enabled",      "hsdp_replicate_size",   "hsdp_shard_size", "param_dtype",
                              "reduce_dtype", "output_dtype",          "reshard_after_forward",
-                             "prefetch_depth", "max_unsharded_bytes", NULL};
+                             "prefetch_depth", "max_unsharded_bytes", "wire_dtype", NULL};
     int enabled = 0, replicate = 1, shard = -1, reshard = 1, depth = 1;
-    PyObject *pd = NULL, *rd = NULL, *od = Py_None, *maxb = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|piiOOOp$iO", kwlist, &enabled, &replicate, &shard, &pd, &rd, &od,
-                                     &reshard, &depth, &maxb))
+    PyObject *pd = NULL, *rd = NULL, *od = Py_None, *maxb = Py_None, *wd = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|piiOOOp$iOO", kwlist, &enabled, &replicate, &shard, &pd, &rd, &od,
+                                     &reshard, &depth, &maxb, &wd))
         return -1;
+    int w = -1;
+    if (parse_wire_dtype(wd, &w) < 0) return -1;
     if (config_check_sizes(replicate, shard) < 0) return -1;
     if (depth < 0) {
         PyErr_Format(PyExc_ValueError, "prefetch_depth must be >= 0, got %d", depth);
@@ -97,6 +114,7 @@ static int config_init(ConfigObject *self, PyObject *args, PyObject *kw) {
     self->reshard_after_forward = reshard;
     self->prefetch_depth = depth;
     self->max_unsharded_bytes = mb;
+    self->wire_dtype = w;
     return 0;
 }
 
@@ -112,6 +130,7 @@ static PyObject *config_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
         self->reshard_after_forward = 1;
         self->prefetch_depth = 1;
         self->max_unsharded_bytes = -1;
+        self->wire_dtype = -1;
     }
     return (PyObject *)self;
 }
@@ -123,10 +142,11 @@ static void config_dealloc(ConfigObject *self) {
 }
 
 /* Field access by offset keeps the getters and setters to one function each. */
-enum { F_ENABLED, F_REPLICATE, F_SHARD, F_PARAM, F_REDUCE, F_OUTPUT, F_RESHARD, F_DEPTH, F_MAXBYTES };
+enum { F_ENABLED, F_REPLICATE, F_SHARD, F_PARAM, F_REDUCE, F_OUTPUT, F_RESHARD, F_DEPTH, F_MAXBYTES, F_WIRE };
 static const char *const field_names[] = {"enabled",         "hsdp_replicate_size", "hsdp_shard_size",
                                           "param_dtype",     "reduce_dtype",        "output_dtype",
-                                          "reshard_after_forward", "prefetch_depth", "max_unsharded_bytes"};
+                                          "reshard_after_forward", "prefetch_depth", "max_unsharded_bytes",
+                                          "wire_dtype"};
 
 static int *config_field(ConfigObject *self, intptr_t f) {
     switch (f) {
@@ -137,6 +157,7 @@ static int *config_field(ConfigObject *self, intptr_t f) {
     case F_REDUCE: return &self->reduce_dtype;
     case F_OUTPUT: return &self->output_dtype;
     case F_DEPTH: return &self->prefetch_depth;
+    case F_WIRE: return &self->wire_dtype;
     default: return &self->reshard_after_forward;
     }
 }
@@ -160,6 +181,7 @@ static int config_set(ConfigObject *self, PyObject *value, void *closure) {
         return -1;
     }
     if (f == F_MAXBYTES) return parse_max_bytes(value, &self->max_unsharded_bytes);
+    if (f == F_WIRE) return parse_wire_dtype(value, &self->wire_dtype);
     int v;
     if (f == F_ENABLED || f == F_RESHARD) {
         v = PyObject_IsTrue(value);
@@ -193,12 +215,14 @@ static PyObject *config_repr(ConfigObject *self) {
              *o = hsdp_py_dtype_name_or_none(self->output_dtype);
     PyObject *s = NULL;
     PyObject *mb = config_get(self, (void *)(intptr_t)F_MAXBYTES);
-    if (p && r && o && mb)
+    PyObject *w = hsdp_py_dtype_name_or_none(self->wire_dtype);
+    if (p && r && o && mb && w)
         s = PyUnicode_FromFormat("HSDPInferenceConfig(enabled=%s, hsdp_replicate_size=%d, hsdp_shard_size=%d, "
                                  "param_dtype=%R, reduce_dtype=%R, output_dtype=%R, reshard_after_forward=%s, "
-                                 "prefetch_depth=%d, max_unsharded_bytes=%R)",
+                                 "prefetch_depth=%d, max_unsharded_bytes=%R, wire_dtype=%R)",
                                  self->enabled ? "True" : "False", self->replicate, self->shard, p, r, o,
-                                 self->reshard_after_forward ? "True" : "False", self->prefetch_depth, mb);
+                                 self->reshard_after_forward ? "True" : "False", self->prefetch_depth, mb, w);
+    Py_XDECREF(w);
     Py_XDECREF(mb);
     Py_XDECREF(p);
     Py_XDECREF(r);
@@ -212,7 +236,8 @@ static PyObject *config_richcompare(PyObject *a, PyObject *b, int op) {
     int eq = x->enabled == y->enabled && x->replicate == y->replicate && x->shard == y->shard &&
              x->param_dtype == y->param_dtype && x->reduce_dtype == y->reduce_dtype &&
              x->output_dtype == y->output_dtype && x->reshard_after_forward == y->reshard_after_forward &&
-             x->prefetch_depth == y->prefetch_depth && x->max_unsharded_bytes == y->max_unsharded_bytes;
+             x->prefetch_depth == y->prefetch_depth && x->max_unsharded_bytes == y->max_unsharded_bytes &&
+             x->wire_dtype == y->wire_dtype;
     return PyBool_FromLong(op == Py_EQ ? eq : !eq);
 }
 
@@ -229,6 +254,9 @@ static PyGetSetDef config_getset[] = {
     CONFIG_FIELD(F_DEPTH, "prefetch_depth", "units whose gather starts ahead of the one computing (default 1; 0 = off)"),
     CONFIG_FIELD(F_MAXBYTES, "max_unsharded_bytes",
                  "cap on full-weight bytes held or in flight that prefetch respects (default None: no cap)"),
+    CONFIG_FIELD(F_WIRE, "wire_dtype",
+                 "'float8_e4m3fn': shards are held and gathered block-scaled in float8, dequantized to param_dtype "
+                 "after each gather (MPI and single-process only; default None)"),
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -242,7 +270,7 @@ static PyType_Slot config_slots[] = {
     {Py_tp_hash, PyObject_HashNotImplemented},
     {Py_tp_doc, "HSDPInferenceConfig(enabled=False, hsdp_replicate_size=1, hsdp_shard_size=-1, "
                 "param_dtype='bfloat16', reduce_dtype='float32', output_dtype=None, reshard_after_forward=True, *, "
-                "prefetch_depth=1, max_unsharded_bytes=None)\n\n"
+                "prefetch_depth=1, max_unsharded_bytes=None, wire_dtype=None)\n\n"
                 "The runtime HSDP settings. Dtypes accept names, NumPy dtypes and torch dtypes."},
     {0, NULL},
 };

@@ -5,8 +5,10 @@
  * Python adapter binds from buffers() and view_specs. Each hook makes a constant number of
  * calls here. */
 #include "pyhsdp.h"  /* first: Python.h must precede system headers */
+#include <math.h>
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <string.h>
 
 typedef struct {
     PyObject_HEAD
@@ -23,6 +25,7 @@ typedef struct {
     size_t *dim_off;       /* owned: where slot i's dims start */
     BufferObject *full;    /* strong while unsharded or pending */
     BufferObject *widened; /* strong while unsharded or pending, when anything widens */
+    BufferObject *wirebuf; /* strong while a gather with a float8 wire is in flight: its encodings */
     int pending;           /* a gather is in flight into full/widened (req) */
     hsdp_gather_req req;   /* the in-flight gather; embedded so starting one allocates nothing */
 } UnitObject;
@@ -53,14 +56,65 @@ static void unit_dealloc(UnitObject *self) {
     Py_DECREF(tp);
 }
 
+/* wire_dtype / wire_params of the constructor: which parameters travel as float8. */
+static int unit_set_wire(UnitObject *self, PyObject *wire_dtype, PyObject *wire_params, hsdp_device dev) {
+    hsdp_dtype wire;
+    if (hsdp_py_parse_dtype(wire_dtype, &wire) < 0) return -1;
+    if (dev != HSDP_DEVICE_HOST) {
+        PyErr_Format(PyExc_NotImplementedError,
+                     "unit %R: wire_dtype=%s is built for host buffers only (MPI and single-process groups): the "
+                     "dequantization after the gather is a host loop and cannot read %s memory",
+                     self->name, hsdp_dtype_name(wire), hsdp_device_name(dev));
+        return -1;
+    }
+    size_t n = self->u.layout.nslots;
+    unsigned char *quant = calloc(n ? n : 1, 1); /* owned here, freed below */
+    if (!quant) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    int rc = -1;
+    PyObject *seq = NULL;
+    if (wire_params == Py_None) {
+        for (size_t i = 0; i < n; i++) {
+            hsdp_dtype dt = self->u.layout.slots[i].dtype;
+            quant[i] = dt == HSDP_F32 || dt == HSDP_F16 || dt == HSDP_BF16;
+        }
+    } else {
+        seq = PySequence_Tuple(wire_params);
+        if (!seq) goto done;
+        if ((size_t)PyTuple_GET_SIZE(seq) != n) {
+            PyErr_Format(PyExc_ValueError, "got %zd wire_params but unit %R has %zu parameters",
+                         PyTuple_GET_SIZE(seq), self->name, n);
+            goto done;
+        }
+        for (size_t i = 0; i < n; i++) {
+            int t = PyObject_IsTrue(PyTuple_GET_ITEM(seq, (Py_ssize_t)i));
+            if (t < 0) goto done;
+            quant[i] = (unsigned char)t;
+        }
+    }
+    hsdp_status st = hsdp_unit_set_wire(&self->u, wire, quant);
+    if (st != HSDP_OK) {
+        hsdp_py_raise(st);
+        goto done;
+    }
+    rc = 0;
+done:
+    Py_XDECREF(seq);
+    free(quant);
+    return rc;
+}
+
 static PyObject *unit_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"group", "dtypes", "shapes", "params", "name", "compute_dtypes", "bind_attr", "device",
-                             NULL};
+                             "wire_dtype", "wire_params", NULL};
     PyObject *group, *dtypes, *shapes, *params = Py_None, *name = NULL, *compute = Py_None;
+    PyObject *wire_dtype = Py_None, *wire_params = Py_None;
     const char *bind_attr = NULL, *device = "host";
     modstate *ms = hsdp_py_state(type);
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!OO|OU$Ozs", kwlist, ms->group_type, &group, &dtypes, &shapes,
-                                     &params, &name, &compute, &bind_attr, &device))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!OO|OU$OzsOO", kwlist, ms->group_type, &group, &dtypes, &shapes,
+                                     &params, &name, &compute, &bind_attr, &device, &wire_dtype, &wire_params))
         return NULL;
     hsdp_device dev;
     if (hsdp_device_from_name(device, &dev) < 0)
@@ -184,6 +238,7 @@ static PyObject *unit_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
             else PyErr_Clear();
         }
     }
+    if (ok && wire_dtype != Py_None && unit_set_wire(self, wire_dtype, wire_params, dev) < 0) ok = 0;
     if (ok && dev != HSDP_DEVICE_HOST && self->u.widened_bytes) {
         /* the conversion is a host cast: it cannot read device memory */
         PyErr_Format(PyExc_ValueError, "device='%s' needs every compute dtype equal to its storage dtype (the "
@@ -327,14 +382,36 @@ static int unit_take_buffers(UnitObject *self) {
             return -1;
         }
     }
+    BufferObject *wire = NULL;
+    size_t wire_bytes = hsdp_unit_wire_bytes(&self->u);
+    if (wire_bytes) { /* from the pool too: a steady-state forward allocates nothing */
+        wire = hsdp_py_buffer_take(ms, wire_bytes, b, HSDP_DEVICE_HOST);
+        if (!wire) {
+            hsdp_py_buffer_give(ms, full);
+            hsdp_py_buffer_give(ms, wide);
+            return -1;
+        }
+    }
     self->full = full;
     self->widened = wide;
-    ms->live_buffers += wide ? 2 : 1;
+    self->wirebuf = wire;
+    ms->live_buffers += (wide ? 2 : 1) + (wire ? 1 : 0);
     if (ms->live_buffers > ms->peak_live_buffers) ms->peak_live_buffers = ms->live_buffers;
     return 0;
 }
 
+/* The encodings are dequantized by the time the gather is waited: their buffer goes back. */
+static void unit_drop_wire(UnitObject *self) {
+    if (!self->wirebuf) return;
+    modstate *ms = hsdp_py_state(Py_TYPE(self));
+    BufferObject *w = self->wirebuf;
+    self->wirebuf = NULL;
+    ms->live_buffers -= 1;
+    hsdp_py_buffer_give(ms, w);
+}
+
 static void unit_drop_buffers(UnitObject *self) {
+    unit_drop_wire(self);
     if (!self->full) return;
     modstate *ms = hsdp_py_state(Py_TYPE(self));
     BufferObject *f = self->full, *w = self->widened;
@@ -355,12 +432,13 @@ static int unit_start_sync(UnitObject *self) { return unit_start_impl(self, 1); 
 static int unit_start_impl(UnitObject *self, int sync) {
     if (unit_take_buffers(self) < 0) return -1;
     void *full = self->full->p, *wide = self->widened ? self->widened->p : NULL;
+    void *wire = self->wirebuf ? self->wirebuf->p : NULL;
     self->pending = 1;
     hsdp_status st;
     if (sync) /* complete when it returns: unit_finish's wait then returns at once */
-        HSDP_PY_BUSY_NOGIL(self->busy, st = hsdp_unit_gather_now(&self->u, full, wide, &self->req));
+        HSDP_PY_BUSY_NOGIL(self->busy, st = hsdp_unit_gather_now_wire(&self->u, full, wide, wire, &self->req));
     else /* through the backend's asynchronous slots: only queued when it has them */
-        HSDP_PY_BUSY_NOGIL(self->busy, st = hsdp_unit_gather_start(&self->u, full, wide, &self->req));
+        HSDP_PY_BUSY_NOGIL(self->busy, st = hsdp_unit_gather_start_wire(&self->u, full, wide, wire, &self->req));
     if (st != HSDP_OK) { /* nothing in flight */
         self->pending = 0;
         unit_drop_buffers(self);
@@ -375,6 +453,7 @@ static int unit_finish(UnitObject *self) {
     hsdp_status st;
     HSDP_PY_BUSY_NOGIL(self->busy, st = hsdp_unit_gather_wait(&self->u, &self->req));
     self->pending = 0;
+    unit_drop_wire(self);
     if (st != HSDP_OK) {
         unit_drop_buffers(self);
         hsdp_py_raise(st);
@@ -430,6 +509,72 @@ static PyObject *unit_reshard(UnitObject *self, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+static PyObject *unit_encode(UnitObject *self, PyObject *unused) {
+    (void)unused;
+    if (unit_check_idle(self) < 0) return NULL;
+    hsdp_status st;
+    HSDP_PY_BUSY_NOGIL(self->busy, st = hsdp_unit_encode(&self->u));
+    if (st != HSDP_OK) return hsdp_py_raise(st);
+    Py_RETURN_NONE;
+}
+
+/* (max |error|, max |source|) over the quantized parameters: the source's values against
+ * what the wire gives back, both read as float32 from a copy of this rank's unencoded shard
+ * (None when nothing is quantized or the shard is already encoded). */
+static PyObject *unit_wire_error(UnitObject *self, PyObject *unused) {
+    (void)unused;
+    if (unit_check_idle(self) < 0) return NULL;
+    hsdp_unit *u = &self->u;
+    if (!u->quant || u->wire_encoded) Py_RETURN_NONE;
+    double max_err = 0.0, max_abs = 0.0, sq_err = 0.0, sq_ref = 0.0;
+    int ok = 1;
+    for (size_t i = 0; ok && i < u->layout.nslots; i++) {
+        size_t b, e, off;
+        if (!u->quant[i] || !hsdp_layout_owned(&u->layout, i, u->s, &b, &e, &off)) continue;
+        const hsdp_slot *p = &u->layout.slots[i];
+        size_t n = (e - b) / hsdp_dtype_size(p->dtype), nb = (n + HSDP_WIRE_BLOCK - 1) / HSDP_WIRE_BLOCK;
+        /* owned here, freed below */
+        uint8_t *q = malloc(n ? n : 1);
+        float *sc = malloc((nb ? nb : 1) * sizeof *sc), *ref = malloc((n ? n : 1) * sizeof *ref),
+              *back = malloc((n ? n : 1) * sizeof *back);
+        hsdp_status st = (q && sc && ref && back) ? HSDP_OK : HSDP_ENOMEM;
+        if (st == HSDP_OK) st = hsdp_quantize_blocks(q, sc, u->shard + off, p->dtype, n);
+        if (st == HSDP_OK) st = hsdp_cast(ref, HSDP_F32, u->shard + off, p->dtype, n);
+        if (st == HSDP_OK) st = hsdp_dequantize_blocks(back, p->dtype, q, sc, n); /* in the storage dtype */
+        if (st == HSDP_OK && p->dtype != HSDP_F32) {
+            /* widen in place from the front half: back holds n storage-dtype elements */
+            void *tmp = malloc(n * hsdp_dtype_size(p->dtype) + 1); /* owned here */
+            if (!tmp) st = HSDP_ENOMEM;
+            else {
+                memcpy(tmp, back, n * hsdp_dtype_size(p->dtype));
+                st = hsdp_cast(back, HSDP_F32, tmp, p->dtype, n);
+                free(tmp);
+            }
+        }
+        if (st == HSDP_OK) {
+            for (size_t k = 0; k < n; k++) {
+                double r = ref[k], d = (double)back[k] - r;
+                if (r != r || d != d) continue; /* NaN stays NaN: not an error of the encoding */
+                if (fabs(d) > max_err) max_err = fabs(d);
+                if (fabs(r) > max_abs) max_abs = fabs(r);
+                sq_err += d * d;
+                sq_ref += r * r;
+            }
+        } else {
+            if (st == HSDP_ENOMEM) PyErr_NoMemory();
+            else hsdp_py_raise(st);
+            ok = 0;
+        }
+        free(q);
+        free(sc);
+        free(ref);
+        free(back);
+    }
+    if (!ok) return NULL;
+    return Py_BuildValue("{sdsdsdsd}", "max_abs_error", max_err, "max_abs_value", max_abs, "sq_error", sq_err,
+                         "sq_value", sq_ref);
+}
+
 static PyObject *unit_gather_times(UnitObject *self, PyObject *unused) {
     (void)unused;
     const hsdp_req *r = &self->req.req;
@@ -454,9 +599,9 @@ static PyObject *unit_broadcast_shard(UnitObject *self, PyObject *args, PyObject
 
 static PyObject *unit_shard_bytes_view(UnitObject *self, PyObject *unused) {
     (void)unused;
-    npy_intp dim = (npy_intp)self->u.layout.chunk_bytes;
     if (!self->u.shard) { /* dropped once on the device: a copy read back from there */
         if (unit_check_idle(self) < 0) return NULL;
+        npy_intp dim = (npy_intp)self->u.layout.chunk_bytes;
         PyObject *copy = PyArray_SimpleNew(1, &dim, NPY_UINT8);
         if (!copy) return NULL;
         hsdp_status st;
@@ -469,6 +614,7 @@ static PyObject *unit_shard_bytes_view(UnitObject *self, PyObject *unused) {
         PyArray_CLEARFLAGS((PyArrayObject *)copy, NPY_ARRAY_WRITEABLE);
         return copy;
     }
+    npy_intp dim = (npy_intp)hsdp_unit_shard_bytes(&self->u);
     PyObject *arr = PyArray_New(&PyArray_Type, 1, &dim, NPY_UINT8, NULL, self->u.shard, 0,
                                 NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED, NULL);
     if (!arr) return NULL;
@@ -583,6 +729,30 @@ static PyObject *unit_get_held(UnitObject *self, void *c) {
     (void)c;
     return PyBool_FromLong(self->full != NULL);
 }
+static PyObject *unit_get_wire_dtype(UnitObject *self, void *c) {
+    (void)c;
+    if (!self->u.quant) Py_RETURN_NONE;
+    return PyUnicode_FromString(hsdp_dtype_name(HSDP_F8E4M3));
+}
+static PyObject *unit_get_wire_bytes(UnitObject *self, void *c) {
+    (void)c;
+    return PyLong_FromSize_t(hsdp_unit_wire_bytes(&self->u));
+}
+static PyObject *unit_get_wire_chunk(UnitObject *self, void *c) {
+    (void)c;
+    return PyLong_FromSize_t(self->u.quant ? self->u.wire_chunk_bytes : self->u.layout.chunk_bytes);
+}
+static PyObject *unit_get_wire_params(UnitObject *self, void *c) {
+    (void)c;
+    PyObject *t = PyTuple_New((Py_ssize_t)self->u.layout.nslots);
+    for (size_t i = 0; t && i < self->u.layout.nslots; i++)
+        PyTuple_SET_ITEM(t, (Py_ssize_t)i, PyBool_FromLong(self->u.quant && self->u.quant[i]));
+    return t;
+}
+static PyObject *unit_get_encoded(UnitObject *self, void *c) {
+    (void)c;
+    return PyBool_FromLong(self->u.wire_encoded);
+}
 static PyObject *unit_get_nparams(UnitObject *self, void *c) {
     (void)c;
     return PyLong_FromSize_t(self->u.layout.nslots);
@@ -621,6 +791,14 @@ static PyGetSetDef unit_getset[] = {
      "the shard's device copy) or 'collective'", NULL},
     {"holds_buffers", (getter)unit_get_held, NULL, "unsharded or pending: the unit holds full buffers", NULL},
     {"nparams", (getter)unit_get_nparams, NULL, "number of parameters", NULL},
+    {"wire_dtype", (getter)unit_get_wire_dtype, NULL,
+     "'float8_e4m3fn' when some parameters travel block-scaled, else None", NULL},
+    {"wire_params", (getter)unit_get_wire_params, NULL, "per parameter: whether it travels as float8", NULL},
+    {"wire_chunk_bytes", (getter)unit_get_wire_chunk, NULL,
+     "bytes each rank sends per gather (chunk_bytes without a wire dtype)", NULL},
+    {"is_encoded", (getter)unit_get_encoded, NULL, "whether the shard is held as its float8 encoding", NULL},
+    {"wire_bytes", (getter)unit_get_wire_bytes, NULL,
+     "bytes of the buffer a gather receives the float8 encodings in (0 without a wire dtype)", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -644,8 +822,14 @@ static PyMethodDef unit_methods[] = {
     {"broadcast_shard", (PyCFunction)(void (*)(void))unit_broadcast_shard, METH_VARARGS | METH_KEYWORDS,
      "broadcast_shard(group, root=0): copy the shard of group rank `root` to the group (replicas)."},
     {"shard_bytes", (PyCFunction)unit_shard_bytes_view, METH_NOARGS,
-     "A read-only uint8 view of this rank's chunk (a copy read back from the GPU once the NCCL backend has "
-     "dropped the host chunk after its first gather)."},
+     "A read-only uint8 view of this rank's chunk (its float8 encoding once encoded; a copy read back from the "
+     "GPU once the NCCL backend has dropped the host chunk after its first gather)."},
+    {"encode", (PyCFunction)unit_encode, METH_NOARGS,
+     "Encode the shard for the wire now (no-op without a wire dtype or when done); the first gather does it "
+     "otherwise. The shard is fixed from then on."},
+    {"wire_error", (PyCFunction)unit_wire_error, METH_NOARGS,
+     "Before encode: {max_abs_error, max_abs_value, sq_error, sq_value} of this rank's quantized parameters "
+     "against their stored values; None when nothing is quantized or the shard is encoded."},
     {"buffers", (PyCFunction)unit_buffers, METH_NOARGS,
      "(gathered, converted or None) while unsharded, else None: what an adapter that binds itself views."},
     {NULL, NULL, 0, NULL},
@@ -658,7 +842,9 @@ static PyType_Slot unit_slots[] = {
     {Py_tp_methods, unit_methods},
     {Py_tp_repr, unit_repr},
     {Py_tp_doc, "Unit(group, dtypes, shapes, params=None, name='', *, compute_dtypes=None, bind_attr=None, "
-                "device='host'): one flat shard unit over a shard group."},
+                "device='host', wire_dtype=None, wire_params=None): one flat shard unit over a shard group. "
+                "wire_dtype='float8_e4m3fn' sends the parameters wire_params marks (default: every float32, "
+                "float16 and bfloat16 one) block-scaled."},
     {0, NULL},
 };
 

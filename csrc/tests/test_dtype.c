@@ -673,6 +673,143 @@ static void test_buffers(void) {
     CHECK(st.sharded_bytes == 0 && st.whole_bytes == 0 && st.gathers == 0);
 }
 
+/* ---------------------------------------------------------------- block-scaled float8 */
+
+static void test_blocks(void) {
+    enum { N = 3 * HSDP_WIRE_BLOCK + 37 }; /* three full blocks and a short one */
+    const size_t nb = (N + HSDP_WIRE_BLOCK - 1) / HSDP_WIRE_BLOCK;
+    float x[N], y[N], sc[(N + HSDP_WIRE_BLOCK - 1) / HSDP_WIRE_BLOCK];
+    uint8_t q[N];
+
+    /* Exact: every e4m3 value times a power of two, in a block whose absmax is 448 * 2^k,
+     * has scale 2^k and comes back bit for bit (signed zeros included). */
+    for (size_t i = 0; i < N; i++) {
+        size_t b = i / HSDP_WIRE_BLOCK;
+        float v = hsdp_f8e4m3_to_f32((uint8_t)(i % 256 == 0x7F || i % 256 == 0xFF ? 0x7E : i % 256));
+        x[i] = ldexpf(v, (int)b * 3 - 4);
+    }
+    for (size_t b = 0; b < nb; b++) x[b * HSDP_WIRE_BLOCK] = ldexpf(448.0f, (int)b * 3 - 4);
+    CHECK(hsdp_quantize_blocks(q, sc, x, HSDP_F32, N) == HSDP_OK);
+    for (size_t b = 0; b < nb; b++) CHECK(sc[b] == ldexpf(1.0f, (int)b * 3 - 4));
+    CHECK(hsdp_dequantize_blocks(y, HSDP_F32, q, sc, N) == HSDP_OK);
+    CHECK(memcmp(x, y, sizeof x) == 0);
+
+    /* The encoder is the scalar one: with absmax 448 the scale is 1, so every code must be
+     * hsdp_f32_to_f8e4m3's (nearest even, subnormals included), for random floats over
+     * e4m3's whole range and every midpoint between two e4m3 values. */
+    uint64_t seed0 = 12345;
+    for (int round = 0; round < 200; round++) {
+        for (size_t i = 0; i < N; i++) {
+            if (round % 2) { /* the midpoints, and just either side of them */
+                uint8_t c = (uint8_t)(xorshift(&seed0) % 0x7E);
+                double mid = ((double)hsdp_f8e4m3_to_f32(c) + (double)hsdp_f8e4m3_to_f32((uint8_t)(c + 1))) / 2;
+                float f = (float)mid;
+                int k = (int)(xorshift(&seed0) % 3);
+                x[i] = k == 0 ? f : k == 1 ? nextafterf(f, 0) : nextafterf(f, 1000);
+            } else {
+                x[i] = ldexpf((float)(xorshift(&seed0) >> 40) / (float)(1 << 24), (int)(xorshift(&seed0) % 20) - 11);
+            }
+            if (xorshift(&seed0) & 1) x[i] = -x[i];
+            if (x[i] > 448.0f) x[i] = 448.0f;
+            if (x[i] < -448.0f) x[i] = -448.0f;
+        }
+        for (size_t b = 0; b < nb; b++) x[b * HSDP_WIRE_BLOCK] = 448.0f;
+        CHECK(hsdp_quantize_blocks(q, sc, x, HSDP_F32, N) == HSDP_OK);
+        int same = 1;
+        for (size_t i = 0; i < N; i++) same &= q[i] == hsdp_f32_to_f8e4m3(x[i]);
+        CHECK(same);
+    }
+
+    /* Bounded: random weights over many magnitudes. Every element is within 2^-4 of its
+     * value (e4m3 keeps 3 mantissa bits) plus half the smallest subnormal step times the
+     * scale (scale * 2^-10), so within absmax * (2^-4 + 2^-10 / 448) of the block's absmax
+     * (the bound checked, per block); and bfloat16 adds its own half ulp. */
+    uint64_t seed = 0x9E3779B97F4A7C15u;
+    for (int round = 0; round < 20; round++) {
+        for (size_t i = 0; i < N; i++) {
+            double u = (double)(xorshift(&seed) >> 11) / 9007199254740992.0; /* [0, 1) */
+            int e = (int)(xorshift(&seed) % 24) - 16;
+            x[i] = (float)((u * 2.0 - 1.0) * ldexp(1.0, e + (round % 7) * 5 - 15));
+        }
+        CHECK(hsdp_quantize_blocks(q, sc, x, HSDP_F32, N) == HSDP_OK);
+        CHECK(hsdp_dequantize_blocks(y, HSDP_F32, q, sc, N) == HSDP_OK);
+        int ok = 1;
+        for (size_t b = 0; b < nb; b++) {
+            size_t lo = b * HSDP_WIRE_BLOCK, hi = lo + HSDP_WIRE_BLOCK < N ? lo + HSDP_WIRE_BLOCK : N;
+            float amax = 0;
+            for (size_t i = lo; i < hi; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+            ok &= sc[b] == amax / 448.0f;
+            for (size_t i = lo; i < hi; i++) {
+                double err = fabs((double)y[i] - (double)x[i]);
+                ok &= err <= fabs((double)x[i]) * 0x1p-4 + (double)sc[b] * 0x1p-10 * 1.0000001;
+                ok &= fabs((double)y[i]) <= (double)amax * 1.0000001; /* saturated: never past absmax */
+            }
+        }
+        CHECK(ok);
+        /* bfloat16 source and destination: one more rounding, half a bfloat16 ulp */
+        uint16_t hb[N], hb2[N];
+        for (size_t i = 0; i < N; i++) hb[i] = hsdp_f32_to_bf16(x[i]);
+        CHECK(hsdp_quantize_blocks(q, sc, hb, HSDP_BF16, N) == HSDP_OK);
+        CHECK(hsdp_dequantize_blocks(hb2, HSDP_BF16, q, sc, N) == HSDP_OK);
+        ok = 1;
+        for (size_t i = 0; i < N; i++) {
+            double a = hsdp_bf16_to_f32(hb[i]), b2 = hsdp_bf16_to_f32(hb2[i]);
+            double bound = fabs(a) * (0x1p-4 + 0x1p-8 * 1.07) + (double)sc[i / HSDP_WIRE_BLOCK] * 0x1p-10 * 1.01;
+            ok &= fabs(b2 - a) <= bound;
+        }
+        CHECK(ok);
+        /* float16 destination */
+        uint16_t h16[N];
+        CHECK(hsdp_dequantize_blocks(h16, HSDP_F16, q, sc, N) == HSDP_OK);
+        ok = 1;
+        for (size_t i = 0; i < N; i++) {
+            float want = hsdp_f8e4m3_to_f32(q[i]) * sc[i / HSDP_WIRE_BLOCK];
+            ok &= h16[i] == hsdp_f32_to_f16(want);
+        }
+        CHECK(ok);
+    }
+
+    /* Zeros: an all-zero block has scale 0 and gives zeros (signs kept); a zero among other
+     * values stays zero. */
+    for (size_t i = 0; i < N; i++) x[i] = i < HSDP_WIRE_BLOCK ? (i % 2 ? -0.0f : 0.0f) : (i % 5 == 0 ? 0.0f : 1.5f);
+    CHECK(hsdp_quantize_blocks(q, sc, x, HSDP_F32, N) == HSDP_OK);
+    CHECK(sc[0] == 0.0f && sc[1] == 1.5f / 448.0f);
+    CHECK(hsdp_dequantize_blocks(y, HSDP_F32, q, sc, N) == HSDP_OK);
+    CHECK(memcmp(x, y, sizeof x) == 0);
+
+    /* Non-finite: NaN stays NaN, +-inf becomes NaN (e4m3fn has no infinity); neither
+     * enters the scale, so the block's finite values keep their precision. A block of only
+     * NaN and inf has scale 0. */
+    for (size_t i = 0; i < N; i++) x[i] = (float)(i % 7) - 3.0f;
+    x[1] = NAN;
+    x[2] = INFINITY;
+    x[3] = -INFINITY;
+    for (size_t i = HSDP_WIRE_BLOCK; i < 2 * HSDP_WIRE_BLOCK; i++) x[i] = i % 2 ? NAN : -INFINITY;
+    CHECK(hsdp_quantize_blocks(q, sc, x, HSDP_F32, N) == HSDP_OK);
+    CHECK(sc[0] == 3.0f / 448.0f && sc[1] == 0.0f);
+    CHECK(hsdp_dequantize_blocks(y, HSDP_F32, q, sc, N) == HSDP_OK);
+    CHECK(isnan(y[1]) && isnan(y[2]) && isnan(y[3]));
+    int fin_ok = 1;
+    for (size_t i = 4; i < HSDP_WIRE_BLOCK; i++)
+        fin_ok &= fabs((double)y[i] - (double)x[i]) <= fabs((double)x[i]) * 0x1p-4 + (double)sc[0] * 0x1p-10;
+    CHECK(fin_ok && y[0] == -y[6]);
+    int all_nan = 1;
+    for (size_t i = HSDP_WIRE_BLOCK; i < 2 * HSDP_WIRE_BLOCK; i++) all_nan &= isnan(y[i]);
+    CHECK(all_nan);
+
+    /* Tiny blocks: the smallest bfloat16 subnormal keeps a nonzero scale and comes back. */
+    x[0] = hsdp_bf16_to_f32(1);
+    for (size_t i = 1; i < HSDP_WIRE_BLOCK; i++) x[i] = 0;
+    CHECK(hsdp_quantize_blocks(q, sc, x, HSDP_F32, HSDP_WIRE_BLOCK) == HSDP_OK && sc[0] > 0);
+    CHECK(hsdp_dequantize_blocks(y, HSDP_F32, q, sc, HSDP_WIRE_BLOCK) == HSDP_OK);
+    CHECK(fabs((double)y[0] - (double)x[0]) <= (double)x[0] * 0x1p-4);
+
+    /* Empty input writes nothing; other dtypes are refused by name. */
+    CHECK(hsdp_quantize_blocks(NULL, NULL, NULL, HSDP_F32, 0) == HSDP_OK);
+    CHECK(hsdp_quantize_blocks(q, sc, x, HSDP_F64, 1) == HSDP_ETYPE && strstr(hsdp_last_error(), "float64"));
+    CHECK(hsdp_dequantize_blocks(y, HSDP_I32, q, sc, 1) == HSDP_ETYPE && strstr(hsdp_last_error(), "int32"));
+}
+
 int main(void) {
     test_metadata();
     test_bf16();
@@ -681,6 +818,7 @@ int main(void) {
     test_reference();
     test_cast();
     test_buffers();
+    test_blocks();
     printf("%d passed, %d failed\n", g_pass, g_fail);
     return g_fail != 0;
 }

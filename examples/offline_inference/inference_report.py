@@ -182,6 +182,9 @@ def _verify_text(verify: dict[str, Any] | None) -> str:
     if verify.get("tolerance") is None:
         return text + f" ({'exact' if verify['exact'] else 'MISMATCH'})"
     verdict = "within" if verify["ok"] else "MISMATCH: above"
+    if "rel_l2" in verify:  # a float8 wire: judged by the relative L2 error of the latents
+        return text + f", relative L2 {verify['rel_l2']:.3g} with a {verify['wire_dtype']} wire " \
+            f"({verdict} {verify['tolerance']:g})"
     return text + f", relative {verify['rel_diff']:.3g} ({verdict} {verify['tolerance']:g})"
 
 

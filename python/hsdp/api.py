@@ -59,6 +59,8 @@ class HSDPShardContext:
     prefetch_depth: int = 1
     max_unsharded_bytes: int | None = None
     schedule: Schedule | None = None
+    # "float8_e4m3fn": shards held and gathered block-scaled (HSDPInferenceConfig.wire_dtype)
+    wire_dtype: str | None = None
 
     @property
     def child_units(self) -> list[UnitState]:
@@ -192,6 +194,20 @@ def _keep_modules(model: Any) -> frozenset[str]:
     return frozenset([keep] if isinstance(keep, str) else keep)
 
 
+_WIRE_SOURCES = ("float32", "float16", "bfloat16")
+
+
+def _wire_params(ctx: HSDPShardContext, dtypes: Sequence[DType], names: Sequence[str], shapes: Sequence[Any]) -> Any:
+    """Which parameters travel as float8 (None: no wire dtype): floating ones of float32,
+    float16 or bfloat16 storage, except those kept in their own dtype (_keep_in_fp32_modules:
+    the model asks for their precision) and 0-d ones. Models already in float8 keep theirs."""
+    if ctx.wire_dtype is None:
+        return None
+    keep = ctx.keep_dtype_modules
+    return [d.name in _WIRE_SOURCES and not _kept(keep, n) and len(tuple(s)) > 0
+            for d, n, s in zip(dtypes, names, shapes)]
+
+
 def _build_unit(ctx: HSDPShardContext, module: Any, fqn: str, is_root: bool, claimed: set[int]) -> UnitState | None:
     """Collects the module's unclaimed parameters into a new C unit filled with this rank's
     shard. Touches nothing on the model; the caller commits. None if there is nothing to hold."""
@@ -227,6 +243,7 @@ def _build_unit(ctx: HSDPShardContext, module: Any, fqn: str, is_root: bool, cla
         return None
     keep = ctx.keep_dtype_modules
     dtypes = tuple(_storage_dtype(ad, p, ctx.mp_policy, _kept(keep, n)) for p, n in zip(params, names))
+    wire_params = _wire_params(ctx, dtypes, names, [ad.shape(p) for p in params])
     unit = _C.Unit(
         ctx.mesh.shard_group,
         [d.name for d in dtypes],
@@ -236,11 +253,18 @@ def _build_unit(ctx: HSDPShardContext, module: Any, fqn: str, is_root: bool, cla
         compute_dtypes=[ad.compute_dtype(d).name for d in dtypes],
         bind_attr=ad.bind_attr,
         device=ad.buffer_device(ctx.target_device),
+        wire_dtype=ctx.wire_dtype if wire_params else None,
+        wire_params=wire_params or None,
     )
+    filled = True
     for i, p in enumerate(params):
         src = ad.shard_source(p)
         if src is not None:  # meta parameters are filled later by a loader
             unit.write(i, src[0], src_dtype=src[1])
+        else:
+            filled = False
+    if filled:
+        unit.encode()  # the shard is float8 from here (no-op without a wire dtype); else the loader does it
     for p, full in zip(params, names):
         claimed.add(id(p))
         ctx.owner[id(p)] = (fqn, full)
@@ -340,6 +364,12 @@ def prepare_hsdp_shard_context(model: Any, hsdp_config: Any, target_device: Any 
     _check_config(hsdp_config)
     world = _world_for(ad, target_device)
     ad.check_device(target_device)
+    if hsdp_config.wire_dtype is not None and ad.buffer_device(target_device) != "host":
+        raise NotImplementedError(
+            f"wire_dtype={hsdp_config.wire_dtype!r} is built for host buffers (the MPI and single-process "
+            f"groups) only: its dequantization after each gather is a host loop, and target_device "
+            f"{target_device!r} puts the buffers on the GPU (NCCL). Use wire_dtype=None there"
+        )
     replicate, shard = _resolve_sizes(hsdp_config, world)
 
     named = list(ad.named_parameters(model))
@@ -405,6 +435,7 @@ def prepare_hsdp_shard_context(model: Any, hsdp_config: Any, target_device: Any 
         keep_dtype_modules=_keep_modules(model),
         prefetch_depth=hsdp_config.prefetch_depth,
         max_unsharded_bytes=hsdp_config.max_unsharded_bytes,
+        wire_dtype=hsdp_config.wire_dtype,
     )
     ctx.whole_bytes.append(_C.WholeBytes(ad.held_nbytes(ignored)))
     return ctx

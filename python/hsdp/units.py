@@ -60,10 +60,12 @@ class UnitState:
         self._explicit = False
         self._handles: list[Any] = []
         self.schedule: Schedule | None = None  # shared by the units of one model
-        self.full_bytes = unit.total_bytes + unit.widened_bytes
+        # a float8 wire adds the buffer its encodings arrive in, held while a gather runs
+        self.full_bytes = unit.total_bytes + unit.widened_bytes + unit.wire_bytes
         # pool keys: host buffers by size, device buffers by (size, device)
         self.buffer_sizes: tuple[Any, ...] = tuple(
-            n if unit.device == "host" else (n, unit.device) for n in (unit.total_bytes, unit.widened_bytes) if n
+            n if unit.device == "host" else (n, unit.device)
+            for n in (unit.total_bytes, unit.widened_bytes, unit.wire_bytes) if n
         )
         # Set when a load into this unit failed: the model must not run on partial weights.
         self.broken: str | None = None

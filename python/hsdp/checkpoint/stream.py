@@ -138,6 +138,8 @@ class _Loader:
         st, total = _step(self.agree, f"loading unit '{label}'", run)
         if st is not None and self.broadcast:
             st.unit.broadcast_shard(self.ctx.mesh.replicate_group, 0)
+        if st is not None:
+            st.unit.encode()  # a float8 wire: the loaded shard becomes its encoding (no-op without one)
         self.bytes_read += local
         self.prog.advance(total)
 
