@@ -652,6 +652,7 @@ def test_to_hsdp_config_passes_every_field(monkeypatch: pytest.MonkeyPatch) -> N
         "reshard_after_forward": False,
         "prefetch_depth": 2,
         "max_unsharded_bytes": None,
+        "resident_bytes": None,
     }
 
 
