@@ -117,6 +117,13 @@ def parse_resident_bytes(text: str) -> int | str:
     return int(float(m.group(1)) * _SUFFIX[m.group(2).upper()])
 
 
+def _cli_resident_bytes(text: str) -> int | str:
+    try:
+        return parse_resident_bytes(text)
+    except ValueError as exc:  # argparse shows an ArgumentTypeError's own message
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _as_resident_bytes(value: Any) -> int | str | None:
     """``hsdp_resident_bytes``: None, an int >= 0, ``"auto"``, or text ``parse_resident_bytes``
     reads."""
@@ -515,7 +522,7 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
     )
     group.add_argument(
         "--hsdp-resident-bytes",
-        type=parse_resident_bytes,
+        type=_cli_resident_bytes,
         default=None,
         dest="hsdp_resident_bytes",
         metavar="N|auto",
