@@ -311,6 +311,7 @@ def _report(
         sequence_parallel={"ulysses_degree": groups.ulysses_degree, "tokens": tokens,
                            "tokens_per_rank": local_tokens},
         cfg={"guidance_scale": args.guidance_scale, "cfg_parallel_size": groups.cfg_degree},
+        gathers=hsdp.residency_stats(model) if sharded else None,
     )
 
 
