@@ -351,3 +351,21 @@ def test_residency_budget_validates():
     assert c.resident_bytes == "auto" and "resident_bytes='auto'" in repr(c)
     c.resident_bytes = 1 << 20
     assert c == hsdp.HSDPInferenceConfig(resident_bytes=1 << 20) != hsdp.HSDPInferenceConfig()
+
+
+def test_residency_shows_in_the_trace(tmp_path):
+    model = sharded(resident_bytes=1 << 40)
+    x = models.make_inputs(TINY, seed=0)
+    hsdp.trace.enable(tmp_path)
+    try:
+        for _ in range(3):
+            model(*x)
+        events = hsdp.trace.events()
+        hsdp.trace.write()
+    finally:
+        hsdp.trace.disable()
+    chosen = [e for e in events if e["name"] == "hsdp residency"]
+    assert len(chosen) == 1 and chosen[0]["args"]["resident_units"] == ["<root>", "blocks.0", "blocks.1"]
+    per_forward = [e["args"]["gathers"] for e in events if e["name"] == "hsdp forward"]
+    assert per_forward == [TINY.num_layers + 1, TINY.num_layers + 1, 0]
+    assert all(e["args"]["bytes"] > 0 for e in events if e["name"].startswith("gather "))

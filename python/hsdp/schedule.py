@@ -66,6 +66,7 @@ class Schedule:
         self.resident_budget = resident_budget
         self.budget_bytes: int | None = None
         self.resident: list[UnitState] = []
+        self._flipped: set[int] = set()             # ids of units the budget stopped resharding
         self._group = group
         self._budget_error: str | None = None
         self._gathers_at_begin = 0
@@ -139,11 +140,14 @@ class Schedule:
         chosen = residency.choose(self.order, self.budget_bytes, self.depth)
         ids = {id(u) for u in chosen}
         for u in self.resident:
-            if id(u) not in ids:  # dropped by a new order: back to resharding
+            if id(u) not in ids and id(u) in self._flipped:  # dropped by a new order: back to resharding
                 u.reshard_after_forward = True
+                self._flipped.discard(id(u))
                 u.release_prefetch()
         for u in chosen:
-            u.reshard_after_forward = False
+            if u.reshard_after_forward:  # units the config keeps unsharded stay as they are
+                u.reshard_after_forward = False
+                self._flipped.add(id(u))
         self.resident = chosen
         log.info("hsdp: residency budget %d bytes keeps %d of %d units gathered (%d bytes): %s; rule: %s",
                  self.budget_bytes, len(chosen), len({id(u) for u in self.order}), self.resident_bytes,
