@@ -322,8 +322,18 @@ def test_residency_auto_is_positive_and_below_mem_available():
     model = sharded(resident_bytes="auto")
     model(*models.make_inputs(TINY, seed=0))
     got = hsdp.residency_stats(model)["budget_bytes"]
-    assert got == residency.auto_budget("host") or abs(got - residency.auto_budget("host")) < 1 << 28
     assert 0 < got < residency.mem_available()
+
+
+def test_residency_auto_margin_and_ranks_per_host(monkeypatch):
+    from hsdp import residency
+
+    gib = 1 << 30
+    for avail, ranks, want in [(10 * gib, "1", 8 * gib), (20 * gib, "2", 8 * gib), (2 * gib, "1", gib),
+                               (gib // 2, "1", 0)]:
+        monkeypatch.setattr(residency, "mem_available", lambda avail=avail: avail)
+        monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", ranks)
+        assert residency.auto_budget("host") == want, (avail, ranks)
 
 
 def test_residency_rule_prefers_exposed_then_small_units():
