@@ -379,3 +379,19 @@ def test_residency_shows_in_the_trace(tmp_path):
     per_forward = [e["args"]["gathers"] for e in events if e["name"] == "hsdp forward"]
     assert per_forward == [TINY.num_layers + 1, TINY.num_layers + 1, 0]
     assert all(e["args"]["bytes"] > 0 for e in events if e["name"].startswith("gather "))
+
+
+def test_residency_auto_that_cannot_read_memory_refuses_every_forward(monkeypatch):
+    from hsdp import residency
+
+    def unreadable() -> int:
+        raise RuntimeError("/proc/meminfo has no MemAvailable line")
+
+    monkeypatch.setattr(residency, "mem_available", unreadable)
+    model = sharded(resident_bytes="auto")
+    x = models.make_inputs(TINY, seed=0)
+    with pytest.raises(RuntimeError, match="MemAvailable"):
+        model(*x)
+    with pytest.raises(RuntimeError, match="hsdp residency budget: .*MemAvailable"):
+        model(*x)
+    assert not any(u.unit.holds_buffers for u in hsdp.get_units(model))

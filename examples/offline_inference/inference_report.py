@@ -265,9 +265,10 @@ def report_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append((f"peak RSS, rank {rank}", fmt_bytes(rss)))
     mean = steps["seconds_per_step"]
     if report["mesh"]:
+        kept = bool((report.get("gathers") or {}).get("resident_units"))
         rows.append(("weights during the loop", "resident (gathered once)" if report.get("resident")
                      else "gathered per unit, prefetched, resharded after each forward"
-                     + (" (but the units kept resident)" if (report.get("gathers") or {}).get("resident_units") else "")))
+                     + (" (but the units kept resident)" if kept else "")))
     g = report.get("gathers")
     if g:
         # a step may run several forwards (both CFG branches): counted per forward

@@ -88,7 +88,8 @@ def auto_budget(device: str) -> int:
 
 def agree(group: Any, budget: int, is_auto: bool) -> int:
     """The budget every rank of `group` uses: equal explicit budgets, or the smallest auto
-    one. A rank whose explicit budget differs makes every rank raise."""
+    one. A rank whose explicit budget differs, or that could not resolve "auto" (budget -1),
+    makes every rank raise."""
     import numpy as np
 
     if group is None or group.size == 1:
@@ -103,6 +104,10 @@ def agree(group: Any, budget: int, is_auto: bool) -> int:
         recv = r.cpu().numpy()
     else:
         group.all_gather(send, recv)
+    failed = [r for r in range(group.size) if recv[r, 0] < 0]
+    if failed:
+        raise RuntimeError(f"resident_bytes='auto': rank(s) {failed} of the shard group could not read their free "
+                           "memory; pass resident_bytes as a number")
     if recv[:, 1].any():
         if not recv[:, 1].all():
             raise ValueError("resident_bytes: some ranks of the shard group asked for 'auto' and others for a number "

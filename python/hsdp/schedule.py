@@ -127,8 +127,23 @@ class Schedule:
         if self.budget_bytes is None:
             try:
                 auto = self.resident_budget == "auto"
-                mine = residency.auto_budget(self.order[0].unit.device if self.order else "host") if auto else int(self.resident_budget)  # type: ignore[arg-type]
-                self.budget_bytes = residency.agree(self._group, mine, auto)
+                failed: Exception | None = None
+                if auto:
+                    try:
+                        mine = residency.auto_budget(self.order[0].unit.device if self.order else "host")
+                    except Exception as exc:  # still joins the exchange, so every rank learns of it
+                        failed, mine = exc, -1
+                else:
+                    mine = int(self.resident_budget)  # type: ignore[arg-type]
+                try:
+                    agreed = residency.agree(self._group, mine, auto)
+                except Exception:
+                    if failed is not None:
+                        raise failed from None  # this rank's own reason; the others name this rank
+                    raise
+                if failed is not None:
+                    raise failed
+                self.budget_bytes = agreed
             except Exception as exc:
                 # every later forward refuses too: a rank must not go on skipping gathers alone
                 self._budget_error = f"hsdp residency budget: {exc}"
