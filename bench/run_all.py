@@ -14,6 +14,7 @@ BENCHES = [
     ("Figure 1: unit gather vs raw MPI_Allgather", ["bench_gather.py"]),
     ("Direct gathers: a gather beside busy ranks", ["bench_gather.py", "--busy"]),
     ("Figures 2 and 3: sharded vs unsharded forward, prefetch, residency", ["bench_forward.py"]),
+    ("Figure 6: step time against the residency budget", ["bench_resident.py", "--size", "16", "--reps", "7"]),
     ("Figure 4: hook overhead", ["bench_hooks.py"]),
     ("Loading: streaming vs whole-model peak memory", ["bench_load.py"]),
     ("Torch: hsdp vs FSDP2 forward on a diffusers Wan model", ["bench_torch.py"]),

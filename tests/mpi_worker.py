@@ -343,6 +343,48 @@ def scenario_uneven(R: int) -> None:
         gc.collect()
 
 
+def scenario_resident_budget(R: int) -> None:
+    """A residency budget over real ranks: the same units kept on every rank, outputs equal to
+    the budget-free model, fewer gathers; "auto" agreed on; budgets that differ between the
+    ranks of a shard group an error on every rank, then and on every later forward."""
+    world = hsdp.distributed.get_world_group()
+    xs = [models.make_inputs(models.DiTConfig.preset("tiny"), seed=s) for s in (20, 21)]
+    free = models.make_model("tiny", seed=0)
+    hsdp.apply_hsdp_to_model(free, F32(enabled=True, hsdp_replicate_size=R))
+    expect = [free(*x) for x in xs]
+    block = hsdp.get_units(free)[0].full_bytes
+    del free
+    gc.collect()
+    for budget in (block, "auto"):
+        model = models.make_model("tiny", seed=0)
+        hsdp.apply_hsdp_to_model(model, F32(enabled=True, hsdp_replicate_size=R, resident_bytes=budget))
+        for _ in range(3):
+            for x, e in zip(xs, expect):
+                assert np.array_equal(model(*x), e), budget
+        stats = hsdp.residency_stats(model)
+        n_kept = len(stats["resident_units"])
+        every = np.zeros(world.size, dtype=np.int64)  # every rank keeps as many units
+        world.all_gather(np.array([n_kept], dtype=np.int64), every)
+        assert every.tolist() == [n_kept] * world.size, (budget, every)
+        assert stats["last_forward_gathers"] == 3 - len(stats["resident_units"]), stats
+        assert (stats["resident_units"] == ["blocks.0"]) if budget == block else (len(stats["resident_units"]) == 3)
+        del model
+        gc.collect()
+    if world.size // R > 1:  # a shard group of several ranks: rank-dependent budgets disagree
+        model = models.make_model("tiny", seed=0)
+        hsdp.apply_hsdp_to_model(model, F32(enabled=True, hsdp_replicate_size=R,
+                                            resident_bytes=block * (1 + world.rank)))
+        for what in ("differs between the ranks", "differs between the ranks"):
+            try:
+                model(*xs[0])
+            except (ValueError, RuntimeError) as exc:
+                assert what in str(exc), exc
+            else:
+                raise AssertionError("disagreeing residency budgets did not raise")
+        del model
+        gc.collect()
+
+
 SCENARIOS = {name[9:]: fn for name, fn in globals().items() if name.startswith("scenario_")}
 
 

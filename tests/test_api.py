@@ -59,7 +59,7 @@ def test_config_defaults_and_repr():
     assert repr(c) == (
         "HSDPInferenceConfig(enabled=False, hsdp_replicate_size=1, hsdp_shard_size=-1, "
         "param_dtype='bfloat16', reduce_dtype='float32', output_dtype=None, reshard_after_forward=True, "
-        "prefetch_depth=1, max_unsharded_bytes=None, wire_dtype=None)"
+        "prefetch_depth=1, max_unsharded_bytes=None, wire_dtype=None, resident_bytes=None)"
     )
 
 

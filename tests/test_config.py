@@ -652,6 +652,7 @@ def test_to_hsdp_config_passes_every_field(monkeypatch: pytest.MonkeyPatch) -> N
         "prefetch_depth": 2,
         "max_unsharded_bytes": None,
         "wire_dtype": "float8_e4m3fn",
+        "resident_bytes": None,
     }
 
 
@@ -699,3 +700,25 @@ def test_module_imports_no_framework() -> None:
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code, hsdp.config.__file__], check=True)
+
+
+@pytest.mark.parametrize("text,value", [("auto", "auto"), ("AUTO", "auto"), ("4096", 4096), ("512M", 512 << 20),
+                                        ("1.5G", 3 << 29), ("2g", 2 << 30), ("64KiB", 64 << 10)])
+def test_cli_resident_bytes(text: str, value: object) -> None:
+    args, _ = _parse(["--use-hsdp", "--hsdp-shard-size", "2", "--hsdp-resident-bytes", text])
+    c = C.from_cli_args(args)
+    assert c.hsdp_resident_bytes == value
+    assert c.to_hsdp_config().resident_bytes == value
+    assert c.to_hsdp_config(resident_bytes=7).resident_bytes == 7
+    assert C(use_hsdp=True, hsdp_shard_size=2, hsdp_resident_bytes=text) == c
+    assert C.from_dict(c.to_dict()) == c
+
+
+def test_cli_resident_bytes_refuses_bad_values(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        _parse(["--hsdp-resident-bytes", "12Q"])
+    assert "--hsdp-resident-bytes: resident bytes must be a byte count" in capsys.readouterr().err
+    assert _parse([])[0].hsdp_resident_bytes is None
+    for bad in (-1, True, 1.5, "lots"):
+        with pytest.raises(ValueError, match="hsdp_resident_bytes"):
+            C(hsdp_resident_bytes=bad)

@@ -3,6 +3,7 @@ multi-rank prefetch checks are scenarios in tests/mpi_worker.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 
@@ -240,3 +241,157 @@ def test_core_errors_name_the_value():
     group = hsdp.init_device_mesh("cpu", (1, 1)).shard_group
     with pytest.raises(ValueError, match="too large"):
         hsdp._C.Unit(group, ["uint8"] * 3, [(2**63 - 64,), (2**63 - 64,), (192,)])
+
+
+# --------------------------------------------------------------------------- residency budget
+
+SIX = dataclasses.replace(TINY, num_layers=6)
+
+
+def _six(**kw):
+    model = models.make_model(SIX, seed=0)
+    hsdp.apply_hsdp_to_model(model, hsdp.HSDPInferenceConfig(enabled=True, **kw))
+    return model
+
+
+def _gathers_of(model, x) -> tuple[np.ndarray, int]:
+    before = hsdp.memory_stats()["gathers"]
+    out = model(*x)
+    return out, hsdp.memory_stats()["gathers"] - before
+
+
+def test_residency_budget_of_half_the_blocks():
+    """Outputs equal the budget-free run bit for bit; after the first forward the budget's
+    units stay gathered (unsharded_bytes within [0.3, 1.0] x the budget) and the gathers per
+    forward drop by the units kept."""
+    x = models.make_inputs(SIX, seed=0)
+    free = _six()
+    expect = [free(*x) for _ in range(3)]
+    units = hsdp.get_units(free)
+    budget = sum(u.full_bytes for u in units if not u.is_root) // 2
+    del free, units
+    gc.collect()
+    model = _six(resident_bytes=budget)
+    out, first = _gathers_of(model, x)  # records the order, then chooses
+    assert np.array_equal(out, expect[0]) and first == SIX.num_layers + 1
+    stats = hsdp.residency_stats(model)
+    kept = stats["resident_units"]
+    # the exposed units (the root, then the first block), then the equal blocks in forward order
+    assert kept == ["<root>", *[f"blocks.{i}" for i in range(len(kept) - 1)]] and 2 <= len(kept) < SIX.num_layers
+    assert stats["budget_bytes"] == budget and 0 < stats["resident_bytes"] <= budget
+    assert hsdp.memory_stats()["resident_units"] == kept
+    out, second = _gathers_of(model, x)  # the kept units gather once more, then stay
+    assert np.array_equal(out, expect[1]) and second == SIX.num_layers + 1
+    allocs = hsdp.memory_stats()["buffer_allocs"]
+    for i in range(2):
+        out, steady = _gathers_of(model, x)
+        assert np.array_equal(out, expect[2]) and steady == SIX.num_layers + 1 - len(kept)
+        unsharded = hsdp.memory_stats()["unsharded_bytes"]
+        assert 0.3 * budget <= unsharded <= budget, (unsharded, budget)
+    assert hsdp.memory_stats()["buffer_allocs"] == allocs  # the steady state allocates nothing
+    stats = hsdp.residency_stats(model)
+    assert stats["gathers_per_forward"] == stats["last_forward_gathers"] == steady
+    assert stats["bytes_per_gather"] * steady <= stats["gathered_bytes_per_forward"]
+    assert model._hsdp_context.schedule.prefetches > 0  # prefetch goes on past the kept units
+    hsdp.reshard(model, recurse=True)  # frees the kept units; the next forward keeps them again
+    assert hsdp.memory_stats()["unsharded_bytes"] == 0
+    assert np.array_equal(model(*x), expect[0]) and hsdp.memory_stats()["unsharded_bytes"] > 0
+
+
+def test_residency_budget_ends_zero_and_whole_model():
+    x = models.make_inputs(SIX, seed=0)
+    none = _six(resident_bytes=0)
+    expect = none(*x)
+    out, n = _gathers_of(none, x)
+    assert np.array_equal(out, expect) and n == SIX.num_layers + 1
+    assert hsdp.residency_stats(none)["resident_units"] == []
+    del none
+    gc.collect()
+    whole = _six(resident_bytes=1 << 40)
+    whole(*x)
+    whole(*x)
+    out, n = _gathers_of(whole, x)
+    assert np.array_equal(out, expect) and n == 0
+    assert hsdp.residency_stats(whole)["resident_units"][0] == "<root>"
+    assert hsdp.memory_stats()["unsharded_bytes"] == sum(u.full_bytes for u in hsdp.get_units(whole))
+
+
+def test_residency_auto_is_positive_and_below_mem_available():
+    from hsdp import residency
+
+    model = sharded(resident_bytes="auto")
+    model(*models.make_inputs(TINY, seed=0))
+    got = hsdp.residency_stats(model)["budget_bytes"]
+    assert 0 < got < residency.mem_available()
+
+
+def test_residency_auto_margin_and_ranks_per_host(monkeypatch):
+    from hsdp import residency
+
+    gib = 1 << 30
+    for avail, ranks, want in [(10 * gib, "1", 8 * gib), (20 * gib, "2", 8 * gib), (2 * gib, "1", gib),
+                               (gib // 2, "1", 0)]:
+        monkeypatch.setattr(residency, "mem_available", lambda avail=avail: avail)
+        monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", ranks)
+        assert residency.auto_budget("host") == want, (avail, ranks)
+
+
+def test_residency_rule_prefers_exposed_then_small_units():
+    from hsdp.residency import choose
+
+    class U:
+        def __init__(self, name: str, n: int) -> None:
+            self.label, self.full_bytes = name, n
+
+    root, a, b, c, d = U("root", 50), U("a", 40), U("b", 30), U("c", 10), U("d", 30)
+    order = [root, a, b, c, d, a]  # a unit called twice counts once
+    assert [u.label for u in choose(order, 90, depth=1)] == ["root", "a"]
+    assert [u.label for u in choose(order, 100, depth=1)] == ["root", "a", "c"]
+    assert [u.label for u in choose(order, 45, depth=1)] == ["a"]  # the root does not fit
+    # without prefetch every gather is exposed: smallest first, ties in forward order
+    assert [u.label for u in choose(order, 70, depth=0)] == ["c", "b", "d"]
+    assert choose(order, 0, depth=1) == []
+
+
+def test_residency_budget_validates():
+    for bad, err in [(-1, ValueError), (1.5, TypeError), (True, TypeError), ("lots", TypeError)]:
+        with pytest.raises(err, match="resident_bytes"):
+            hsdp.HSDPInferenceConfig(resident_bytes=bad)
+    c = hsdp.HSDPInferenceConfig(resident_bytes="auto")
+    assert c.resident_bytes == "auto" and "resident_bytes='auto'" in repr(c)
+    c.resident_bytes = 1 << 20
+    assert c == hsdp.HSDPInferenceConfig(resident_bytes=1 << 20) != hsdp.HSDPInferenceConfig()
+
+
+def test_residency_shows_in_the_trace(tmp_path):
+    model = sharded(resident_bytes=1 << 40)
+    x = models.make_inputs(TINY, seed=0)
+    hsdp.trace.enable(tmp_path)
+    try:
+        for _ in range(3):
+            model(*x)
+        events = hsdp.trace.events()
+        hsdp.trace.write()
+    finally:
+        hsdp.trace.disable()
+    chosen = [e for e in events if e["name"] == "hsdp residency"]
+    assert len(chosen) == 1 and chosen[0]["args"]["resident_units"] == ["<root>", "blocks.0", "blocks.1"]
+    per_forward = [e["args"]["gathers"] for e in events if e["name"] == "hsdp forward"]
+    assert per_forward == [TINY.num_layers + 1, TINY.num_layers + 1, 0]
+    assert all(e["args"]["bytes"] > 0 for e in events if e["name"].startswith("gather "))
+
+
+def test_residency_auto_that_cannot_read_memory_refuses_every_forward(monkeypatch):
+    from hsdp import residency
+
+    def unreadable() -> int:
+        raise RuntimeError("/proc/meminfo has no MemAvailable line")
+
+    monkeypatch.setattr(residency, "mem_available", unreadable)
+    model = sharded(resident_bytes="auto")
+    x = models.make_inputs(TINY, seed=0)
+    with pytest.raises(RuntimeError, match="MemAvailable"):
+        model(*x)
+    with pytest.raises(RuntimeError, match="hsdp residency budget: .*MemAvailable"):
+        model(*x)
+    assert not any(u.unit.holds_buffers for u in hsdp.get_units(model))

@@ -621,3 +621,22 @@ def test_a_sharded_parameter_replaced_after_sharding_fails_the_next_forward_nami
     model.blocks[1].attn1.to_q.weight = torch.nn.Parameter(torch.zeros(old._hsdp_shape))
     with pytest.raises(RuntimeError, match=r"unusable: parameter 'blocks.1.attn1.to_q.weight' was replaced"):
         run(model, "wan")
+
+
+def test_residency_budget_keeps_wan_outputs_bit_equal():
+    """A torch Wan with a budget of half its blocks: every forward equals the budget-free
+    run bit for bit, and the steady forwards gather only the units not kept."""
+    free = sharded("wan")
+    expect = run(free, "wan")  # every forward of the budget-free model gives this (test_parity_...)
+    budget = sum(u.full_bytes for u in hsdp.get_units(free) if not u.is_root) // 2
+    n_units = len(hsdp.get_units(free))
+    del free
+    gc.collect()
+    model = sharded("wan", resident_bytes=budget)
+    for i in range(3):
+        before = hsdp.memory_stats()["gathers"]
+        assert torch.equal(run(model, "wan"), expect), i
+    stats = hsdp.residency_stats(model)
+    assert 0 < len(stats["resident_units"]) < n_units
+    assert hsdp.memory_stats()["gathers"] - before == n_units - len(stats["resident_units"])
+    assert 0.3 * budget <= hsdp.memory_stats()["unsharded_bytes"] <= budget

@@ -15,7 +15,10 @@ typedef struct {
     int prefetch_depth;          /* units gathered ahead of the one computing (0: none) */
     long long max_unsharded_bytes; /* cap on bytes in flight + unsharded; -1 = None */
     int wire_dtype;              /* hsdp_dtype the shards travel in (float8_e4m3fn), or -1 for None */
+    long long resident_bytes;      /* per-rank residency budget; RESIDENT_NONE, RESIDENT_AUTO or >= 0 */
 } ConfigObject;
+
+enum { RESIDENT_NONE = -1, RESIDENT_AUTO = -2 };
 
 /* None -> -1; else a floating dtype code. `what` names the parameter in errors. */
 static int parse_optional_float_dtype(PyObject *obj, const char *what, int *out) {
@@ -83,14 +86,45 @@ static int parse_max_bytes(PyObject *v, long long *out) {
     return 0;
 }
 
+/* resident_bytes: None, an int >= 0, or "auto" (the free memory less a margin, resolved by
+ * the schedule after the first forward). */
+static int parse_resident_bytes(PyObject *v, long long *out) {
+    if (v == Py_None) {
+        *out = RESIDENT_NONE;
+        return 0;
+    }
+    if (PyUnicode_Check(v) && PyUnicode_CompareWithASCIIString(v, "auto") == 0) {
+        *out = RESIDENT_AUTO;
+        return 0;
+    }
+    if (!PyLong_Check(v) || PyBool_Check(v)) {
+        PyErr_Format(PyExc_TypeError, "resident_bytes must be an int >= 0, 'auto' or None, got %R", v);
+        return -1;
+    }
+    long long x = PyLong_AsLongLong(v);
+    if (x == -1 && PyErr_Occurred()) return -1;
+    if (x < 0) {
+        PyErr_Format(PyExc_ValueError, "resident_bytes must be >= 0, 'auto' or None, got %lld", x);
+        return -1;
+    }
+    *out = x;
+    return 0;
+}
+
+static PyObject *resident_bytes_value(long long v) {
+    if (v == RESIDENT_NONE) Py_RETURN_NONE;
+    if (v == RESIDENT_AUTO) return PyUnicode_FromString("auto");
+    return PyLong_FromLongLong(v);
+}
+
 static int config_init(ConfigObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"enabled",      "hsdp_replicate_size",   "hsdp_shard_size", "param_dtype",
                              "reduce_dtype", "output_dtype",          "reshard_after_forward",
-                             "prefetch_depth", "max_unsharded_bytes", "wire_dtype", NULL};
+                             "prefetch_depth", "max_unsharded_bytes", "wire_dtype", "resident_bytes", NULL};
     int enabled = 0, replicate = 1, shard = -1, reshard = 1, depth = 1;
-    PyObject *pd = NULL, *rd = NULL, *od = Py_None, *maxb = Py_None, *wd = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|piiOOOp$iOO", kwlist, &enabled, &replicate, &shard, &pd, &rd, &od,
-                                     &reshard, &depth, &maxb, &wd))
+    PyObject *pd = NULL, *rd = NULL, *od = Py_None, *maxb = Py_None, *wd = Py_None, *resb = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|piiOOOp$iOOO", kwlist, &enabled, &replicate, &shard, &pd, &rd, &od,
+                                     &reshard, &depth, &maxb, &wd, &resb))
         return -1;
     int w = -1;
     if (parse_wire_dtype(wd, &w) < 0) return -1;
@@ -101,6 +135,8 @@ static int config_init(ConfigObject *self, PyObject *args, PyObject *kw) {
     }
     long long mb = -1;
     if (maxb != Py_None && parse_max_bytes(maxb, &mb) < 0) return -1;
+    long long resident = RESIDENT_NONE;
+    if (parse_resident_bytes(resb, &resident) < 0) return -1;
     int p = (int)HSDP_BF16, r = (int)HSDP_F32, o = -1;
     if (pd && parse_optional_float_dtype(pd, "param_dtype", &p) < 0) return -1;
     if (rd && parse_optional_float_dtype(rd, "reduce_dtype", &r) < 0) return -1;
@@ -115,6 +151,7 @@ static int config_init(ConfigObject *self, PyObject *args, PyObject *kw) {
     self->prefetch_depth = depth;
     self->max_unsharded_bytes = mb;
     self->wire_dtype = w;
+    self->resident_bytes = resident;
     return 0;
 }
 
@@ -131,6 +168,7 @@ static PyObject *config_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
         self->prefetch_depth = 1;
         self->max_unsharded_bytes = -1;
         self->wire_dtype = -1;
+        self->resident_bytes = RESIDENT_NONE;
     }
     return (PyObject *)self;
 }
@@ -142,11 +180,12 @@ static void config_dealloc(ConfigObject *self) {
 }
 
 /* Field access by offset keeps the getters and setters to one function each. */
-enum { F_ENABLED, F_REPLICATE, F_SHARD, F_PARAM, F_REDUCE, F_OUTPUT, F_RESHARD, F_DEPTH, F_MAXBYTES, F_WIRE };
+enum { F_ENABLED, F_REPLICATE, F_SHARD, F_PARAM, F_REDUCE, F_OUTPUT, F_RESHARD, F_DEPTH, F_MAXBYTES, F_WIRE,
+       F_RESIDENT };
 static const char *const field_names[] = {"enabled",         "hsdp_replicate_size", "hsdp_shard_size",
                                           "param_dtype",     "reduce_dtype",        "output_dtype",
                                           "reshard_after_forward", "prefetch_depth", "max_unsharded_bytes",
-                                          "wire_dtype"};
+                                          "wire_dtype",      "resident_bytes"};
 
 static int *config_field(ConfigObject *self, intptr_t f) {
     switch (f) {
@@ -164,6 +203,7 @@ static int *config_field(ConfigObject *self, intptr_t f) {
 
 static PyObject *config_get(ConfigObject *self, void *closure) {
     intptr_t f = (intptr_t)closure;
+    if (f == F_RESIDENT) return resident_bytes_value(self->resident_bytes);
     if (f == F_MAXBYTES) {
         if (self->max_unsharded_bytes < 0) Py_RETURN_NONE;
         return PyLong_FromLongLong(self->max_unsharded_bytes);
@@ -182,6 +222,7 @@ static int config_set(ConfigObject *self, PyObject *value, void *closure) {
     }
     if (f == F_MAXBYTES) return parse_max_bytes(value, &self->max_unsharded_bytes);
     if (f == F_WIRE) return parse_wire_dtype(value, &self->wire_dtype);
+    if (f == F_RESIDENT) return parse_resident_bytes(value, &self->resident_bytes);
     int v;
     if (f == F_ENABLED || f == F_RESHARD) {
         v = PyObject_IsTrue(value);
@@ -216,13 +257,15 @@ static PyObject *config_repr(ConfigObject *self) {
     PyObject *s = NULL;
     PyObject *mb = config_get(self, (void *)(intptr_t)F_MAXBYTES);
     PyObject *w = hsdp_py_dtype_name_or_none(self->wire_dtype);
-    if (p && r && o && mb && w)
+    PyObject *rb = resident_bytes_value(self->resident_bytes);
+    if (p && r && o && mb && w && rb)
         s = PyUnicode_FromFormat("HSDPInferenceConfig(enabled=%s, hsdp_replicate_size=%d, hsdp_shard_size=%d, "
                                  "param_dtype=%R, reduce_dtype=%R, output_dtype=%R, reshard_after_forward=%s, "
-                                 "prefetch_depth=%d, max_unsharded_bytes=%R, wire_dtype=%R)",
+                                 "prefetch_depth=%d, max_unsharded_bytes=%R, wire_dtype=%R, resident_bytes=%R)",
                                  self->enabled ? "True" : "False", self->replicate, self->shard, p, r, o,
-                                 self->reshard_after_forward ? "True" : "False", self->prefetch_depth, mb, w);
+                                 self->reshard_after_forward ? "True" : "False", self->prefetch_depth, mb, w, rb);
     Py_XDECREF(w);
+    Py_XDECREF(rb);
     Py_XDECREF(mb);
     Py_XDECREF(p);
     Py_XDECREF(r);
@@ -237,7 +280,7 @@ static PyObject *config_richcompare(PyObject *a, PyObject *b, int op) {
              x->param_dtype == y->param_dtype && x->reduce_dtype == y->reduce_dtype &&
              x->output_dtype == y->output_dtype && x->reshard_after_forward == y->reshard_after_forward &&
              x->prefetch_depth == y->prefetch_depth && x->max_unsharded_bytes == y->max_unsharded_bytes &&
-             x->wire_dtype == y->wire_dtype;
+             x->wire_dtype == y->wire_dtype && x->resident_bytes == y->resident_bytes;
     return PyBool_FromLong(op == Py_EQ ? eq : !eq);
 }
 
@@ -257,6 +300,9 @@ static PyGetSetDef config_getset[] = {
     CONFIG_FIELD(F_WIRE, "wire_dtype",
                  "'float8_e4m3fn': shards are held and gathered block-scaled in float8, dequantized to param_dtype "
                  "after each gather (MPI and single-process only; default None)"),
+    CONFIG_FIELD(F_RESIDENT, "resident_bytes",
+                 "per-rank bytes of units kept gathered across forwards after the first (int, 'auto' or None; "
+                 "default None: none)"),
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -270,7 +316,7 @@ static PyType_Slot config_slots[] = {
     {Py_tp_hash, PyObject_HashNotImplemented},
     {Py_tp_doc, "HSDPInferenceConfig(enabled=False, hsdp_replicate_size=1, hsdp_shard_size=-1, "
                 "param_dtype='bfloat16', reduce_dtype='float32', output_dtype=None, reshard_after_forward=True, *, "
-                "prefetch_depth=1, max_unsharded_bytes=None, wire_dtype=None)\n\n"
+                "prefetch_depth=1, max_unsharded_bytes=None, wire_dtype=None, resident_bytes=None)\n\n"
                 "The runtime HSDP settings. Dtypes accept names, NumPy dtypes and torch dtypes."},
     {0, NULL},
 };

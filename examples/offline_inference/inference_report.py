@@ -114,8 +114,10 @@ def timing(seconds: list[float]) -> dict[str, Any]:
 
 def build_report(args: argparse.Namespace, parallel: Any, per_rank: np.ndarray, seconds: list[float],
                  verify: dict[str, Any] | None, *, params: dict[str, int], whole_bytes: int, ratio_of: str,
-                 latent_shape: list[int], **extra: Any) -> dict[str, Any]:
-    """The report both pipelines write: ``per_rank`` rows are (held bytes, peak RSS)."""
+                 latent_shape: list[int], gathers: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
+    """The report both pipelines write: ``per_rank`` rows are (held bytes, peak RSS);
+    ``gathers`` is ``hsdp.residency_stats(model)`` of a sharded model (gathers per step,
+    bytes per gather, what a residency budget kept)."""
     sharded = parallel.use_hsdp
     held = [int(v) for v in per_rank[:, 0]]
     return {
@@ -137,6 +139,7 @@ def build_report(args: argparse.Namespace, parallel: Any, per_rank: np.ndarray, 
         "expected_ratio": 1 / parallel.hsdp_shard_size if sharded else 1.0,
         "peak_rss_bytes_per_rank": [int(v) for v in per_rank[:, 1]],
         "timing": timing(seconds),
+        "gathers": gathers,
         "verify": verify,
         "output": str(args.output),
     }
@@ -232,8 +235,18 @@ def report_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append((f"peak RSS, rank {rank}", fmt_bytes(rss)))
     mean = steps["seconds_per_step"]
     if report["mesh"]:
+        kept = bool((report.get("gathers") or {}).get("resident_units"))
         rows.append(("weights during the loop", "resident (gathered once)" if report.get("resident")
-                     else "gathered per unit, prefetched, resharded after each forward"))
+                     else "gathered per unit, prefetched, resharded after each forward"
+                     + (" (but the units kept resident)" if kept else "")))
+    g = report.get("gathers")
+    if g:
+        # a step may run several forwards (both CFG branches): counted per forward
+        rows.append(("gathers per forward", f"{g['gathers_per_forward']} of {g['units']} units, "
+                     f"{fmt_bytes(g['bytes_per_gather'])} each; {g['last_forward_gathers']} in the last forward"))
+        kept = ", ".join(g["resident_units"]) or "none"
+        rows.append(("kept resident (budget)", f"{kept} ({fmt_bytes(g['resident_bytes'])})" if g["budget"] is not None
+                     else "no residency budget"))
     rows.append(
         (
             "seconds per step",

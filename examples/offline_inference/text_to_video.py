@@ -316,6 +316,7 @@ def _report(
                            "tokens": tokens,
                            "tokens_per_rank": local_tokens},
         cfg={"guidance_scale": args.guidance_scale, "cfg_parallel_size": groups.cfg_degree},
+        gathers=hsdp.residency_stats(model) if sharded else None,
     )
 
 

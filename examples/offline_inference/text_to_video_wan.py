@@ -303,7 +303,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                  "ring_degree": groups.ring_degree, "tokens": tokens,
                                                  "tokens_per_rank": local_tokens},
                               cfg={"guidance_scale": args.guidance_scale, "cfg_parallel_size": groups.cfg_degree},
-                              device=args.device)
+                              device=args.device,
+                              gathers=hsdp.residency_stats(model) if parallel.use_hsdp else None)
         print("\n" + format_table("text_to_video_wan report", report_rows(report)), flush=True)
         json_path = args.output.with_suffix(".json")
         write_json(json_path, report)

@@ -23,6 +23,7 @@ from .api import (
     prepare_hsdp_shard_context,
     reshard,
     resident,
+    residency_stats,
     shard_hsdp_module,
     shard_model,
     unshard,
@@ -56,5 +57,6 @@ __all__ = [
     "MixedPrecisionPolicy", "adapters", "apply_hsdp_to_model", "bfloat16", "dtypes", "empty_pool", "set_pool_capacity", "finalize_hsdp_root",
     "float16", "float32", "float64", "float8_e4m3fn", "float8_e5m2", "full_state_dict", "get_units",
     "init_device_mesh", "load_checkpoint", "load_model_sharded", "memory_stats", "prepare_hsdp_shard_context", "reshard",
-    "resident", "save_checkpoint", "shard_hsdp_module", "shard_model", "trace", "unshard", "WireError", "wire_error",
+    "resident", "residency_stats", "save_checkpoint", "shard_hsdp_module", "shard_model", "trace", "unshard",
+    "WireError", "wire_error",
 ]

@@ -24,7 +24,7 @@ from .adapters import TensorAdapter, adapter_for
 from .dtypes import DType, float8_e4m3fn, float8_e5m2, float32
 from .mesh import DeviceMesh, device_type_of, init_device_mesh
 from .policy import MixedPrecisionPolicy
-from .schedule import Schedule
+from .schedule import Schedule, _budgeted
 from .units import ShardCondition, UnitShardHandle, UnitState
 
 log = logging.getLogger("hsdp")
@@ -58,6 +58,7 @@ class HSDPShardContext:
     finalized: bool = False
     prefetch_depth: int = 1
     max_unsharded_bytes: int | None = None
+    resident_bytes: int | str | None = None  # the residency budget (hsdp.residency)
     schedule: Schedule | None = None
     # "float8_e4m3fn": shards held and gathered block-scaled (HSDPInferenceConfig.wire_dtype)
     wire_dtype: str | None = None
@@ -276,7 +277,7 @@ def _build_unit(ctx: HSDPShardContext, module: Any, fqn: str, is_root: bool, cla
 
 def _commit(ctx: HSDPShardContext, states: Iterable[UnitState | None], claimed: set[int]) -> None:
     if ctx.schedule is None:
-        ctx.schedule = Schedule(ctx.prefetch_depth, ctx.max_unsharded_bytes)
+        ctx.schedule = Schedule(ctx.prefetch_depth, ctx.max_unsharded_bytes, ctx.resident_bytes, ctx.mesh.shard_group)
     done: list[UnitState] = []
     for st in states:
         if st is not None:
@@ -436,6 +437,7 @@ def prepare_hsdp_shard_context(model: Any, hsdp_config: Any, target_device: Any 
         prefetch_depth=hsdp_config.prefetch_depth,
         max_unsharded_bytes=hsdp_config.max_unsharded_bytes,
         wire_dtype=hsdp_config.wire_dtype,
+        resident_bytes=hsdp_config.resident_bytes,
     )
     ctx.whole_bytes.append(_C.WholeBytes(ad.held_nbytes(ignored)))
     return ctx
@@ -637,16 +639,31 @@ def get_units(model: Any) -> list[UnitState]:
     return list(ctx.units)
 
 
-def memory_stats() -> dict[str, int]:
+def memory_stats() -> dict[str, Any]:
     """Bytes this process holds for hsdp, from the C core's own counters.
 
     ``held_bytes`` = shards + unsharded buffers in use + idle pooled buffers + parameters
     kept whole. ``buffer_allocs`` counts unsharded buffers ever allocated (a steady-state
-    forward adds none).
+    forward adds none); ``gathers`` the unit gathers ever started. ``resident_units`` (the
+    labels) and ``resident_bytes`` are what residency budgets keep gathered across forwards
+    (``resident_bytes=`` in the config; counted in ``unsharded_bytes`` once gathered).
     """
-    s = dict(_C.memory_stats())
+    s: dict[str, Any] = dict(_C.memory_stats())
     s["held_bytes"] = s["sharded_bytes"] + s["unsharded_bytes"] + s["pooled_bytes"] + s["whole_bytes"]
+    budgeted = list(_budgeted)
+    s["resident_units"] = [u.label for sch in budgeted for u in sch.resident]
+    s["resident_bytes"] = sum(sch.resident_bytes for sch in budgeted)
     return s
+
+
+def residency_stats(model: Any) -> dict[str, Any]:
+    """A sharded model's residency and gathers: the budget (as configured and in bytes, once
+    the first forward resolved it), the rule, the units it keeps gathered and their bytes,
+    the gathers a forward makes and the bytes per gather, and the gathers the last forward
+    actually started. Without a budget it reports no resident units and every gather."""
+    get_units(model)  # a clear error for a model hsdp did not shard
+    sched = model._hsdp_context.schedule
+    return sched.report()
 
 
 def empty_pool() -> None:

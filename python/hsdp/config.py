@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import operator
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -115,6 +116,54 @@ def _as_bool(name: str, value: Any) -> bool:
     return value
 
 
+_SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
+
+
+def parse_resident_bytes(text: str) -> int | str:
+    """A residency budget as text: ``auto``, or bytes with an optional K/M/G/T suffix (powers
+    of 1024: ``512M``, ``1.5G``, ``4096``). ValueError naming the value otherwise."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    m = _SIZE_RE.match(text)
+    if m is None:
+        raise ValueError(
+            f"resident bytes must be a byte count with an optional K/M/G/T suffix (e.g. 512M, 2G) "
+            f"or 'auto', got {text!r}"
+        )
+    return int(float(m.group(1)) * _SUFFIX[m.group(2).upper()])
+
+
+def _cli_resident_bytes(text: str) -> int | str:
+    try:
+        return parse_resident_bytes(text)
+    except ValueError as exc:  # argparse shows an ArgumentTypeError's own message
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _as_resident_bytes(value: Any) -> int | str | None:
+    """``hsdp_resident_bytes``: None, an int >= 0, ``"auto"``, or text ``parse_resident_bytes``
+    reads."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            return parse_resident_bytes(value)
+        except ValueError as exc:
+            raise ValueError(f"hsdp_resident_bytes: {exc}") from None
+    if not isinstance(value, bool):
+        try:
+            as_int = operator.index(value)
+        except TypeError:
+            as_int = None
+        if as_int is not None and as_int >= 0:
+            return as_int
+    raise ValueError(
+        f"hsdp_resident_bytes must be None, an int >= 0, 'auto' or a size such as '2G', "
+        f"got {_describe_value(value)}"
+    )
+
+
 @dataclass
 class DiffusionParallelConfig:
     """Parallel degrees of a diffusion pipeline, and HSDP weight sharding on top of them.
@@ -141,6 +190,8 @@ class DiffusionParallelConfig:
     hsdp_replicate_size: int = 1
     # None, or "float8_e4m3fn": shards held and gathered block-scaled (docs/performance.md)
     hsdp_wire_dtype: str | None = None
+    # per-rank bytes of units kept gathered across forwards (HSDPInferenceConfig.resident_bytes)
+    hsdp_resident_bytes: int | str | None = None
     world_size: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -168,6 +219,7 @@ class DiffusionParallelConfig:
         self.hsdp_replicate_size = _as_positive_int("hsdp_replicate_size", self.hsdp_replicate_size)
         self.hsdp_shard_size = _as_shard_size(self.hsdp_shard_size)
         self.hsdp_wire_dtype = _as_wire_dtype(self.hsdp_wire_dtype)
+        self.hsdp_resident_bytes = _as_resident_bytes(self.hsdp_resident_bytes)
 
         # Classifier-free guidance has exactly two branches (conditional, unconditional), so
         # there is nothing to split across more than two ranks.
@@ -353,9 +405,11 @@ class DiffusionParallelConfig:
         *,
         prefetch_depth: int = 1,
         max_unsharded_bytes: int | None = None,
+        resident_bytes: int | str | None = None,
     ) -> Any:
         """The ``hsdp.HSDPInferenceConfig`` for ``apply_hsdp_to_model`` (its ``wire_dtype`` is
-        ``hsdp_wire_dtype``)."""
+        ``hsdp_wire_dtype``); ``resident_bytes`` (None: this config's ``hsdp_resident_bytes``) is
+        the residency budget."""
         if not self.use_hsdp:
             raise ValueError(
                 "HSDP is not enabled (use_hsdp=False); set use_hsdp=True to build an "
@@ -376,6 +430,7 @@ class DiffusionParallelConfig:
             prefetch_depth=prefetch_depth,
             max_unsharded_bytes=max_unsharded_bytes,
             wire_dtype=self.hsdp_wire_dtype,
+            resident_bytes=self.hsdp_resident_bytes if resident_bytes is None else resident_bytes,
         )
 
     # ----------------------------------------------------------------- runtime checks
@@ -446,6 +501,7 @@ class DiffusionParallelConfig:
             "pipeline_parallel_size",
             "data_parallel_size",
             "enable_expert_parallel",
+            "hsdp_resident_bytes",
         ):
             default = None if name == "data_parallel_size" else getattr(defaults, name)
             kwargs[name] = getattr(args, name, default)
@@ -495,6 +551,17 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
         help="hold and gather the sharded weights block-scaled in this float8 dtype (one float32 scale "
         "per 128 weights): about half the bytes of bfloat16 per gather and per rank, at e4m3's "
         "precision (see docs/performance.md). MPI and single-process only.",
+    )
+    group.add_argument(
+        "--hsdp-resident-bytes",
+        type=_cli_resident_bytes,
+        default=None,
+        dest="hsdp_resident_bytes",
+        metavar="N|auto",
+        help="per-rank budget of gathered weights kept across forwards (steps): after the first "
+        "forward, up to N bytes of units (a K/M/G suffix is accepted) stay gathered and only the "
+        "rest gather every step; 'auto' uses the free memory less a margin. Default: none, every "
+        "unit gathers every step.",
     )
     group.add_argument(
         "--ulysses-degree",

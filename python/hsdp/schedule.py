@@ -25,7 +25,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
-from . import _C
+from . import _C, residency, trace
 
 if TYPE_CHECKING:
     from .units import UnitState
@@ -38,6 +38,8 @@ log = logging.getLogger("hsdp")
 _needs: "weakref.WeakKeyDictionary[Schedule, Counter[int]]" = weakref.WeakKeyDictionary()
 _POOL_SLOTS: int = _C.POOL_SLOTS  # the C pool's capacity, read from the core
 _KNOWN_ORDERS = 4  # recorded orders a schedule remembers, most recently used first
+# Schedules with a residency budget, for memory_stats()'s resident_units.
+_budgeted: "weakref.WeakSet[Schedule]" = weakref.WeakSet()
 
 
 class _Recorded(NamedTuple):
@@ -55,9 +57,22 @@ def _same(a: Sequence[UnitState], b: Sequence[UnitState]) -> bool:
 class Schedule:
     """One sharded model's unit order and prefetch state."""
 
-    def __init__(self, depth: int, max_bytes: int | None) -> None:
+    def __init__(self, depth: int, max_bytes: int | None, resident_budget: int | str | None = None,
+                 group: _C.ProcessGroup | None = None) -> None:
         self.depth = depth
         self.max_bytes = max_bytes
+        # The residency budget as configured (bytes, "auto" or None), the bytes it resolved
+        # to (agreed over `group` at the end of the first forward), and the units it keeps.
+        self.resident_budget = resident_budget
+        self.budget_bytes: int | None = None
+        self.resident: list[UnitState] = []
+        self._flipped: set[int] = set()             # ids of units the budget stopped resharding
+        self._group = group
+        self._budget_error: str | None = None
+        self._gathers_at_begin = 0
+        self.last_gathers = 0                       # unit gathers the last forward started
+        if resident_budget is not None:
+            _budgeted.add(self)
         self.order: list[UnitState] = []            # units by pre-forward, frozen once recorded
         self.events: list[tuple[bool, UnitState]] = []  # (is_pre, unit) of the recording forward
         self.recording = True
@@ -74,6 +89,9 @@ class Schedule:
 
     def begin(self) -> None:
         """The root's pre-forward: a new forward starts."""
+        if self._budget_error is not None:
+            raise RuntimeError(self._budget_error)
+        self._gathers_at_begin = _C.memory_stats()["gathers"]
         self.in_forward = True
         self.pos = 0
         if self.recording:
@@ -86,6 +104,8 @@ class Schedule:
         self.forwards += 1
         if self.recording:
             self.recording = False
+            if self.resident_budget is not None:
+                self._apply_budget()
             self._reserve_pool()
         elif self.pos != len(self.order):
             # This forward ran fewer units than recorded: switch to a known order that ends
@@ -94,6 +114,84 @@ class Schedule:
             if not self._switch(self.pos, None):
                 self._rerecord_from(self.pos)
         self._release_prefetched()
+        self.last_gathers = _C.memory_stats()["gathers"] - self._gathers_at_begin
+        if trace.enabled:
+            trace.forward_done(self)
+
+    # ---------------------------------------------------------------- residency
+
+    def _apply_budget(self) -> None:
+        """Resolves the budget once (a collective over the shard group: every rank runs it at
+        the end of its first forward) and keeps the units the rule chooses gathered from the
+        next forward on; units a re-recorded order no longer chooses reshard now."""
+        if self.budget_bytes is None:
+            try:
+                auto = self.resident_budget == "auto"
+                failed: Exception | None = None
+                if auto:
+                    try:
+                        mine = residency.auto_budget(self.order[0].unit.device if self.order else "host")
+                    except Exception as exc:  # still joins the exchange, so every rank learns of it
+                        failed, mine = exc, -1
+                else:
+                    mine = int(self.resident_budget)  # type: ignore[arg-type]
+                try:
+                    agreed = residency.agree(self._group, mine, auto)
+                except Exception:
+                    if failed is not None:
+                        raise failed from None  # this rank's own reason; the others name this rank
+                    raise
+                if failed is not None:
+                    raise failed
+                self.budget_bytes = agreed
+            except Exception as exc:
+                # every later forward refuses too: a rank must not go on skipping gathers alone
+                self._budget_error = f"hsdp residency budget: {exc}"
+                raise
+            if auto:
+                log.info("hsdp: resident_bytes='auto' resolved to %d bytes per rank (free memory less %d%%, at "
+                         "least %d bytes; the smallest over the shard group)", self.budget_bytes,
+                         round(residency.AUTO_MARGIN * 100), residency.AUTO_MIN_MARGIN)
+        chosen = residency.choose(self.order, self.budget_bytes, self.depth)
+        ids = {id(u) for u in chosen}
+        for u in self.resident:
+            if id(u) not in ids and id(u) in self._flipped:  # dropped by a new order: back to resharding
+                u.reshard_after_forward = True
+                self._flipped.discard(id(u))
+                u.release_prefetch()
+        for u in chosen:
+            if u.reshard_after_forward:  # units the config keeps unsharded stay as they are
+                u.reshard_after_forward = False
+                self._flipped.add(id(u))
+        self.resident = chosen
+        log.info("hsdp: residency budget %d bytes keeps %d of %d units gathered (%d bytes): %s; rule: %s",
+                 self.budget_bytes, len(chosen), len({id(u) for u in self.order}), self.resident_bytes,
+                 ", ".join(u.label for u in chosen) or "none", residency.RULE)
+        if trace.enabled:
+            trace.resident_chosen(self)
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(u.full_bytes for u in self.resident)
+
+    def report(self) -> dict[str, object]:
+        """What the budget chose and what a forward gathers (see hsdp.residency_stats)."""
+        units = list({id(u): u for u in self.order}.values())
+        kept = {id(u) for u in units if not u.reshard_after_forward}
+        gathered = [u for u in units if id(u) not in kept]
+        gathered_bytes = sum(u.unit.total_bytes for u in gathered)
+        return {
+            "budget": self.resident_budget,
+            "budget_bytes": self.budget_bytes,
+            "rule": residency.RULE,
+            "resident_units": [u.label for u in self.resident],
+            "resident_bytes": self.resident_bytes,
+            "units": len(units),
+            "gathers_per_forward": len(gathered),
+            "gathered_bytes_per_forward": gathered_bytes,
+            "bytes_per_gather": gathered_bytes // len(gathered) if gathered else 0,
+            "last_forward_gathers": self.last_gathers,
+        }
 
     # ---------------------------------------------------------------- per unit
 
@@ -165,7 +263,7 @@ class Schedule:
         if self.recording or self.depth <= 0:
             return
         held = self._held_bytes() if self.max_bytes is not None else 0
-        for nxt in self.order[self.pos : self.pos + self.depth]:
+        for nxt in self._window(self.pos):
             if nxt.unit.holds_buffers or nxt.broken is not None:
                 continue
             if self.max_bytes is not None:
@@ -176,6 +274,21 @@ class Schedule:
                 self.prefetches += 1
                 nxt.prefetched_by_schedule()
                 self.prefetched.append(nxt)
+
+    def _window(self, pos: int) -> list[UnitState]:
+        """The next `depth` units from `pos` that gather every forward: units kept gathered
+        (a residency budget) are looked past, so the gathers after them start earlier and
+        hide behind their compute too. Depends only on the order and the flags, the same on
+        every rank."""
+        if not self.resident:
+            return self.order[pos : pos + self.depth]
+        out: list[UnitState] = []
+        for u in self.order[pos:]:
+            if len(out) == self.depth:
+                break
+            if u.reshard_after_forward or not u.unit.holds_buffers:  # resident, not yet gathered
+                out.append(u)
+        return out
 
     def _release_prefetched(self, keep: UnitState | None = None) -> None:
         for u in self.prefetched:
@@ -200,7 +313,7 @@ class Schedule:
             if is_pre:
                 k += 1
                 held = sum(by_id[i].full_bytes for i in live)
-                for cand in [u, *pre_order[k : k + self.depth]]:
+                for cand in [u, *self._window_of(pre_order, k)]:
                     if id(cand) in live:
                         continue
                     if cand is not u and self.max_bytes is not None:
@@ -228,6 +341,12 @@ class Schedule:
             if u.unit.holds_buffers and u.reshard_after_forward:
                 held.update(u.buffer_sizes)
         reserve_pool(held)
+
+
+    def _window_of(self, pre_order: list[UnitState], k: int) -> list[UnitState]:
+        if not self.resident:
+            return pre_order[k : k + self.depth]
+        return [u for u in pre_order[k:] if u.reshard_after_forward][: self.depth]
 
 
 def reserve_pool(held: Counter[int] | None = None) -> None:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from . import _C
 
 if TYPE_CHECKING:
+    from .schedule import Schedule
     from .units import UnitState
 
 enabled = False
@@ -75,6 +76,20 @@ def record_unshard(st: UnitState, t0: int, t1: int, prefetched: bool) -> None:
 def prefetch_started(st: UnitState) -> None:
     _events.append({"name": f"prefetch {st.label}", "ph": "i", "s": "t", "pid": _rank(), "tid": _PY,
                     "ts": _C.now_ns() / 1e3})
+
+
+def forward_done(sched: Schedule) -> None:
+    """A counter per forward: the unit gathers it started and the bytes they moved, and the
+    bytes kept resident (a residency budget)."""
+    rep = sched.report()
+    _events.append({"name": "hsdp forward", "ph": "C", "pid": _rank(), "tid": _PY, "ts": _C.now_ns() / 1e3,
+                    "args": {"gathers": sched.last_gathers, "resident_bytes": rep["resident_bytes"]}})
+
+
+def resident_chosen(sched: Schedule) -> None:
+    """The units a residency budget keeps gathered, with the rule and the sizes."""
+    _events.append({"name": "hsdp residency", "ph": "i", "s": "p", "pid": _rank(), "tid": _PY,
+                    "ts": _C.now_ns() / 1e3, "args": sched.report()})
 
 
 def compute_begin(st: UnitState) -> None:
