@@ -63,7 +63,10 @@ def scenario_late_peer(expect: str) -> None:
         for (n, p), (_, q) in zip(model.named_parameters(), whole.named_parameters()):
             assert np.array_equal(p.data, q.data), n
         hsdp.reshard(model, recurse=True)
-    WORLD[0].barrier()  # every rank is past its reads: rank 1's shards are released
+    WORLD[0].barrier()  # every rank is past its reads: rank 1 releases its shards as this ends
+    # rank 1 frees them once its own barrier completes, which rank 0's may outrun: a second
+    # barrier, entered only after that, orders the release before rank 0's read
+    WORLD[0].barrier()
     if rank != 1 and expect == "direct" and world == 2:
         try:
             hsdp.unshard(model, recurse=True)
