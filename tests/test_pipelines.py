@@ -223,3 +223,29 @@ def test_cfg_split_on_the_uncond_rank():
     with pytest.raises(RuntimeError, match="under 'uncond' where its guidance probe said the step has no guidance"):
         with model.cache_context("uncond"):
             model(hidden_states=x, return_dict=False)
+
+
+def test_batch_lists_that_disagree_are_refused_before_the_call():
+    """A prompt list longer than the generator batch, or a negative prompt list of another
+    length, is refused by hsdp.pipelines.generate before the pipeline (any model) runs."""
+    from hsdp.pipelines import generate
+
+    calls = []
+
+    def pipe(**kwargs):  # stands in for a pipeline: must never be reached by a bad call
+        calls.append(kwargs)
+        return "frames"
+
+    torch = pytest.importorskip("torch")
+    g = [torch.Generator("cpu").manual_seed(i) for i in range(2)]
+    with pytest.raises(ValueError, match="generator is a list of 2 generators, but the batch is 3 prompt"):
+        generate(pipe, prompt=["a", "b", "c"], generator=g)
+    with pytest.raises(ValueError, match="negative_prompt has 2 entries but prompt has 3"):
+        generate(pipe, prompt=["a", "b", "c"], negative_prompt=["x", "y"])
+    with pytest.raises(ValueError, match="prompt is an empty list"):
+        generate(pipe, prompt=[])
+    with pytest.raises(ValueError, match="prompt is missing"):
+        generate(pipe, num_inference_steps=2)
+    assert calls == []
+    assert generate(pipe, prompt=["a", "b"], generator=g, negative_prompt="x") == "frames"
+    assert generate(pipe, prompt="a", num_videos_per_prompt=2, generator=g) == "frames"
