@@ -246,7 +246,9 @@ def test_cfg_parallel_servers_refuse_jobs_that_do_not_guide(folders):
     (["--model", "{wan}", "--port", "70000"], "--port must be in 0..65535, got 70000"),
     (["--model", "{wan}", "--api-key", " "], "--api-key is empty"),
     (["--model", "{wan}", "--max-queue", "0"], "--max-queue must be >= 1, got 0"),
-    (["--model", "{wan}", "--ring-degree", "2"], "ring attention (ring_degree=2) is not built"),
+    (["--model", "{wan}", "--ring-degree", "0"], "ring_degree must be a positive int, got 0"),
+    (["--model", "{wan}", "--use-hsdp", "--hsdp-shard-size", "2", "--tensor-parallel-size", "2"],
+     "use_hsdp=True cannot be combined with tensor parallel (tensor_parallel_size=2)"),
 ])
 def test_bad_flags_exit_2_naming_the_flag(folders, tmp_path, capsys, flags, words):
     from hsdp.serve import cli
