@@ -95,7 +95,7 @@ def test_bad_input_exits_2_naming_what_is_wrong(folders, tmp_path, capsys, monke
         (["--model", wan, "--prompt", " "], "--prompt is empty"),
         (["--model", wan, "--prompt", "a cat", "--num-inference-steps", "0"], "--num-inference-steps must be >= 1"),
         (["--model", wan, "--prompt", "a cat", "--use-hsdp"], "standalone HSDP mode needs an explicit hsdp_shard_size"),
-        (["--model", wan, "--prompt", "a cat", "--ring-degree", "2"], "ring attention (ring_degree=2) is not built"),
+        (["--model", wan, "--prompt", "a cat", "--ring-degree", "0"], "ring_degree must be a positive int, got 0"),
         (["--model", wan, "--prompt", "a cat", "--cfg-parallel-size", "2", "--guidance-scale", "1"],
          "--guidance-scale 1 turns guidance off"),
         (["--model", flux, "--prompt", "a cat", "--cfg-parallel-size", "2"],
