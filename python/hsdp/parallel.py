@@ -45,34 +45,23 @@ def _idle_refs() -> int:
 _IDLE_REFS = _idle_refs()
 
 
-class Ulysses:
-    """Ulysses sequence parallelism over one group: token splitting and the attention exchange.
+class TokenSplit:
+    """Tokens split evenly over a sequence-parallel group (``group``, ``degree``, ``rank``),
+    shared by :class:`Ulysses` and :class:`hsdp.ring.USP`; ``_split_name`` names the split
+    in errors."""
 
-    Arrays are NumPy, C-contiguous after each exchange. The group's all-to-all is the
-    backend's (MPI: ``MPI_Alltoall``, GIL released)."""
-
-    def __init__(self, group: Any) -> None:
-        self.group = group
-        self.degree = int(group.size)
-        self.rank = int(group.rank)
-        self._buffers: dict[tuple[Any, ...], list[np.ndarray]] = {}
-
-    def __repr__(self) -> str:
-        return f"Ulysses(degree={self.degree}, rank={self.rank})"
-
-    def check_heads(self, num_heads: int) -> None:
-        if num_heads % self.degree:
-            raise ValueError(
-                f"Ulysses sequence parallel splits the attention heads across its ranks: num_heads={num_heads} "
-                f"is not divisible by ulysses_degree={self.degree}; choose a degree that divides {num_heads}"
-            )
+    group: Any
+    degree: int
+    rank: int
+    _split_name = "sequence parallel"
+    _degree_label = ""  # before the degree in errors
 
     def local_tokens(self, total: int) -> int:
         """Tokens per rank for a sequence of `total` tokens (ValueError when it does not divide)."""
         if total % self.degree:
             raise ValueError(
-                f"Ulysses sequence parallel gives each rank an equal share of the tokens: {total} tokens are not "
-                f"divisible by ulysses_degree={self.degree}; change the frames, height or width so that the "
+                f"{self._split_name} gives each of its {self.degree} ranks an equal share of the tokens: {total} "
+                f"tokens are not divisible by {self._degree_label}{self.degree}; change the frames, height or width so that the "
                 f"number of patches is a multiple of {self.degree}"
             )
         return total // self.degree
@@ -89,6 +78,32 @@ class Ulysses:
         self.group.all_gather(send, recv)
         b, n, c = send.shape
         return np.ascontiguousarray(recv.transpose(1, 0, 2, 3).reshape(b, self.degree * n, c))
+
+
+class Ulysses(TokenSplit):
+    """Ulysses sequence parallelism over one group: token splitting and the attention exchange.
+
+    Arrays are NumPy, C-contiguous after each exchange. The group's all-to-all is the
+    backend's (MPI: ``MPI_Alltoall``, GIL released)."""
+
+    _split_name = "Ulysses sequence parallel"
+    _degree_label = "ulysses_degree="
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.degree = int(group.size)
+        self.rank = int(group.rank)
+        self._buffers: dict[tuple[Any, ...], list[np.ndarray]] = {}
+
+    def __repr__(self) -> str:
+        return f"Ulysses(degree={self.degree}, rank={self.rank})"
+
+    def check_heads(self, num_heads: int) -> None:
+        if num_heads % self.degree:
+            raise ValueError(
+                f"Ulysses sequence parallel splits the attention heads across its ranks: num_heads={num_heads} "
+                f"is not divisible by ulysses_degree={self.degree}; choose a degree that divides {num_heads}"
+            )
 
     def _buffer(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         """A send or receive buffer of this shape, reused once nothing else refers to it (a

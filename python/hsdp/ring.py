@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from .parallel import Ulysses
+from .parallel import TokenSplit, Ulysses
 
 
 def block_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> tuple[np.ndarray, np.ndarray]:
@@ -100,10 +100,12 @@ class Ring:
         return out
 
 
-class USP:
+class USP(TokenSplit):
     """Ulysses x ring sequence parallelism (either may be None: degree 1) with the interface
     :class:`~hsdp.parallel.Ulysses` gives the reference model: tokens split over
     ``degree = ulysses * ring`` ranks, each self-attention over the whole sequence."""
+
+    _split_name = "sequence parallel (ulysses x ring)"
 
     def __init__(self, group: Any, ulysses: Ulysses | None, ring: Ring | None) -> None:
         self.group = group  # every sequence-parallel rank, ordered s = r * ulysses + u
@@ -122,27 +124,6 @@ class USP:
     def check_heads(self, num_heads: int) -> None:
         if self.ulysses is not None:
             self.ulysses.check_heads(num_heads)
-
-    def local_tokens(self, total: int) -> int:
-        if total % self.degree:
-            raise ValueError(
-                f"sequence parallel (ulysses x ring) gives each of its {self.degree} ranks an equal share of the "
-                f"tokens: {total} tokens are not divisible by {self.degree}; change the frames, height or width so "
-                f"that the number of patches is a multiple of {self.degree}"
-            )
-        return total // self.degree
-
-    def split_tokens(self, x: np.ndarray) -> np.ndarray:
-        n = self.local_tokens(x.shape[1])
-        return np.ascontiguousarray(x[:, self.rank * n : (self.rank + 1) * n])
-
-    def gather_tokens(self, x: np.ndarray) -> np.ndarray:
-        """Every rank's (B, n, C) -> the whole (B, degree * n, C), in sequence-parallel rank order."""
-        send = np.ascontiguousarray(x)
-        recv = np.empty((self.degree, *send.shape), dtype=send.dtype)
-        self.group.all_gather(send, recv)
-        b, n, c = send.shape
-        return np.ascontiguousarray(recv.transpose(1, 0, 2, 3).reshape(b, self.degree * n, c))
 
     def grouped(self, b: int, n: int, h: int, d: int, dtype: Any) -> np.ndarray:
         if self.ulysses is not None:
