@@ -247,8 +247,15 @@ static fake_stream *stream_new(void) { /* G held */
     return s;
 }
 static void settle_all(void) { /* G held */
-    for (fake_stream *s = streams; s; s = s->next)
-        while (runnable(s, s->head)) pthread_cond_wait(&C, &G);
+    /* Until a whole pass finds nothing runnable: a stream passed over while it waited for an
+     * event may become runnable when a later stream records that event, and its work would
+     * then run after this returned (cudaFree's memory written after the free). */
+    for (;;) {
+        int busy = 0;
+        for (fake_stream *s = streams; s && !busy; s = s->next) busy = runnable(s, s->head);
+        if (!busy) return;
+        pthread_cond_wait(&C, &G);
+    }
 }
 static fake_stream *stream_of(hsdp_cudaStream_t h) { /* G held */
     if (h) return (fake_stream *)h;
