@@ -35,7 +35,7 @@ from typing import Any
 
 from hsdp.cli.folder import FolderError, PipelineFolder, read_folder
 from hsdp.cli.media import SUFFIXES, check_suffix, write_output
-from hsdp.cli.ranks import inside_launched_job, launch_self
+from hsdp.cli.ranks import command_main, launch_self, usage_error
 from hsdp.cli.verify import reference_pipeline
 from hsdp.config import DiffusionParallelConfig, add_parallel_args
 
@@ -205,19 +205,8 @@ def _check_image(path: Path) -> None:
         raise UsageError(f"--image {path}: not an image PIL can read ({exc})") from None
 
 
-def _rank_prefix() -> str:
-    from hsdp._rank import rank_label
-
-    label = rank_label()
-    return "" if label == "rank ?" else f"[{label}] "
-
-
 def _usage_error(message: str) -> int:
-    # Every rank reaches the same verdict from the same flags, and each says it: a rank whose
-    # view differs (a folder missing on one host) must not fail silently.
-    sys.stderr.write(f"{_rank_prefix()}{PROG}: error: {message}\n")
-    sys.stderr.flush()
-    return EXIT_USAGE
+    return usage_error(PROG, message, EXIT_USAGE)
 
 
 # ----------------------------------------------------------------------------- the run
@@ -433,18 +422,5 @@ def _rows(report: dict[str, Any], fmt_bytes: Any) -> list[tuple[str, str]]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``hsdp generate ARGS``; returns the exit status."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # argparse's usage errors exit 2, --help exits 0
-        return int(exc.code or 0)
-    try:
-        folder, config = check_args(args)
-    except UsageError as exc:
-        return _usage_error(str(exc))
-    if config.world_size > 1 and not inside_launched_job():
-        sys.stderr.write(f"{PROG}: starting {config.world_size} ranks ({config.describe()}) with hsdp.launch\n")
-        sys.stderr.flush()
-        return launch_self(config.world_size, ["generate", *argv])
-    return run(args, folder, config)
+    return command_main(PROG, argv, build_parser(), check_args, run,
+                        lambda n, args: launch_self(n, ["generate", *args]), UsageError, "with hsdp.launch")

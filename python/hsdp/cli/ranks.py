@@ -4,10 +4,11 @@ starts them itself through :mod:`hsdp.launch`; inside a job that a launcher alre
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-__all__ = ["inside_launched_job", "launch_self"]
+__all__ = ["command_main", "inside_launched_job", "launch_self", "usage_error"]
 
 # The script each started rank runs (through hsdp._rank, as hsdp.launch runs any script).
 _ENTRY = Path(__file__).with_name("rank_entry.py")
@@ -26,3 +27,39 @@ def launch_self(nproc: int, argv: Sequence[str]) -> int:
     from hsdp import launch
 
     return launch.main(["-n", str(nproc), "--", str(_ENTRY), *argv])
+
+
+def usage_error(prog: str, message: str, status: int = 2) -> int:
+    """Says a usage error on stderr, prefixed with this rank's label inside a job: every rank
+    reaches the same verdict from the same flags and each says it, so a rank whose view
+    differs (a folder missing on one host) does not fail silently. Returns `status`."""
+    from hsdp._rank import rank_label
+
+    label = rank_label()
+    prefix = "" if label == "rank ?" else f"[{label}] "
+    sys.stderr.write(f"{prefix}{prog}: error: {message}\n")
+    sys.stderr.flush()
+    return status
+
+
+def command_main(prog: str, argv: Sequence[str] | None, parser: object, check: Callable[[object], tuple],
+                 run: Callable[..., int], launch: Callable[[int, list[str]], int], usage: type[Exception],
+                 how: str) -> int:
+    """One command's entry: parse (argparse's usage errors exit 2, --help 0), check the
+    flags (`usage` errors exit 2 on every rank), then either start the world size's ranks
+    (`launch(n, argv)`, from a plain shell) or run as the rank this is (`run(args, *checked)`)."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = parser.parse_args(args_list)  # type: ignore[attr-defined]
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    try:
+        checked = check(args)
+    except usage as exc:
+        return usage_error(prog, str(exc))
+    config = checked[-1]
+    if config.world_size > 1 and not inside_launched_job():
+        sys.stderr.write(f"{prog}: starting {config.world_size} ranks ({config.describe()}) {how}\n")
+        sys.stderr.flush()
+        return launch(config.world_size, args_list)
+    return run(args, *checked)

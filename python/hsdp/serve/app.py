@@ -82,6 +82,17 @@ def create_app(store: JobStore, folder: PipelineFolder, model_id: str, ready: th
         return JSONResponse({"status": status, "model": model_id, "queue_length": store.queue_length()},
                             200 if status == "ok" else 503)
 
+    REFUSED = (RequestError, Stopping, QueueFull)
+
+    def refusal(exc: Exception) -> Any:
+        """The answer to a job not accepted: the request's fault (4xx naming the field), a
+        server that is stopping (503) or a full queue (429)."""
+        if isinstance(exc, RequestError):
+            return bad(exc)
+        if isinstance(exc, Stopping):
+            return _error(503, str(exc), "service_unavailable")
+        return _error(429, str(exc), "rate_limit_exceeded")
+
     @app.get("/v1/models")
     async def models() -> Any:
         return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created,
@@ -92,24 +103,16 @@ def create_app(store: JobStore, folder: PipelineFolder, model_id: str, ready: th
     async def create_video(request: Request) -> Any:
         try:
             job = submit(await video_request(request))
-        except RequestError as exc:
-            return bad(exc)
-        except Stopping as exc:
-            return _error(503, str(exc), "service_unavailable")
-        except QueueFull as exc:
-            return _error(429, str(exc), "rate_limit_exceeded")
+        except REFUSED as exc:
+            return refusal(exc)
         return job.public()
 
     @app.post("/v1/videos/sync")
     async def create_video_sync(request: Request) -> Any:
         try:
             job = submit(await video_request(request))
-        except RequestError as exc:
-            return bad(exc)
-        except Stopping as exc:
-            return _error(503, str(exc), "service_unavailable")
-        except QueueFull as exc:
-            return _error(429, str(exc), "rate_limit_exceeded")
+        except REFUSED as exc:
+            return refusal(exc)
         await wait(job)
         if job.status != COMPLETED or job.output is None:
             return _error(500, f"job {job.id} failed: {job.error}", "generation_failed")
@@ -158,12 +161,8 @@ def create_app(store: JobStore, folder: PipelineFolder, model_id: str, ready: th
             if isinstance(body, dict):
                 check_model(body)
             job = submit(image_params(body, folder, cfg_parallel))
-        except RequestError as exc:
-            return bad(exc)
-        except Stopping as exc:
-            return _error(503, str(exc), "service_unavailable")
-        except QueueFull as exc:
-            return _error(429, str(exc), "rate_limit_exceeded")
+        except REFUSED as exc:
+            return refusal(exc)
         await wait(job)
         if job.status != COMPLETED or job.images is None:
             return _error(500, f"job {job.id} failed: {job.error}", "generation_failed")

@@ -105,13 +105,9 @@ def check_args(args: argparse.Namespace) -> tuple[PipelineFolder, DiffusionParal
 
 
 def _usage_error(message: str) -> int:
-    from hsdp._rank import rank_label
+    from hsdp.cli.ranks import usage_error
 
-    label = rank_label()
-    prefix = "" if label == "rank ?" else f"[{label}] "
-    sys.stderr.write(f"{prefix}{PROG}: error: {message}\n")
-    sys.stderr.flush()
-    return EXIT_USAGE
+    return usage_error(PROG, message, EXIT_USAGE)
 
 
 # ----------------------------------------------------------------------------- starting the ranks
@@ -302,20 +298,6 @@ def run(args: argparse.Namespace, folder: PipelineFolder, config: DiffusionParal
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``hsdp serve ARGS``; returns the exit status."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:
-        return int(exc.code or 0)
-    try:
-        folder, config = check_args(args)
-    except UsageError as exc:
-        return _usage_error(str(exc))
-    from hsdp.cli.ranks import inside_launched_job
+    from hsdp.cli.ranks import command_main
 
-    if config.world_size > 1 and not inside_launched_job():
-        sys.stderr.write(f"{PROG}: starting {config.world_size} ranks ({config.describe()}) under mpiexec\n")
-        sys.stderr.flush()
-        return launch_ranks(config.world_size, argv)
-    return run(args, folder, config)
+    return command_main(PROG, argv, build_parser(), check_args, run, launch_ranks, UsageError, "under mpiexec")
