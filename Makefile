@@ -106,7 +106,10 @@ cuda-abi-check: | venv
 	  done <<< "$$found"; \
 	fi
 
-# The C core's own tests, under AddressSanitizer and UndefinedBehaviorSanitizer. Open MPI
+# The C core's own tests, under AddressSanitizer and UndefinedBehaviorSanitizer. Where a libnvrtc
+# is installed (torch's nvidia wheels, /usr/local/cuda), test_nccl --nvrtc compiles the float8
+# wire's kernel with it (no GPU needed); LD_LIBRARY_PATH points at its directory because under
+# ASan NVRTC does not find its builtins library by its own $ORIGIN. Open MPI
 # keeps allocations alive past MPI_Finalize by design, so leak checking is off for its test.
 ctest: $(TESTBIN)/test_dtype $(TESTBIN)/test_core $(TESTBIN)/test_layout $(TESTBIN)/test_mpi $(TESTBIN)/test_mpi_preinit \
 	$(TESTBIN)/test_nccl $(TESTBIN)/fake_cuda_nccl.so cuda-abi-check
