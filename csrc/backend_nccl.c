@@ -812,7 +812,7 @@ static hsdp_status wire_check(const hsdp_gather_req *wr, const char *label) { /*
         return hsdp_fail(HSDP_EUNSUPPORTED, "unit '%s': the float8 wire on NCCL dequantizes with a kernel that NVRTC "
                          "compiles and the CUDA driver launches, and neither is loaded (hsdp_wire_cuda_load)",
                          label ? label : "");
-    return HSDP_OK;
+    return hsdp_wire_cuda_prepare(); /* the module in this context: a driver refusing the PTX says so now */
 }
 static hsdp_status wire_decode(const hsdp_gather_req *wr, const char *label, hsdp_cudaEvent_t *ev) {
     hsdp_status st = hsdp_wire_cuda_decode(wr->u, wr->wire, wr->full, S.comm);

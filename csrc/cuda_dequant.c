@@ -203,13 +203,19 @@ static size_t blocks_of(const hsdp_unit *u, int s) {
     return nb;
 }
 
-hsdp_status hsdp_wire_cuda_decode(const hsdp_unit *u, const void *wire, void *full, void *stream) {
+hsdp_status hsdp_wire_cuda_prepare(void) {
     if (!K.loaded)
         return hsdp_fail(HSDP_EUNSUPPORTED, "the float8 wire's GPU kernel is not loaded (hsdp_wire_cuda_load): NVRTC "
                          "and the CUDA driver are needed to dequantize on the GPU");
+    hsdp_CUfunction fn;
+    return kernel(&fn);
+}
+
+hsdp_status hsdp_wire_cuda_decode(const hsdp_unit *u, const void *wire, void *full, void *stream) {
     if (!u->quant) return hsdp_fail(HSDP_EINVAL, "the unit has no wire encoding to decode");
     batch b = {.stream = (hsdp_cudaStream_t)stream};
-    hsdp_status st = kernel(&b.fn);
+    hsdp_status st = hsdp_wire_cuda_prepare();
+    if (st == HSDP_OK) st = kernel(&b.fn);
     /* Rank s's chunk, as hsdp_unit_decode walks it: its pieces in layout order (dequantized
      * or copied), zeros in the padding between them and after the last. */
     for (int s = 0; st == HSDP_OK && s < u->layout.shard; s++) {

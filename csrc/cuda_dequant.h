@@ -17,6 +17,9 @@ hsdp_status hsdp_wire_cuda_load(const char *nvrtc_path, const char *driver_path)
 int hsdp_wire_cuda_loaded(void);
 /* The PTX the kernel compiled to (NULL before loading), for tests. */
 const char *hsdp_wire_cuda_ptx(void);
+/* Loads the kernel into the calling thread's current context (once): a driver that cannot take
+ * the PTX says so here, before the caller enqueues the gather the decode would follow. */
+hsdp_status hsdp_wire_cuda_prepare(void);
 /* Enqueues on `stream` the decode of u's gathered encodings `wire` (shard *
  * wire_chunk_bytes, device) into `full` (layout.total_bytes, device): the same bytes as
  * hsdp_unit_decode on the host. The module is loaded into the thread's current context at

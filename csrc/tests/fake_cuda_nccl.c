@@ -25,7 +25,8 @@
  * FAKE_DEVICES devices (default 2) whose memory is host memory.
  *
  * Controls, by environment: FAKE_NCCL_VERSION (default 23007); FAKE_STALL=1 makes every
- * event recorded from then on never complete (a peer that never arrives). By the fake_*
+ * event recorded from then on never complete (a peer that never arrives); FAKE_REFUSE_PTX=1
+ * makes cuModuleLoadData refuse the PTX (a driver older than the NVRTC). By the fake_*
  * functions at the end (test_nccl finds them with dlsym): holding a stream, failing the
  * next cudaMalloc calls, a communicator's asynchronous error or hang. */
 #define _DEFAULT_SOURCE /* MAP_ANONYMOUS */
@@ -845,11 +846,14 @@ struct CUfunc_st {
 static struct CUmod_st the_module;
 static struct CUfunc_st the_kernel = {.dequant = 1};
 static atomic_int launches;
-enum { CU_ERROR_INVALID_VALUE = 1, CU_ERROR_INVALID_IMAGE = 200, CU_ERROR_NOT_FOUND = 500 };
+enum { CU_ERROR_INVALID_VALUE = 1, CU_ERROR_INVALID_IMAGE = 200, CU_ERROR_UNSUPPORTED_PTX_VERSION = 222,
+       CU_ERROR_NOT_FOUND = 500 };
 hsdp_CUresult cuInit(unsigned int flags) { return flags ? CU_ERROR_INVALID_VALUE : hsdp_CUDA_SUCCESS; }
 hsdp_CUresult cuModuleLoadData(hsdp_CUmodule *m, const void *image) {
     context();
     if (!image || !strstr(image, ".entry")) return CU_ERROR_INVALID_IMAGE;
+    const char *refuse = getenv("FAKE_REFUSE_PTX"); /* a driver older than the NVRTC that made the PTX */
+    if (refuse && strcmp(refuse, "1") == 0) return CU_ERROR_UNSUPPORTED_PTX_VERSION;
     the_module.has_kernel = strstr(image, ".entry " HSDP_WK_NAME) != NULL;
     *m = &the_module;
     return hsdp_CUDA_SUCCESS;

@@ -150,6 +150,14 @@ static void wire_unit(hsdp_group *g, const char *fake, int first_load) {
     CHECK(hsdp_wire_cuda_load(fake, fake) == HSDP_OK && hsdp_wire_cuda_loaded());
     CHECK(strstr(hsdp_wire_cuda_ptx(), ".entry hsdp_wire_dequant") != NULL);
     int launches = F.kernel_launches();
+    if (first_load) { /* a driver that refuses the PTX: said before the gather is enqueued */
+        setenv("FAKE_REFUSE_PTX", "1", 1);
+        CHECK(hsdp_unit_gather_start_wire(&u, full, NULL, wire, &req) == HSDP_ECOMM);
+        CHECK(strstr(hsdp_last_error(), "loading the float8 wire's kernel (cuModuleLoadData) failed: CUDA driver "
+                                        "error 222") != NULL);
+        CHECK(strcmp(hsdp_share_kind(g, u.share), "unset") == 0 && F.kernel_launches() == launches);
+        unsetenv("FAKE_REFUSE_PTX");
+    }
     memset(full, 0xAB, total); /* stale bytes: each must be overwritten, padding included */
     CHECK(hsdp_unit_gather_start_wire(&u, full, NULL, wire, &req) == HSDP_OK);
     CHECK(hsdp_unit_gather_wait(&u, &req) == HSDP_OK);
