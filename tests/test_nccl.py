@@ -262,7 +262,7 @@ def test_gpu_check_dry_run_against_the_fake():
     verdicts = dict(line.split()[:2] for line in out.stdout.splitlines()[1:])
     assert verdicts == {"last_error": "PASS", "ordering": "PASS", "init": "PASS", "buffers_flat": "PASS",
                         "parity_bf16": "NEEDS-GPU", "start_unshard_us": "NEEDS-GPU", "overlap": "NEEDS-GPU",
-                        "gather_vs_copy": "NEEDS-GPU"}, out.stdout
+                        "gather_vs_copy": "NEEDS-GPU", "wire_fp8": "PASS"}, out.stdout
 
 
 def test_fp8_wire_against_the_fake():
