@@ -106,7 +106,10 @@ cuda-abi-check: | venv
 	  done <<< "$$found"; \
 	fi
 
-# The C core's own tests, under AddressSanitizer and UndefinedBehaviorSanitizer. Open MPI
+# The C core's own tests, under AddressSanitizer and UndefinedBehaviorSanitizer. Where a libnvrtc
+# is installed (torch's nvidia wheels, /usr/local/cuda), test_nccl --nvrtc compiles the float8
+# wire's kernel with it (no GPU needed); LD_LIBRARY_PATH points at its directory because under
+# ASan NVRTC does not find its builtins library by its own $ORIGIN. Open MPI
 # keeps allocations alive past MPI_Finalize by design, so leak checking is off for its test.
 ctest: $(TESTBIN)/test_dtype $(TESTBIN)/test_core $(TESTBIN)/test_layout $(TESTBIN)/test_mpi $(TESTBIN)/test_mpi_preinit \
 	$(TESTBIN)/test_nccl $(TESTBIN)/fake_cuda_nccl.so cuda-abi-check
@@ -125,6 +128,13 @@ ctest: $(TESTBIN)/test_dtype $(TESTBIN)/test_core $(TESTBIN)/test_layout $(TESTB
 	FAKE_NCCL_VERSION=22700 ASAN_OPTIONS=detect_leaks=0 $(TESTBIN)/test_nccl --fake \
 	  $(TESTBIN)/fake_cuda_nccl.so race   # before 2.28.3: all_to_all as grouped sends and receives
 	ASAN_OPTIONS=detect_leaks=0 $(TESTBIN)/test_nccl --fake $(TESTBIN)/fake_cuda_nccl.so ranks 3
+	@nvrtc="$$(find -L $(VENV)/ /usr/local/cuda/lib64/ -name 'libnvrtc.so.1[0-9]' 2>/dev/null | head -1)"; \
+	driver="$$(find -L /usr/lib/x86_64-linux-gnu /usr/lib64 /usr/local/cuda/lib64/stubs -maxdepth 1 -name 'libcuda.so*' 2>/dev/null | head -1)"; \
+	if [ -n "$$nvrtc" ] && [ -n "$$driver" ]; then \
+	  libdir="$$(dirname "$$(readlink -f "$$nvrtc")")"; \
+	  echo "LD_LIBRARY_PATH=$$libdir ASAN_OPTIONS=detect_leaks=0 $(TESTBIN)/test_nccl --nvrtc $$nvrtc $$driver"; \
+	  LD_LIBRARY_PATH="$$libdir" ASAN_OPTIONS=detect_leaks=0 $(TESTBIN)/test_nccl --nvrtc "$$nvrtc" "$$driver" || exit 1; \
+	else echo "test_nccl: SKIPPED the float8 wire's kernel through the real NVRTC: no libnvrtc or libcuda found"; fi
 
 # The same C tests (but MPI's) built by clang at -O2: another compiler's choices, e.g. the
 # order it evaluates a call's arguments in (an NCCL join that read the communicator in the

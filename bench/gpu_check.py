@@ -29,6 +29,10 @@ verdict line: PASS, FAIL, NEEDS-GPU (a dry run: the step needs a real GPU) or ER
    the start and one on the compute stream after the reshard the gather waits for (the
    gather stream cannot begin earlier), its end an event on the gather stream recorded after
    the start; goal: most of the gather time inside compute.
+8. ``wire_fp8``: the float8 wire: a device unit's gathered bytes (fp8 + scales, dequantized by
+   the NVRTC kernel on the gather stream) equal the host decode of the same weights, byte for
+   byte; on a GPU a stock Wan with ``wire_dtype`` is within a relative L2 error of 0.05 of
+   the bf16 sharded output.
 
 Without a GPU and without ``--dry-run`` it says so and exits 2. Exit status: 0 when no step
 failed or raised, 1 otherwise. Nothing here changes the card's settings. The GPU half of
@@ -440,6 +444,72 @@ def step_gather_vs_copy(env: Env) -> dict:
     return {**res, "verdict": "PASS" if ok else "FAIL", "why": "a 256 MiB gather against a device copy: goal 0.9"}
 
 
+def _wire_unit(group: Any, device: str) -> Any:
+    """A unit of bfloat16, float32, int32 and float16 parameters sent as float8, filled."""
+    import numpy as np
+
+    from hsdp import _C
+
+    u = _C.Unit(group, ["bfloat16", "float32", "int32", "float16"], [(3000,), (70, 19), (5,), (700,)], name="fp8",
+                device=device, wire_dtype="float8_e4m3fn")
+    rng = np.random.default_rng(0)
+    u.write(0, (rng.standard_normal(3000) * 0.02).astype(np.float32))
+    u.write(1, (rng.standard_normal((70, 19)) * 3).astype(np.float32))
+    u.write(2, np.array([1, -2, 3, 1 << 30, 0], np.int32))
+    u.write(3, (rng.standard_normal(700) * 1e-3).astype(np.float32))
+    return u
+
+
+def step_wire_fp8(env: Env) -> dict:
+    """The float8 wire on NCCL: a device unit's gathered fp8 + scales, dequantized by the kernel
+    on the gather stream, equal the host decode of the same weights byte for byte; on a GPU, a
+    stock Wan with wire_dtype within a relative L2 error of 0.05 of the bf16 sharded output."""
+    from hsdp import _C, nccl
+
+    if env.dry:
+        _C.wire_cuda_load(env.fake_path, env.fake_path)  # the fake's NVRTC and driver run the kernel's text
+    else:
+        nccl.load_wire_kernel()
+    ref = _wire_unit(_C.ProcessGroup("single"), "host")
+    ref.unshard()
+    want = ctypes.string_at(ref.buffers()[0].address, ref.total_bytes)
+    ref.reshard()
+    u = _wire_unit(env.world, "cuda")
+    same = []
+    for _ in range(2):  # the first gather encodes and uploads the shard, the second reads it there
+        u.start_unshard()
+        u.wait()
+        buf = u.buffers()[0]
+        if env.dry:
+            env.cudart.cudaStreamSynchronize(None)
+            got = ctypes.string_at(buf.address, buf.nbytes)
+        else:
+            got = env.torch.from_dlpack(buf).cpu().numpy().tobytes()
+        same.append(got == want)
+        del buf
+        u.reshard()
+    res: dict[str, Any] = {"bytes_equal_host": same, "wire_chunk_bytes": u.wire_chunk_bytes, "chunk_bytes": u.chunk_bytes}
+    if env.dry:
+        return {**res, "verdict": "PASS" if all(same) else "FAIL",
+                "why": "the kernel's text on the fake's stream equals the host decode; a Wan needs a GPU"}
+    import hsdp
+
+    torch = env.torch
+    args, kw = _inputs(torch)
+    bf16 = _sharded_wan(env)
+    fp8 = _wan(torch)
+    fp8._hsdp_shard_conditions = [_is_block]
+    hsdp.apply_hsdp_to_model(fp8, hsdp.HSDPInferenceConfig(enabled=True, param_dtype="bfloat16",
+                                                           wire_dtype="float8_e4m3fn"), target_device="cuda")
+    with torch.no_grad():
+        want_out = bf16(*args, **kw)[0].float()
+        got_out = fp8(*args, **kw)[0].float()
+    rel = float((got_out - want_out).norm() / want_out.norm())
+    res["wan_rel_l2"] = rel
+    ok = all(same) and rel <= 0.05
+    return {**res, "verdict": "PASS" if ok else "FAIL", "why": "GPU decode == host decode; Wan rel L2 <= 0.05"}
+
+
 STEPS: list[tuple[str, Callable[[Env], dict]]] = [
     ("last_error", step_last_error),
     ("ordering", step_ordering),
@@ -449,6 +519,7 @@ STEPS: list[tuple[str, Callable[[Env], dict]]] = [
     ("start_unshard_us", step_start_unshard_us),
     ("overlap", step_overlap),
     ("gather_vs_copy", step_gather_vs_copy),
+    ("wire_fp8", step_wire_fp8),
 ]
 
 

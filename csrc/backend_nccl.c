@@ -37,6 +37,7 @@
 
 #include "backend.h"
 #include "backend_nccl.h"
+#include "cuda_dequant.h"
 
 #ifdef HSDP_NO_NCCL
 /* ---------------------------------------------------------------- built with HSDP_NO_NCCL=1 */
@@ -799,17 +800,43 @@ typedef struct {
 } nccl_task;
 _Static_assert(sizeof(nccl_task) <= HSDP_REQ_STATE_BYTES, "nccl_task must fit in hsdp_req.state");
 
+/* ---- the float8 wire (issue 22): decoded on the side stream (cuda_dequant.c) ----
+ * A unit's gathered encodings are dequantized by a kernel enqueued right after the gather,
+ * on the same stream, and tracked as a collective writing the unsharded buffer: the event the
+ * compute stream (or a DLPack consumer) waits on is the kernel's. S.issue held. */
+static hsdp_status wire_check(const hsdp_gather_req *wr, const char *label) { /* before anything is enqueued */
+    if (!on_device(wr->full))
+        return hsdp_fail(HSDP_EUNSUPPORTED, "unit '%s': the float8 wire gathers into device memory here, so its "
+                         "unsharded buffer must be device memory too", label ? label : "");
+    if (!hsdp_wire_cuda_loaded())
+        return hsdp_fail(HSDP_EUNSUPPORTED, "unit '%s': the float8 wire on NCCL dequantizes with a kernel that NVRTC "
+                         "compiles and the CUDA driver launches, and neither is loaded (hsdp_wire_cuda_load)",
+                         label ? label : "");
+    return hsdp_wire_cuda_prepare(); /* the module in this context: a driver refusing the PTX says so now */
+}
+static hsdp_status wire_decode(const hsdp_gather_req *wr, const char *label, hsdp_cudaEvent_t *ev) {
+    hsdp_status st = hsdp_wire_cuda_decode(wr->u, wr->wire, wr->full, S.comm);
+    char what[160];
+    snprintf(what, sizeof what, "the float8 dequantization of unit '%s' (%zu bytes)", label ? label : "",
+             wr->u->layout.total_bytes);
+    return st == HSDP_OK ? track(what, wr->full, wr->u->layout.total_bytes, ev) : st;
+}
+/* ---- end of the float8 wire ---- */
+
 static hsdp_status nccl_gather_start(hsdp_req *r, const void *send, void *recv, size_t nbytes) {
     device_guard();
     nccl_task *t = (nccl_task *)r->state;
     t->ev = NULL;
     r->start_ns = hsdp_now_ns();
-    if (r->then) /* the conversion is host work: a device unit computes in its storage dtypes */
+    const hsdp_gather_req *wr = hsdp_unit_wire_request(r); /* float8 wire: decoded here, see wire_decode */
+    if (r->then && !wr) /* the conversion is host work: a device unit computes in its storage dtypes */
         return hsdp_fail(HSDP_EUNSUPPORTED, "a GPU gather cannot convert dtypes on the host; compute in the storage dtype");
-    hsdp_status st;
+    hsdp_status st = wr && on_device(recv) ? wire_check(wr, r->label) : HSDP_OK;
+    if (st != HSDP_OK) return st;
     if (!on_device(recv)) { /* a host unit: staged and complete before returning */
         st = r->share ? nccl_gather_fixed(r->g, r->share, send, recv, nbytes, r->label)
                       : nccl_all_gather(r->g, send, recv, nbytes);
+        if (st == HSDP_OK && wr) st = r->then(r->then_arg); /* the float8 wire's decode, on the host */
         r->end_ns = hsdp_now_ns();
         return st;
     }
@@ -823,6 +850,7 @@ static hsdp_status nccl_gather_start(hsdp_req *r, const void *send, void *recv, 
         st = in_place(src, recv, nbytes, r->g->rank, &src);
     if (st == HSDP_OK) st = enqueue(r->g->impl, OP_GATHER, r->g->size, src, recv, nbytes, 0);
     if (st == HSDP_OK) st = track(what, recv, nbytes * (size_t)r->g->size, &t->ev);
+    if (st == HSDP_OK && wr) st = wire_decode(wr, r->label, &t->ev); /* the float8 wire */
     issue_unlock();
     return st;
 }

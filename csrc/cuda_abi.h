@@ -168,4 +168,36 @@ typedef const char *(*hsdp_ncclGetLastError_fn)(hsdp_ncclComm_t comm);
                                                           hsdp_ncclComm_t *newcomm, CONFIG *config);
 HSDP_NCCL_STRUCT_FNS(hsdp_, hsdp_ncclUniqueId, hsdp_ncclConfig_t)
 
+/* ---------------------------------------------------------------- CUDA driver and NVRTC
+ * What the float8 wire's dequantization kernel needs (cuda_dequant.c): NVRTC compiles its
+ * source to PTX, the driver loads and launches it. Both are opened at run time like the two
+ * libraries above. A CUstream is the runtime's cudaStream_t (the same struct tag). */
+typedef unsigned int hsdp_CUresult; /* enum cudaError_enum */
+typedef struct CUmod_st *hsdp_CUmodule;
+typedef struct CUfunc_st *hsdp_CUfunction;
+enum { hsdp_CUDA_SUCCESS = 0 };
+typedef hsdp_CUresult (*hsdp_cuInit_fn)(unsigned int flags);
+typedef hsdp_CUresult (*hsdp_cuModuleLoadData_fn)(hsdp_CUmodule *module, const void *image);
+typedef hsdp_CUresult (*hsdp_cuModuleGetFunction_fn)(hsdp_CUfunction *hfunc, hsdp_CUmodule hmod, const char *name);
+typedef hsdp_CUresult (*hsdp_cuLaunchKernel_fn)(hsdp_CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
+                                               unsigned int gridDimZ, unsigned int blockDimX, unsigned int blockDimY,
+                                               unsigned int blockDimZ, unsigned int sharedMemBytes,
+                                               hsdp_cudaStream_t hStream, void **kernelParams, void **extra);
+typedef hsdp_CUresult (*hsdp_cuGetErrorString_fn)(hsdp_CUresult error, const char **pStr);
+
+typedef unsigned int hsdp_nvrtcResult; /* enum nvrtcResult */
+typedef struct _nvrtcProgram *hsdp_nvrtcProgram;
+enum { hsdp_NVRTC_SUCCESS = 0 };
+typedef hsdp_nvrtcResult (*hsdp_nvrtcCreateProgram_fn)(hsdp_nvrtcProgram *prog, const char *src, const char *name,
+                                                       int numHeaders, const char *const *headers,
+                                                       const char *const *includeNames);
+typedef hsdp_nvrtcResult (*hsdp_nvrtcCompileProgram_fn)(hsdp_nvrtcProgram prog, int numOptions,
+                                                        const char *const *options);
+typedef hsdp_nvrtcResult (*hsdp_nvrtcGetPTXSize_fn)(hsdp_nvrtcProgram prog, size_t *ptxSizeRet);
+typedef hsdp_nvrtcResult (*hsdp_nvrtcGetPTX_fn)(hsdp_nvrtcProgram prog, char *ptx);
+typedef hsdp_nvrtcResult (*hsdp_nvrtcGetProgramLogSize_fn)(hsdp_nvrtcProgram prog, size_t *logSizeRet);
+typedef hsdp_nvrtcResult (*hsdp_nvrtcGetProgramLog_fn)(hsdp_nvrtcProgram prog, char *log);
+typedef hsdp_nvrtcResult (*hsdp_nvrtcDestroyProgram_fn)(hsdp_nvrtcProgram *prog);
+typedef const char *(*hsdp_nvrtcGetErrorString_fn)(hsdp_nvrtcResult result);
+
 #endif

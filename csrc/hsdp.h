@@ -283,6 +283,9 @@ hsdp_status hsdp_unit_gather_wait(hsdp_unit *u, hsdp_gather_req *req);
  * the request allocates and frees. wire is ignored without an encoding. */
 hsdp_status hsdp_unit_gather_start_wire(hsdp_unit *u, void *full, void *widened, void *wire, hsdp_gather_req *req);
 hsdp_status hsdp_unit_gather_now_wire(hsdp_unit *u, void *full, void *widened, void *wire, hsdp_gather_req *req);
+/* The gather request behind r when r's only conversion is the float8 wire's decode (a
+ * backend whose buffers are on a device runs that decode itself), else NULL. */
+const hsdp_gather_req *hsdp_unit_wire_request(const hsdp_req *r);
 /* Bytes of the buffer a gather receives the encodings in (0 without a wire encoding). */
 size_t hsdp_unit_wire_bytes(const hsdp_unit *u);
 /* Synchronous gather + conversion through the same request (so traces see its times). */

@@ -125,16 +125,16 @@ static hsdp_status drop_host(hsdp_unit *u, hsdp_status st) {
     if (keep && strcmp(keep, "1") == 0) return st;
     free(u->shard); /* the upload has read it: copies from host memory return once staged */
     u->shard = NULL;
-    if (u->stats) atomic_fetch_sub(&u->stats->sharded_bytes, u->layout.chunk_bytes);
+    if (u->stats) atomic_fetch_sub(&u->stats->sharded_bytes, hsdp_unit_shard_bytes(u)); /* encoded or not */
     return st;
 }
 
 hsdp_status hsdp_unit_read_shard(hsdp_unit *u, void *out) {
     if (u->shard) {
-        memcpy(out, u->shard, u->layout.chunk_bytes);
+        memcpy(out, u->shard, hsdp_unit_shard_bytes(u));
         return HSDP_OK;
     }
-    return hsdp_share_read(u->group, u->share, out, u->layout.chunk_bytes);
+    return hsdp_share_read(u->group, u->share, out, hsdp_unit_shard_bytes(u));
 }
 
 /* ---------------------------------------------------------------- the wire encoding
@@ -335,6 +335,25 @@ static void req_release(hsdp_gather_req *r) {
     r->wire_owned = 0;
 }
 
+/* ---- the float8 wire on a device backend (issue 22; the GPU side is cuda_dequant.c) ----
+ * NCCL cannot run convert_job on the host: its buffers are device memory. Its gather_start
+ * asks this for the unit behind a request whose only conversion is the wire's decode, and
+ * enqueues that decode on its own stream after the gather. */
+const hsdp_gather_req *hsdp_unit_wire_request(const hsdp_req *r) {
+    if (r->then != convert_job) return NULL;
+    const hsdp_gather_req *g = r->then_arg;
+    return g->wire && !g->u->widened_bytes ? g : NULL;
+}
+
+/* The synchronous form on such a backend: its gather_start (which decodes on the device), then
+ * its wait (which orders the compute stream after it; the host does not block). */
+static hsdp_status gather_now_on_device(hsdp_req *r, hsdp_group *g, void **share, const void *send, void *recv,
+                                        size_t nbytes, hsdp_status (*then)(void *), void *then_arg) {
+    hsdp_status st = hsdp_gather_start(r, g, share, send, recv, nbytes, then, then_arg);
+    return st == HSDP_OK ? hsdp_gather_wait(r) : st;
+}
+/* ---- end of the float8 wire on a device backend ---- */
+
 typedef hsdp_status (*gather_fn)(hsdp_req *, hsdp_group *, void **, const void *, void *, size_t,
                                  hsdp_status (*)(void *), void *);
 
@@ -347,7 +366,8 @@ static hsdp_status unit_gather_via(gather_fn fn, hsdp_unit *u, void *full, void 
     }
     void *recv = r->wire ? r->wire : full;
     size_t nbytes = r->wire ? u->wire_chunk_bytes : u->layout.chunk_bytes;
-    st = drop_host(u, fn(&r->req, u->group, &u->share, u->shard, recv, nbytes,
+    gather_fn run = fn == hsdp_gather_now && r->wire && u->group->backend == &hsdp_backend_nccl ? gather_now_on_device : fn;
+    st = drop_host(u, run(&r->req, u->group, &u->share, u->shard, recv, nbytes,
                          (u->widened_bytes || r->wire) ? convert_job : NULL, r));
     /* nothing in flight after an error, nor after a synchronous gather */
     if (st != HSDP_OK || fn == hsdp_gather_now) req_release(r);

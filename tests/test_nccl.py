@@ -263,7 +263,7 @@ def test_gpu_check_dry_run_against_the_fake():
     verdicts = dict(line.split()[:2] for line in out.stdout.splitlines()[1:])
     assert verdicts == {"last_error": "PASS", "ordering": "PASS", "init": "PASS", "buffers_flat": "PASS",
                         "parity_bf16": "NEEDS-GPU", "start_unshard_us": "NEEDS-GPU", "overlap": "NEEDS-GPU",
-                        "gather_vs_copy": "NEEDS-GPU"}, out.stdout
+                        "gather_vs_copy": "NEEDS-GPU", "wire_fp8": "PASS"}, out.stdout
 
 
 def test_gpu_check_multi_dry_run_against_the_fake(tmp_path):
@@ -295,3 +295,40 @@ def test_gpu_check_multi_dry_run_against_the_fake(tmp_path):
     assert offsets["unit_world"]["size"] == 3 and offsets["unit_world"]["exact"] == [True, True], offsets
     assert offsets["device_split"] == {"from_separate_source": True, "in_place": True, "ok": True}, offsets
     assert len(offsets["seconds_per_rank"]) == 3 and saved["split_ranks"]["one_color_by_rank"]["members"] == [0, 1, 2]
+
+
+def test_fp8_wire_against_the_fake():
+    """wire_dtype='float8_e4m3fn' on a device unit of the NCCL backend (tests/nccl_wire_fake.py,
+    its own process): refused until hsdp.nccl.load_wire_kernel() has loaded NVRTC and the driver
+    (here the fake, by HSDP_NVRTC_LIBRARY / HSDP_CUDA_DRIVER_LIBRARY); then each gather moves
+    fp8 + scales and the kernel's own source, run by the fake on the side stream, gives the
+    same bytes as the host path. Untested on a GPU."""
+    root = Path(__file__).resolve().parent.parent
+    built = subprocess.run(["make", "-s", "csrc/tests/bin/fake_cuda_nccl.so"], cwd=root, capture_output=True,
+                           text=True, timeout=120)
+    assert built.returncode == 0, built.stdout + built.stderr
+    out = subprocess.run([sys.executable, str(root / "tests" / "nccl_wire_fake.py"),
+                          str(root / "csrc" / "tests" / "bin" / "fake_cuda_nccl.so")], cwd=root,
+                         capture_output=True, text=True, timeout=120, env=_clean_env())
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "device decode == host decode" in out.stdout
+
+
+def test_fp8_wire_kernel_paths(monkeypatch):
+    """NVRTC from HSDP_NVRTC_LIBRARY first, the driver by its soname unless
+    HSDP_CUDA_DRIVER_LIBRARY names one; a missing NVRTC is named (the bfloat16 path never asks)."""
+    monkeypatch.setenv("HSDP_NVRTC_LIBRARY", "/opt/x/libnvrtc.so.12")
+    monkeypatch.delenv("HSDP_CUDA_DRIVER_LIBRARY", raising=False)
+    assert nccl.wire_kernel_paths() == ("/opt/x/libnvrtc.so.12", "libcuda.so.1")
+    monkeypatch.setenv("HSDP_CUDA_DRIVER_LIBRARY", "/opt/x/libcuda.so.1")
+    assert nccl.wire_kernel_paths()[1] == "/opt/x/libcuda.so.1"
+    monkeypatch.delenv("HSDP_NVRTC_LIBRARY")
+    monkeypatch.setattr(nccl, "_site_dirs", lambda: [])
+    monkeypatch.setattr(nccl, "_NVRTC_WHEELS", ())
+    if "libnvrtc.so" not in Path("/proc/self/maps").read_text():
+        with pytest.raises(NotImplementedError, match="no libnvrtc was found.*HSDP_NVRTC_LIBRARY"):
+            nccl.wire_kernel_paths()
+    if not _C.wire_cuda_loaded():  # a library that is not there: named, nothing left loaded
+        with pytest.raises(NotImplementedError, match="could not open NVRTC '/nonexistent/libnvrtc.so.12'"):
+            _C.wire_cuda_load("/nonexistent/libnvrtc.so.12", "libcuda.so.1")
+        assert not _C.wire_cuda_loaded()

@@ -3,6 +3,8 @@
  * backend which stream torch computes on. Everything else goes through ProcessGroup. */
 #include "pyhsdp.h" /* first: Python.h must precede system headers */
 
+#include "../cuda_dequant.h"
+
 static PyObject *mod_nccl_built(PyObject *m, PyObject *unused) {
     (void)m, (void)unused;
     return PyBool_FromLong(hsdp_nccl_built());
@@ -94,7 +96,28 @@ static PyObject *mod_nccl_set_oom_handler(PyObject *m, PyObject *fn) {
     Py_RETURN_NONE;
 }
 
+/* The float8 wire's GPU kernel (cuda_dequant.h): NVRTC compiles it here, no GPU needed. */
+static PyObject *mod_wire_cuda_load(PyObject *m, PyObject *args) {
+    (void)m;
+    const char *nvrtc, *driver;
+    if (!PyArg_ParseTuple(args, "ss", &nvrtc, &driver)) return NULL;
+    hsdp_status st;
+    Py_BEGIN_ALLOW_THREADS /* compiling takes a moment */
+    st = hsdp_wire_cuda_load(nvrtc, driver);
+    Py_END_ALLOW_THREADS
+    if (st != HSDP_OK) return hsdp_py_raise(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *mod_wire_cuda_loaded(PyObject *m, PyObject *unused) {
+    (void)m, (void)unused;
+    return PyBool_FromLong(hsdp_wire_cuda_loaded());
+}
+
 PyMethodDef hsdp_py_nccl_functions[] = {
+    {"wire_cuda_load", mod_wire_cuda_load, METH_VARARGS,
+     "wire_cuda_load(libnvrtc_path, libcuda_path): open both and compile the float8 wire's dequantization kernel."},
+    {"wire_cuda_loaded", mod_wire_cuda_loaded, METH_NOARGS, "Whether the float8 wire's GPU kernel is loaded."},
     {"nccl_set_oom_handler", mod_nccl_set_oom_handler, METH_O,
      "nccl_set_oom_handler(fn or None): called (no arguments) when a device allocation of the NCCL backend runs "
      "out of memory, before one retry; torch's is torch.cuda.empty_cache."},

@@ -10,6 +10,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../cuda_dequant.h"
+
 typedef struct {
     PyObject_HEAD
     hsdp_unit u;
@@ -60,11 +62,12 @@ static void unit_dealloc(UnitObject *self) {
 static int unit_set_wire(UnitObject *self, PyObject *wire_dtype, PyObject *wire_params, hsdp_device dev) {
     hsdp_dtype wire;
     if (hsdp_py_parse_dtype(wire_dtype, &wire) < 0) return -1;
-    if (dev != HSDP_DEVICE_HOST) {
+    /* on the GPU the NCCL backend dequantizes with a kernel (cuda_dequant.h), loaded first */
+    if (dev == HSDP_DEVICE_CUDA && !hsdp_wire_cuda_loaded()) {
         PyErr_Format(PyExc_NotImplementedError,
-                     "unit %R: wire_dtype=%s is built for host buffers only (MPI and single-process groups): the "
-                     "dequantization after the gather is a host loop and cannot read %s memory",
-                     self->name, hsdp_dtype_name(wire), hsdp_device_name(dev));
+                     "unit %R: wire_dtype=%s on device 'cuda' dequantizes with a GPU kernel that is not loaded: call "
+                     "hsdp.nccl.load_wire_kernel() first (it needs NVRTC and the CUDA driver)",
+                     self->name, hsdp_dtype_name(wire));
         return -1;
     }
     size_t n = self->u.layout.nslots;
@@ -385,7 +388,7 @@ static int unit_take_buffers(UnitObject *self) {
     BufferObject *wire = NULL;
     size_t wire_bytes = hsdp_unit_wire_bytes(&self->u);
     if (wire_bytes) { /* from the pool too: a steady-state forward allocates nothing */
-        wire = hsdp_py_buffer_take(ms, wire_bytes, b, HSDP_DEVICE_HOST);
+        wire = hsdp_py_buffer_take(ms, wire_bytes, b, self->device); /* NCCL: gathered on the device */
         if (!wire) {
             hsdp_py_buffer_give(ms, full);
             hsdp_py_buffer_give(ms, wide);
@@ -601,7 +604,7 @@ static PyObject *unit_shard_bytes_view(UnitObject *self, PyObject *unused) {
     (void)unused;
     if (!self->u.shard) { /* dropped once on the device: a copy read back from there */
         if (unit_check_idle(self) < 0) return NULL;
-        npy_intp dim = (npy_intp)self->u.layout.chunk_bytes;
+        npy_intp dim = (npy_intp)hsdp_unit_shard_bytes(&self->u); /* encoded, with a wire dtype */
         PyObject *copy = PyArray_SimpleNew(1, &dim, NPY_UINT8);
         if (!copy) return NULL;
         hsdp_status st;

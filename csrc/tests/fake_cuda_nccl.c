@@ -25,7 +25,8 @@
  * FAKE_DEVICES devices (default 2) whose memory is host memory.
  *
  * Controls, by environment: FAKE_NCCL_VERSION (default 23007); FAKE_STALL=1 makes every
- * event recorded from then on never complete (a peer that never arrives). By the fake_*
+ * event recorded from then on never complete (a peer that never arrives); FAKE_REFUSE_PTX=1
+ * makes cuModuleLoadData refuse the PTX (a driver older than the NVRTC). By the fake_*
  * functions at the end (test_nccl finds them with dlsym): holding a stream, failing the
  * next cudaMalloc calls, a communicator's asynchronous error or hang. */
 #define _DEFAULT_SOURCE /* MAP_ANONYMOUS */
@@ -39,6 +40,7 @@
 #include <time.h>
 
 #include "cuda_abi.h"
+#include "wire_kernel.h"
 
 /* One lock for the whole fake device, one condition for every change of its state. */
 static pthread_mutex_t G = PTHREAD_MUTEX_INITIALIZER;
@@ -779,6 +781,137 @@ __attribute__((destructor)) static void free_comms(void) {
     for (int i = 0; i < MAX_COMMS; i++) free(comms[i]);
 }
 
+/* ---------------------------------------------------------------- NVRTC and the driver
+ * The float8 wire's kernel (cuda_dequant.c): "compiling" checks the source names the kernel
+ * and gives a PTX stand-in naming it; cuLaunchKernel of that name runs the host form of the
+ * same source (wire_kernel.h) ON the stream, deferred like a copy, so a consumer that does
+ * not wait for it reads stale bytes. Its segments must lie in device memory. */
+struct _nvrtcProgram {
+    char *src;
+    char *ptx;
+};
+hsdp_nvrtcResult nvrtcCreateProgram(hsdp_nvrtcProgram *prog, const char *src, const char *name, int numHeaders,
+                                    const char *const *headers, const char *const *includeNames) {
+    (void)name, (void)numHeaders, (void)headers, (void)includeNames;
+    hsdp_nvrtcProgram p = calloc(1, sizeof *p);
+    if (!p || !(p->src = strdup(src))) {
+        free(p);
+        return 1; /* NVRTC_ERROR_OUT_OF_MEMORY */
+    }
+    *prog = p;
+    return hsdp_NVRTC_SUCCESS;
+}
+hsdp_nvrtcResult nvrtcCompileProgram(hsdp_nvrtcProgram prog, int numOptions, const char *const *options) {
+    (void)numOptions, (void)options;
+    if (!strstr(prog->src, "__global__") || !strstr(prog->src, " " HSDP_WK_NAME "(") || !strstr(prog->src, "hsdp_wk_item"))
+        return 6; /* NVRTC_ERROR_COMPILATION */
+    prog->ptx = strdup("// fake PTX\n.visible .entry " HSDP_WK_NAME "\n");
+    return prog->ptx ? hsdp_NVRTC_SUCCESS : 1;
+}
+hsdp_nvrtcResult nvrtcGetPTXSize(hsdp_nvrtcProgram prog, size_t *n) {
+    *n = prog->ptx ? strlen(prog->ptx) + 1 : 0;
+    return hsdp_NVRTC_SUCCESS;
+}
+hsdp_nvrtcResult nvrtcGetPTX(hsdp_nvrtcProgram prog, char *ptx) {
+    if (prog->ptx) strcpy(ptx, prog->ptx);
+    return hsdp_NVRTC_SUCCESS;
+}
+hsdp_nvrtcResult nvrtcGetProgramLogSize(hsdp_nvrtcProgram prog, size_t *n) {
+    (void)prog;
+    *n = 1;
+    return hsdp_NVRTC_SUCCESS;
+}
+hsdp_nvrtcResult nvrtcGetProgramLog(hsdp_nvrtcProgram prog, char *log) {
+    (void)prog;
+    log[0] = '\0';
+    return hsdp_NVRTC_SUCCESS;
+}
+hsdp_nvrtcResult nvrtcDestroyProgram(hsdp_nvrtcProgram *prog) {
+    if (*prog) {
+        free((*prog)->src);
+        free((*prog)->ptx);
+        free(*prog);
+        *prog = NULL;
+    }
+    return hsdp_NVRTC_SUCCESS;
+}
+const char *nvrtcGetErrorString(hsdp_nvrtcResult r) { return r == hsdp_NVRTC_SUCCESS ? "NVRTC_SUCCESS" : "fake NVRTC error"; }
+
+struct CUmod_st {
+    int has_kernel;
+};
+struct CUfunc_st {
+    int dequant;
+};
+static struct CUmod_st the_module;
+static struct CUfunc_st the_kernel = {.dequant = 1};
+static atomic_int launches;
+enum { CU_ERROR_INVALID_VALUE = 1, CU_ERROR_INVALID_IMAGE = 200, CU_ERROR_UNSUPPORTED_PTX_VERSION = 222,
+       CU_ERROR_NOT_FOUND = 500 };
+hsdp_CUresult cuInit(unsigned int flags) { return flags ? CU_ERROR_INVALID_VALUE : hsdp_CUDA_SUCCESS; }
+hsdp_CUresult cuModuleLoadData(hsdp_CUmodule *m, const void *image) {
+    context();
+    if (!image || !strstr(image, ".entry")) return CU_ERROR_INVALID_IMAGE;
+    const char *refuse = getenv("FAKE_REFUSE_PTX"); /* a driver older than the NVRTC that made the PTX */
+    if (refuse && strcmp(refuse, "1") == 0) return CU_ERROR_UNSUPPORTED_PTX_VERSION;
+    the_module.has_kernel = strstr(image, ".entry " HSDP_WK_NAME) != NULL;
+    *m = &the_module;
+    return hsdp_CUDA_SUCCESS;
+}
+hsdp_CUresult cuModuleGetFunction(hsdp_CUfunction *f, hsdp_CUmodule m, const char *name) {
+    if (m != &the_module || !m->has_kernel || strcmp(name, HSDP_WK_NAME) != 0) return CU_ERROR_NOT_FOUND;
+    *f = &the_kernel;
+    return hsdp_CUDA_SUCCESS;
+}
+static void run_dequant(void *arg) { /* on the stream's worker */
+    const hsdp_wk_args *a = arg;
+    for (unsigned it = 0; it < a->items; it++)
+        for (unsigned t = 0; t < HSDP_WK_BLOCK; t++) hsdp_wk_item(a, it, t);
+}
+hsdp_CUresult cuLaunchKernel(hsdp_CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                             unsigned bz, unsigned shared, hsdp_cudaStream_t h, void **params, void **extra) {
+    context();
+    if (f != &the_kernel || !gx || gy != 1 || gz != 1 || bx != HSDP_WK_BLOCK || by != 1 || bz != 1 || shared || extra ||
+        !params || !params[0])
+        return CU_ERROR_INVALID_VALUE;
+    hsdp_wk_args *a = malloc(sizeof *a); /* the parameters by value, as a launch takes them */
+    op *o = calloc(1, sizeof *o);
+    if (!a || !o) {
+        free(a);
+        free(o);
+        return 2; /* CUDA_ERROR_OUT_OF_MEMORY */
+    }
+    memcpy(a, params[0], sizeof *a);
+    pthread_mutex_lock(&G);
+    int ok = a->nseg > 0 && a->nseg <= HSDP_WK_SEGS;
+    for (unsigned i = 0; ok && i < a->nseg; i++) {
+        const hsdp_wk_seg *sg = &a->seg[i];
+        size_t bytes = sg->kind == HSDP_WK_ZERO || sg->kind == HSDP_WK_COPY ? sg->n
+                       : sg->n * (sg->kind == HSDP_WK_F32 ? 4 : 2);
+        const char *d = (const char *)(uintptr_t)sg->dst, *src = (const char *)(uintptr_t)sg->src;
+        ok = is_device(d) && is_device(d + bytes - 1) && sg->kind <= HSDP_WK_F32 &&
+             (sg->kind == HSDP_WK_ZERO || (is_device(src) && is_device(src + sg->n - 1))) &&
+             (sg->kind <= HSDP_WK_COPY || is_device((const void *)(uintptr_t)sg->scales));
+    }
+    if (!ok) {
+        pthread_mutex_unlock(&G);
+        free(a);
+        free(o);
+        return CU_ERROR_INVALID_VALUE;
+    }
+    *o = (op){.kind = K_FN, .fn = run_dequant, .owned = a};
+    push(h, o);
+    atomic_fetch_add(&launches, 1);
+    pthread_mutex_unlock(&G);
+    return hsdp_CUDA_SUCCESS;
+}
+hsdp_CUresult cuGetErrorString(hsdp_CUresult e, const char **text) {
+    *text = e == hsdp_CUDA_SUCCESS ? "no error" : "fake CUDA driver error";
+    return hsdp_CUDA_SUCCESS;
+}
+/* How many kernels were launched so far (the float8 wire's dequantization). */
+int fake_kernel_launches(void) { return atomic_load(&launches); }
+
 /* ---------------------------------------------------------------- the backend's view of these */
 #define SAME_FN(name) _Static_assert(__builtin_types_compatible_p(__typeof__(&name), hsdp_##name##_fn), #name)
 SAME_FN(cudaGetDeviceCount);
@@ -819,3 +952,16 @@ SAME_FN(ncclSend);
 SAME_FN(ncclRecv);
 SAME_FN(ncclGroupStart);
 SAME_FN(ncclGroupEnd);
+SAME_FN(nvrtcCreateProgram);
+SAME_FN(nvrtcCompileProgram);
+SAME_FN(nvrtcGetPTXSize);
+SAME_FN(nvrtcGetPTX);
+SAME_FN(nvrtcGetProgramLogSize);
+SAME_FN(nvrtcGetProgramLog);
+SAME_FN(nvrtcDestroyProgram);
+SAME_FN(nvrtcGetErrorString);
+SAME_FN(cuInit);
+SAME_FN(cuModuleLoadData);
+SAME_FN(cuModuleGetFunction);
+SAME_FN(cuLaunchKernel);
+SAME_FN(cuGetErrorString);

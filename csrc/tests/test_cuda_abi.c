@@ -1,4 +1,5 @@
-/* test_cuda_abi.c - csrc/cuda_abi.h against the real nccl.h and cuda_runtime_api.h.
+/* test_cuda_abi.c - csrc/cuda_abi.h against the real nccl.h and cuda_runtime_api.h (and cuda.h
+ * and nvrtc.h, for the float8 wire's kernel, where the installation has them).
  *
  * The backend is compiled against cuda_abi.h alone; this translation unit includes both it
  * and the real headers, and asserts at compile time that every value, struct layout and
@@ -145,6 +146,42 @@ SAME_TYPE(__typeof__(&ncclCommSplit), real_ncclCommSplit_fn);
 _Static_assert(!__builtin_types_compatible_p(__typeof__(&ncclCommSplit), hsdp_ncclCommSplit_fn),
                "the checks above test something");
 
+/* ---------------------------------------------------------------- CUDA driver and NVRTC
+ * (the float8 wire's kernel, cuda_dequant.c); checked where the installation has the headers */
+#if __has_include(<cuda.h>)
+#include <cuda.h>
+#define HAVE_CUDA_H 1
+SAME_TYPE(CUresult, hsdp_CUresult);
+SAME_TYPE(CUmodule, hsdp_CUmodule);
+SAME_TYPE(CUfunction, hsdp_CUfunction);
+SAME_TYPE(CUstream, hsdp_cudaStream_t);
+SAME(CUDA_SUCCESS, hsdp_CUDA_SUCCESS);
+SAME_FN(cuInit);
+SAME_FN(cuModuleLoadData);
+SAME_FN(cuModuleGetFunction);
+SAME_FN(cuLaunchKernel);
+SAME_FN(cuGetErrorString);
+#else
+#define HAVE_CUDA_H 0
+#endif
+#if __has_include(<nvrtc.h>)
+#include <nvrtc.h>
+#define HAVE_NVRTC_H 1
+SAME_TYPE(nvrtcResult, hsdp_nvrtcResult);
+SAME_TYPE(nvrtcProgram, hsdp_nvrtcProgram);
+SAME(NVRTC_SUCCESS, hsdp_NVRTC_SUCCESS);
+SAME_FN(nvrtcCreateProgram);
+SAME_FN(nvrtcCompileProgram);
+SAME_FN(nvrtcGetPTXSize);
+SAME_FN(nvrtcGetPTX);
+SAME_FN(nvrtcGetProgramLogSize);
+SAME_FN(nvrtcGetProgramLog);
+SAME_FN(nvrtcDestroyProgram);
+SAME_FN(nvrtcGetErrorString);
+#else
+#define HAVE_NVRTC_H 0
+#endif
+
 int main(void) {
     /* what NCCL_CONFIG_INITIALIZER gives the fields we declare, ours gives too */
     ncclConfig_t real = NCCL_CONFIG_INITIALIZER;
@@ -154,5 +191,8 @@ int main(void) {
              ours.splitShare == real.splitShare && ours.size == offsetof(ncclConfig_t, splitShare) + sizeof(int);
     printf("test_cuda_abi: cuda_abi.h matches nccl.h %d.%d.%d and cuda_runtime_api.h %d: %s\n", NCCL_MAJOR, NCCL_MINOR,
            NCCL_PATCH, CUDART_VERSION, ok ? "ok" : "the config initializers differ");
+    printf("test_cuda_abi: the CUDA driver and NVRTC declarations: %s, %s\n",
+           HAVE_CUDA_H ? "checked against cuda.h" : "SKIPPED (no cuda.h here)",
+           HAVE_NVRTC_H ? "checked against nvrtc.h" : "SKIPPED (no nvrtc.h here)");
     return ok ? 0 : 1;
 }

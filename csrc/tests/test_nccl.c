@@ -16,12 +16,16 @@
  *                                 "ranks N": a world of N forked ranks over the fake's shared
  *                                 memory (collectives across ranks, a sharded unit, and a
  *                                 rank that never arrives).
+ *   test_nccl --nvrtc LIBNVRTC LIBCUDA
+ *                                 the float8 wire's kernel compiled by the real NVRTC.
  * Both modes first check what holds before any loading: built, registered, unusable and
  * saying why, refusing the unique id and bad bootstraps, and naming what fails to load.
  * Neither needs a CUDA or NCCL header. */
 #define _POSIX_C_SOURCE 200809L /* setenv */
 #include <dlfcn.h>
+#include <math.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -33,6 +37,7 @@
 #include "backend_nccl.h"
 #include "check.h"
 #include "cuda_abi.h"
+#include "cuda_dequant.h"
 
 /* The fake's own entry points (the CUDA runtime's as the test's "framework" calls them, and
  * its controls), found in the library the backend loaded. */
@@ -50,6 +55,7 @@ static struct {
     void (*comm_control)(int, int, int);
     int (*wait_queries)(int);
     int (*pageable_uploads)(void);
+    int (*kernel_launches)(void);
 } F;
 
 static int find_fake(const char *path) {
@@ -70,6 +76,7 @@ static int find_fake(const char *path) {
     SYM(comm_control, "fake_comm_control");
     SYM(wait_queries, "fake_wait_queries");
     SYM(pageable_uploads, "fake_pageable_uploads");
+    SYM(kernel_launches, "fake_kernel_launches");
 #undef SYM
     return ok;
 }
@@ -91,6 +98,125 @@ static int empty_cache(void *arg) { /* what torch.cuda.empty_cache is to the bac
     (void)arg;
     cache_emptied++;
     return 1;
+}
+
+/* The float8 wire on NCCL (issue 22): a unit of bfloat16, float32 and float16 parameters (and
+ * an int32 one that travels as it is) gathers its encodings into device memory, and the
+ * kernel (the fake runs its source as C, on the side stream) decodes them into the same bytes
+ * as the host's decode of the same gather (hsdp_unit_gather: the MPI and single-process path),
+ * on every rank. A consumer stream that waits for the unsharded buffer waits for the kernel. */
+static void wire_unit(hsdp_group *g, const char *fake, int first_load) {
+    hsdp_stats stats;
+    hsdp_stats_init(&stats);
+    const hsdp_backend *b = hsdp_backend_find("nccl");
+    size_t numels[4] = {300, 5, 130, 70};
+    hsdp_dtype dts[4] = {HSDP_BF16, HSDP_I32, HSDP_F32, HSDP_F16};
+    const unsigned char quant[4] = {1, 0, 1, 1};
+    hsdp_unit u;
+    CHECK(hsdp_unit_init(&u, numels, dts, NULL, 4, g, &stats) == HSDP_OK);
+    snprintf(u.label, sizeof u.label, "blocks.fp8");
+    float x[300];
+    int32_t ints[5] = {-3, 7, 1 << 20, 0, 42};
+    uint32_t lcg = 12345;
+    for (int i = 0; i < 300; i++) {
+        lcg = lcg * 1664525u + 1013904223u;
+        x[i] = ((float)(lcg >> 8) / (float)(1u << 24) - 0.5f) * (i < 128 ? 1e-3f : i < 256 ? 3.0f : 1e-38f);
+    }
+    x[7] = 0.0f, x[8] = -0.0f;
+    CHECK(hsdp_unit_write(&u, 0, 0, 300, x, HSDP_F32) == HSDP_OK);
+    CHECK(hsdp_unit_write(&u, 1, 0, 5, ints, HSDP_I32) == HSDP_OK);
+    CHECK(hsdp_unit_write(&u, 2, 0, 130, x + 100, HSDP_F32) == HSDP_OK);
+    CHECK(hsdp_unit_write(&u, 3, 0, 70, x + 200, HSDP_F32) == HSDP_OK);
+    CHECK(hsdp_unit_set_wire(&u, HSDP_F8E4M3, quant) == HSDP_OK);
+    size_t total = u.layout.total_bytes, wbytes = hsdp_unit_wire_bytes(&u);
+    CHECK(wbytes > 0 && wbytes < total);
+    unsigned char *full = hsdp_device_alloc(&stats, b, HSDP_DEVICE_CUDA, total);
+    unsigned char *wire = hsdp_device_alloc(&stats, b, HSDP_DEVICE_CUDA, wbytes);
+    unsigned char *ref = malloc(total), *seen = hsdp_device_alloc(&stats, b, HSDP_DEVICE_CUDA, total);
+    CHECK(full && wire && ref && seen);
+    if (!full || !wire || !ref || !seen) return;
+    hsdp_gather_req req;
+    memset(&req, 0, sizeof req);
+    if (first_load) {
+        /* not loaded: refused before anything is enqueued, naming what is missing */
+        CHECK(hsdp_unit_gather_start_wire(&u, full, NULL, wire, &req) == HSDP_EUNSUPPORTED);
+        CHECK(strstr(hsdp_last_error(), "neither is loaded (hsdp_wire_cuda_load)") != NULL);
+        CHECK(hsdp_wire_cuda_load("/nonexistent/libnvrtc.so.12", fake) == HSDP_EUNSUPPORTED);
+        CHECK(strstr(hsdp_last_error(), "could not open NVRTC '/nonexistent/libnvrtc.so.12'") != NULL);
+        CHECK(hsdp_wire_cuda_load(fake, "libm.so.6") == HSDP_EUNSUPPORTED);
+        CHECK(strstr(hsdp_last_error(), "'libm.so.6' has no symbol cuInit") != NULL);
+        CHECK(!hsdp_wire_cuda_loaded());
+    }
+    CHECK(hsdp_wire_cuda_load(fake, fake) == HSDP_OK && hsdp_wire_cuda_loaded());
+    CHECK(strstr(hsdp_wire_cuda_ptx(), ".entry hsdp_wire_dequant") != NULL);
+    int launches = F.kernel_launches();
+    if (first_load) { /* a driver that refuses the PTX: said before the gather is enqueued */
+        setenv("FAKE_REFUSE_PTX", "1", 1);
+        CHECK(hsdp_unit_gather_start_wire(&u, full, NULL, wire, &req) == HSDP_ECOMM);
+        CHECK(strstr(hsdp_last_error(), "loading the float8 wire's kernel (cuModuleLoadData) failed: CUDA driver "
+                                        "error 222") != NULL);
+        CHECK(strcmp(hsdp_share_kind(g, u.share), "unset") == 0 && F.kernel_launches() == launches);
+        unsetenv("FAKE_REFUSE_PTX");
+    }
+    memset(full, 0xAB, total); /* stale bytes: each must be overwritten, padding included */
+    CHECK(hsdp_unit_gather_start_wire(&u, full, NULL, wire, &req) == HSDP_OK);
+    CHECK(hsdp_unit_gather_wait(&u, &req) == HSDP_OK);
+    device_sync();
+    CHECK(F.kernel_launches() > launches);
+    CHECK(strcmp(hsdp_share_kind(g, u.share), "device") == 0 && u.wire_encoded && u.shard == NULL);
+    /* the host path, on the same unit: the encodings gathered to host memory, decoded there */
+    CHECK(hsdp_unit_gather(&u, ref) == HSDP_OK);
+    CHECK(memcmp(full, ref, total) == 0);
+    /* and the decode is the weights', within float8's error (a zero stays a signed zero) */
+    float back[300];
+    CHECK(hsdp_cast(back, HSDP_F32, ref + u.layout.slots[0].offset, HSDP_BF16, 300) == HSDP_OK);
+    int close = 1;
+    for (int i = 0; i < 256; i++) close &= fabsf(back[i] - x[i]) <= fabsf(x[i]) / 8; /* the tail is near float32 underflow */
+    CHECK(close && back[7] == 0.0f && !signbit(back[7]) && signbit(back[8]));
+    CHECK(memcmp(ref + u.layout.slots[1].offset, ints, sizeof ints) == 0);
+
+    /* ordering: the side stream is busy, so neither the gather nor the kernel has run; a
+     * consumer that waits for the unsharded buffer waits for the kernel, never reads before */
+    hsdp_buffers_released(b, HSDP_DEVICE_CUDA);
+    hsdp_cudaStream_t comm = hsdp_nccl_comm_stream(), consumer = NULL;
+    CHECK(F.stream_create(&consumer, hsdp_cudaStreamNonBlocking, 0) == hsdp_cudaSuccess);
+    memset(full, 0xAB, total);
+    F.hold(comm, 1);
+    memset(&req, 0, sizeof req);
+    CHECK(hsdp_unit_gather_start_wire(&u, full, NULL, wire, &req) == HSDP_OK);
+    CHECK(hsdp_nccl_stream_wait(consumer, full + total - 8, 8) == HSDP_OK); /* its tail: the kernel's range */
+    CHECK(F.memcpy_async(seen, full, total, hsdp_cudaMemcpyDefault, consumer) == hsdp_cudaSuccess);
+    CHECK(F.settle(consumer) > 0);
+    F.hold(comm, 0);
+    CHECK(F.stream_sync(consumer) == hsdp_cudaSuccess);
+    CHECK(memcmp(seen, ref, total) == 0);
+    CHECK(hsdp_unit_gather_wait(&u, &req) == HSDP_OK);
+    CHECK(F.stream_destroy(consumer) == hsdp_cudaSuccess);
+
+    /* the synchronous form (Unit.unshard) goes through the same decode */
+    hsdp_buffers_released(b, HSDP_DEVICE_CUDA);
+    memset(full, 0xAB, total);
+    memset(&req, 0, sizeof req);
+    CHECK(hsdp_unit_gather_now_wire(&u, full, NULL, wire, &req) == HSDP_OK);
+    device_sync();
+    CHECK(memcmp(full, ref, total) == 0);
+    /* the shard, dropped from the host, reads back as its encoding */
+    unsigned char *enc = malloc(hsdp_unit_shard_bytes(&u));
+    CHECK(enc && hsdp_unit_shard_bytes(&u) == u.wire_chunk_bytes && hsdp_unit_read_shard(&u, enc) == HSDP_OK);
+    CHECK(enc && memcmp(enc, wire + (size_t)g->rank * u.wire_chunk_bytes, u.wire_chunk_bytes) == 0);
+    free(enc);
+    /* encodings on the device, unsharded buffer on the host: refused before anything runs */
+    memset(&req, 0, sizeof req);
+    CHECK(hsdp_unit_gather_start_wire(&u, ref, NULL, wire, &req) == HSDP_EUNSUPPORTED);
+    CHECK(strstr(hsdp_last_error(), "unsharded buffer must be device memory too") != NULL);
+    CHECK(F.get_last_error() == hsdp_cudaSuccess);
+    hsdp_buffers_released(b, HSDP_DEVICE_CUDA);
+    hsdp_device_free(&stats, b, HSDP_DEVICE_CUDA, full, total);
+    hsdp_device_free(&stats, b, HSDP_DEVICE_CUDA, wire, wbytes);
+    hsdp_device_free(&stats, b, HSDP_DEVICE_CUDA, seen, total);
+    free(ref);
+    hsdp_unit_free(&u);
+    CHECK(atomic_load(&stats.sharded_bytes) == 0); /* the dropped encoded chunk was counted as such */
 }
 
 enum { DEVICE = 1 }; /* the fake has two: device 0 must get no context from anything here */
@@ -285,6 +411,8 @@ static void fake_world(const char *fake, const char *ending) {
     free(hfull);
     hsdp_unit_free(&hu);
 
+    wire_unit(sub, fake, 1);
+
     /* a thread that never chose a device enters the backend */
     pthread_t t;
     void *thread_ok = NULL;
@@ -369,6 +497,7 @@ static void one_rank(const unsigned char *id, int rank, int n) {
         hsdp_device_free(&stats, b_nccl, HSDP_DEVICE_CUDA, full, u.layout.total_bytes);
     }
     hsdp_unit_free(&u);
+    wire_unit(world, getenv("TEST_NCCL_FAKE"), 0);
 
     /* rank 1 never arrives at a collective the others make: they end in an error naming it
      * within the timeout, and rank 1 ends cleanly */
@@ -391,6 +520,7 @@ static void one_rank(const unsigned char *id, int rank, int n) {
  * memory is inherited), rank 0 here. */
 static void several_ranks(const char *fake, int n) {
     CHECK(n >= 2 && n <= MAX_TEST_RANKS);
+    CHECK(setenv("TEST_NCCL_FAKE", fake, 1) == 0); /* for wire_unit in every rank */
     CHECK(hsdp_nccl_load(fake, fake) == HSDP_OK);
     CHECK(find_fake(fake));
     unsigned char id[HSDP_NCCL_ID_BYTES];
@@ -462,7 +592,21 @@ static void real_libraries(const char *nccl, const char *cudart) {
     }
 }
 
+/* The kernel's source through the real NVRTC (no GPU needed to compile): it compiles, to PTX
+ * whose entry point is the kernel, with the scale multiply neither fused nor flushing. */
+static int real_nvrtc(const char *nvrtc, const char *driver) {
+    hsdp_status st = hsdp_wire_cuda_load(nvrtc, driver);
+    if (st != HSDP_OK) fprintf(stderr, "test_nccl: %s\n", hsdp_last_error());
+    CHECK(st == HSDP_OK);
+    const char *ptx = hsdp_wire_cuda_ptx();
+    CHECK(ptx && strstr(ptx, ".entry hsdp_wire_dequant(") && strstr(ptx, "mul.rn.f32"));
+    CHECK(ptx && !strstr(ptx, "fma.") && !strstr(ptx, ".ftz"));
+    printf("test_nccl: NVRTC '%s' compiled the float8 wire's kernel (%zu bytes of PTX)\n", nvrtc, ptx ? strlen(ptx) : 0);
+    return check_report();
+}
+
 int main(int argc, char **argv) {
+    if (argc == 4 && strcmp(argv[1], "--nvrtc") == 0) return real_nvrtc(argv[2], argv[3]);
     if (argc < 3 || argc > 5 || !*argv[1] || !*argv[2]) {
         fprintf(stderr, "usage: %s LIBNCCL LIBCUDART | %s --fake FAKE_CUDA_NCCL [stall|race|ranks N]\n", argv[0],
                 argv[0]);

@@ -366,11 +366,9 @@ def prepare_hsdp_shard_context(model: Any, hsdp_config: Any, target_device: Any 
     world = _world_for(ad, target_device)
     ad.check_device(target_device)
     if hsdp_config.wire_dtype is not None and ad.buffer_device(target_device) != "host":
-        raise NotImplementedError(
-            f"wire_dtype={hsdp_config.wire_dtype!r} is built for host buffers (the MPI and single-process "
-            f"groups) only: its dequantization after each gather is a host loop, and target_device "
-            f"{target_device!r} puts the buffers on the GPU (NCCL). Use wire_dtype=None there"
-        )
+        from .nccl import load_wire_kernel
+
+        load_wire_kernel()  # on the GPU a kernel dequantizes (untested on a GPU); a missing NVRTC is named here
     replicate, shard = _resolve_sizes(hsdp_config, world)
 
     named = list(ad.named_parameters(model))

@@ -179,6 +179,44 @@ def unusable_reason() -> str | None:
     return None
 
 
+# ------------------------------------------------------------------- the float8 wire's kernel
+# On NCCL the float8 wire (HSDPInferenceConfig.wire_dtype) is dequantized on the GPU by a kernel
+# NVRTC compiles at first use and the CUDA driver launches (csrc/cuda_dequant.c). NVRTC ships
+# in the nvidia wheels CUDA builds of torch depend on; the driver comes with the NVIDIA driver.
+_NVRTC_WHEELS = ("nvidia/cu13/lib/libnvrtc.so.13", "nvidia/cuda_nvrtc/lib/libnvrtc.so.12", "nvidia/cu12/lib/libnvrtc.so.12")
+_NVRTC_ENV, _DRIVER_ENV = "HSDP_NVRTC_LIBRARY", "HSDP_CUDA_DRIVER_LIBRARY"
+
+
+def wire_kernel_paths() -> tuple[str, str]:
+    """(libnvrtc, libcuda): HSDP_NVRTC_LIBRARY, else the copy already mapped (torch's), else the
+    nvidia wheels'; HSDP_CUDA_DRIVER_LIBRARY, else the driver by its soname."""
+    nvrtc = os.environ.get(_NVRTC_ENV)
+    if not nvrtc:
+        try:
+            with open("/proc/self/maps") as maps:
+                nvrtc = next((p for line in maps if "/" in line
+                              for p in [line.rsplit(None, 1)[-1]] if Path(p).name.startswith("libnvrtc.so")), None)
+        except OSError:
+            nvrtc = None
+    if not nvrtc:
+        nvrtc = next((str(d / rel) for d in _site_dirs() for rel in _NVRTC_WHEELS if (d / rel).is_file()), None)
+    if not nvrtc:
+        raise NotImplementedError(
+            "wire_dtype='float8_e4m3fn' on NCCL dequantizes with a kernel compiled by NVRTC, and no libnvrtc was "
+            f"found (install the nvidia-cuda-nvrtc wheel that CUDA builds of torch bring, or set {_NVRTC_ENV}); "
+            "use wire_dtype=None on the GPU otherwise"
+        )
+    return nvrtc, os.environ.get(_DRIVER_ENV) or "libcuda.so.1"
+
+
+def load_wire_kernel() -> None:
+    """Opens NVRTC and the CUDA driver and compiles the float8 wire's kernel (once). A missing
+    library raises NotImplementedError naming it; bfloat16 gathers never need this."""
+    if _C.wire_cuda_loaded():
+        return
+    _C.wire_cuda_load(*wire_kernel_paths())
+
+
 # ---------------------------------------------------------------------------- the unique id
 def _check_id(uid: bytes, where: str) -> bytes:
     if len(uid) != ID_BYTES:
