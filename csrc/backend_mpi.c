@@ -11,6 +11,7 @@
 #include <stdlib.h>
 
 #include "mpi_internal.h"
+#include "watchdog.h"
 
 int hsdp_mpi_done(void) {
     int finalized = 0;
@@ -58,7 +59,7 @@ hsdp_status hsdp_mpi_raw_all_gather(hsdp_group *g, const void *send, void *recv,
     const void *s = send == (char *)recv + (size_t)g->rank * nbytes ? MPI_IN_PLACE : send;
     hsdp_mpi_watch_begin("MPI_Allgather", g, nbytes * (size_t)g->size);
     int rc = MPI_Allgather(s, count, type, recv, count, type, comm_of(g));
-    hsdp_mpi_watch_end();
+    hsdp_watch_end();
     if (owned) MPI_Type_free(&type);
     if (rc != MPI_SUCCESS) return hsdp_mpi_fail(rc, "MPI_Allgather");
     hsdp_mpi_collective_done(g);
@@ -75,7 +76,7 @@ hsdp_status hsdp_mpi_raw_broadcast(hsdp_group *g, void *buf, size_t nbytes, int 
     if (st != HSDP_OK) return st;
     hsdp_mpi_watch_begin("MPI_Bcast", g, nbytes);
     int rc = MPI_Bcast(buf, count, type, root, comm_of(g));
-    hsdp_mpi_watch_end();
+    hsdp_watch_end();
     if (owned) MPI_Type_free(&type);
     if (rc != MPI_SUCCESS) return hsdp_mpi_fail(rc, "MPI_Bcast");
     /* no collective_done: a broadcast's root may finish before the others arrive */
@@ -86,7 +87,7 @@ hsdp_status hsdp_mpi_raw_barrier(hsdp_group *g) {
     REQUIRE_LIVE();
     hsdp_mpi_watch_begin("MPI_Barrier", g, 0);
     int rc = MPI_Barrier(comm_of(g));
-    hsdp_mpi_watch_end();
+    hsdp_watch_end();
     if (rc != MPI_SUCCESS) return hsdp_mpi_fail(rc, "MPI_Barrier");
     hsdp_mpi_collective_done(g);
     return HSDP_OK;
@@ -100,7 +101,7 @@ hsdp_status hsdp_mpi_raw_all_to_all(hsdp_group *g, const void *send, void *recv,
     if (st != HSDP_OK) return st;
     hsdp_mpi_watch_begin("MPI_Alltoall", g, nbytes * (size_t)g->size);
     int rc = MPI_Alltoall(send, count, type, recv, count, type, comm_of(g));
-    hsdp_mpi_watch_end();
+    hsdp_watch_end();
     if (owned) MPI_Type_free(&type);
     if (rc != MPI_SUCCESS) return hsdp_mpi_fail(rc, "MPI_Alltoall");
     hsdp_mpi_collective_done(g);
@@ -126,7 +127,7 @@ hsdp_status hsdp_mpi_raw_sendrecv(hsdp_group *g, const void *send, size_t sbytes
     hsdp_mpi_watch_begin("MPI_Sendrecv", g, sbytes + rbytes);
     int rc = MPI_Sendrecv(send, scount, stype, dest, SENDRECV_TAG, recv, rcount, rtype, source, SENDRECV_TAG,
                           comm_of(g), &status);
-    hsdp_mpi_watch_end();
+    hsdp_watch_end();
     int got = rcount;
     if (rc == MPI_SUCCESS) MPI_Get_count(&status, rtype, &got);
     if (sowned) MPI_Type_free(&stype);
@@ -179,7 +180,7 @@ hsdp_status hsdp_mpi_raw_all_to_all_blocks(hsdp_group *g, const void *send, cons
     size_t span;
     hsdp_mpi_watch_begin("MPI_Alltoall", g, hsdp_blocks_bytes(s, g->size, &span) * (size_t)g->size);
     int rc = MPI_Alltoall(send, 1, st_, recv, 1, rt, comm_of(g));
-    hsdp_mpi_watch_end();
+    hsdp_watch_end();
     MPI_Type_free(&st_);
     MPI_Type_free(&rt);
     if (rc != MPI_SUCCESS) return hsdp_mpi_fail(rc, "MPI_Alltoall");
@@ -194,7 +195,7 @@ hsdp_status hsdp_mpi_raw_split(hsdp_group *g, int color, int key, hsdp_group **o
     MPI_Comm c;
     hsdp_mpi_watch_begin("MPI_Comm_split", g, 0);
     int rc = MPI_Comm_split(comm_of(g), color, key, &c);
-    hsdp_mpi_watch_end();
+    hsdp_watch_end();
     if (rc != MPI_SUCCESS) return hsdp_mpi_fail(rc, "MPI_Comm_split");
     return hsdp_mpi_wrap(c, out);
 }

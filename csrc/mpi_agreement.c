@@ -14,83 +14,27 @@
 #include <unistd.h>
 
 #include "mpi_internal.h"
-#include "peer_read.h"
+#include "watchdog.h"
+#include "agreement.h"
 
 /* ---------------------------------------------------------------- agreement */
-/* Every collective unit gather carries a ticket: the unit's name, its identity (which unit of
- * the group it is, counted as made: two models of one architecture have units of the same
- * names and sizes), the group's count of unit gathers so far and the bytes per rank. Ranks
- * that disagree (one unsharding blocks.0 while another unshards blocks.1, one the first
- * model's blocks.0 while another the second's, or a rank that skipped a gather after
- * catching an exception)
- * all see every ticket, so every one of them fails, naming what each asked for, and none
- * returns: no rank returns weights mixed from two units, and a size mismatch never surfaces
- * as a truncation. In a group of up to FUSED_RANKS ranks the tickets travel with the data:
- * each rank posts, to every peer, a ticket message and a data message at once, so the check
- * costs no extra round trip (an MPI_Allgather cannot carry them without copying every chunk).
- * Each receive has a matching send whatever the peers asked for, so a mismatch, even of
- * sizes, completes on every rank and is reported from the tickets. Larger groups exchange the
- * tickets in their own 64-byte all-gather first, then gather with MPI_Allgather, whose ring
- * and doubling algorithms scale where a rank posting to every peer may not. Direct gathers
- * need no check: each rank reads its peers' shards of its own unit. */
-enum { TICKET_LABEL = 32, FUSED_RANKS = 8, TAG_TICKET = 0x4854, TAG_CHUNK = 0x4855 };
-typedef struct {
-    uint64_t seq, nbytes, label_hash, ident;
-    char label[TICKET_LABEL];
-} ticket;
-_Static_assert(sizeof(ticket) == 64, "a ticket is 64 bytes");
-enum { TICKETS_ON_STACK = 16 };
-_Static_assert((int)FUSED_RANKS <= (int)TICKETS_ON_STACK, "a fused gather's tickets fit on the stack");
+/* MPI's tickets (agreement.h). In a group of up to FUSED_RANKS ranks the tickets travel with
+ * the data: each rank posts, to every peer, a ticket message and a data message at once, so
+ * the check costs no extra round trip (an MPI_Allgather cannot carry them without copying
+ * every chunk). Each receive has a matching send whatever the peers asked for, so a
+ * mismatch, even of sizes, completes on every rank and is reported from the tickets, never
+ * as a truncation. Larger groups exchange the tickets in their own 64-byte all-gather first
+ * (hsdp_agree), then gather with MPI_Allgather, whose ring and doubling algorithms scale where
+ * a rank posting to every peer may not. Direct gathers need no check: each rank reads its
+ * peers' shards of its own unit. */
+enum { FUSED_RANKS = 8, TAG_TICKET = 0x4854, TAG_CHUNK = 0x4855 };
 
-static ticket make_ticket(hsdp_group *g, const char *label, uint64_t ident, size_t nbytes) {
-    mpi_group *h = g->impl;
-    ticket mine;
-    memset(&mine, 0, sizeof mine);
-    mine.seq = ++h->unit_gathers;
-    mine.nbytes = nbytes;
-    mine.ident = ident;
-    label = label ? label : "";
-    mine.label_hash = hsdp_fnv1a(1469598103934665603ull, label, strlen(label)); /* names longer than the copy */
-    snprintf(mine.label, sizeof mine.label, "%s", label);
-    return mine;
-}
-
-/* HSDP_OK when every ticket equals rank 0's; else the error naming what each rank asked for. */
-static hsdp_status check_tickets(const hsdp_group *g, const ticket *all) {
-    int differ = 0;
-    for (int j = 1; j < g->size; j++) differ |= memcmp(&all[j], &all[0], sizeof *all) != 0;
-    if (!differ) return HSDP_OK;
-    char msg[900];
-    size_t used = (size_t)snprintf(msg, sizeof msg, "the %d ranks of a group do not gather the same unit, so none of "
-                                   "them gathers:", g->size);
-    for (int j = 0, shown = 0; j < g->size && used < sizeof msg; j++) {
-        /* every rank that differs from rank 0, and rank 0, at most 6 in all */
-        if (j && !memcmp(&all[j], &all[0], sizeof *all)) continue;
-        if (shown++ == 6) {
-            used += (size_t)snprintf(msg + used, sizeof msg - used, " ...");
-            break;
-        }
-        used += (size_t)snprintf(msg + used, sizeof msg - used, "%s rank %d asks for unit '%.*s' (the group's unit "
-                                 "#%llu as made, %llu bytes per rank, its gather #%llu on this group)", j ? ";" : "",
-                                 j, TICKET_LABEL - 1, all[j].label, (unsigned long long)all[j].ident,
-                                 (unsigned long long)all[j].nbytes, (unsigned long long)all[j].seq);
-    }
-    return hsdp_fail(HSDP_ECOMM, "%s", msg);
-}
-
-/* The tickets in their own all-gather, before the data (groups of more than FUSED_RANKS). */
-static hsdp_status agree(hsdp_group *g, const char *label, uint64_t ident, size_t nbytes) {
-    ticket mine = make_ticket(g, label, ident, nbytes);
-    ticket stack[TICKETS_ON_STACK];
-    ticket *all = g->size <= TICKETS_ON_STACK ? stack : malloc(sizeof *all * (size_t)g->size); /* freed below */
-    if (!all) return hsdp_fail(HSDP_ENOMEM, "could not allocate the agreement of %d ranks", g->size);
-    hsdp_mpi_watch_begin("MPI_Allgather (agreeing on the unit to gather)", g, sizeof mine * (size_t)g->size);
-    int rc = MPI_Allgather(&mine, (int)sizeof mine, MPI_BYTE, all, (int)sizeof mine, MPI_BYTE, comm_of(g));
-    hsdp_mpi_watch_end();
-    hsdp_status st = rc == MPI_SUCCESS ? check_tickets(g, all)
-                                       : hsdp_mpi_fail(rc, "MPI_Allgather (agreeing on the unit to gather)");
-    if (all != stack) free(all);
-    return st;
+/* The tickets' own all-gather (groups of more than FUSED_RANKS, or HSDP_AGREE_SEPARATE). */
+static hsdp_status ticket_all_gather(hsdp_group *g, const void *send, void *recv, size_t nbytes) {
+    hsdp_mpi_watch_begin("MPI_Allgather (agreeing on the unit to gather)", g, nbytes * (size_t)g->size);
+    int rc = MPI_Allgather(send, (int)nbytes, MPI_BYTE, recv, (int)nbytes, MPI_BYTE, comm_of(g));
+    hsdp_watch_end();
+    return rc == MPI_SUCCESS ? HSDP_OK : hsdp_mpi_fail(rc, "MPI_Allgather (agreeing on the unit to gather)");
 }
 
 static int error_class(int rc) {
@@ -104,8 +48,8 @@ static hsdp_status agreed_gather(hsdp_group *g, const char *label, uint64_t iden
     REQUIRE_LIVE();
     int count, owned, n = g->size, me = g->rank;
     MPI_Datatype type;
-    ticket all[FUSED_RANKS];
-    all[me] = make_ticket(g, label, ident, nbytes);
+    hsdp_ticket all[FUSED_RANKS];
+    all[me] = hsdp_ticket_make(g, label, ident, nbytes);
     /* A size MPI cannot carry still takes part, with no data: were it a mismatch, the peers
      * must still see this rank's ticket, not wait for it until the watchdog fires. */
     char size_error[256] = "";
@@ -147,12 +91,12 @@ static hsdp_status agreed_gather(hsdp_group *g, const char *label, uint64_t iden
         if (failed == MPI_SUCCESS) failed = e;
         if (k < 2 * (n - 1) && k % 2 == 0) tickets_ok = 0; /* a ticket's receive */
     }
-    hsdp_mpi_watch_end();
+    hsdp_watch_end();
     if (owned) MPI_Type_free(&type);
     /* A ticket cannot truncate (every one is 64 bytes), so after any other error the tickets
      * still say whether the ranks asked for different units, which is the error to report. */
     if (tickets_ok) {
-        hsdp_status st = check_tickets(g, all);
+        hsdp_status st = hsdp_tickets_check(g, all);
         if (st != HSDP_OK) return st;
     }
     if (size_error[0]) return hsdp_fail(HSDP_EINVAL, "%s", size_error);
@@ -170,13 +114,13 @@ hsdp_status hsdp_mpi_fixed_gather(hsdp_group *g, void **share, const void *send,
     if (*share && *share != hsdp_share_collective()) return hsdp_mpi_direct_gather(g, *share, send, recv, nbytes);
     hsdp_status st = HSDP_OK;
     int mode = g->size > 1 ? hsdp_agreement_check() : HSDP_AGREE_OFF;
-    hsdp_mpi_watch_label(label, !*share); /* a stalled peer is first seen here: name the unit */
+    hsdp_watch_label(label, !*share); /* a stalled peer is first seen here: name the unit */
     if (mode == HSDP_AGREE_ON && g->size <= FUSED_RANKS) {
         st = agreed_gather(g, label, ident, send, recv, nbytes);
     } else {
         if (mode != HSDP_AGREE_OFF) {
-            st = agree(g, label, ident, nbytes);
-            hsdp_mpi_watch_label(label, !*share);
+            st = hsdp_agree(g, label, ident, nbytes, ticket_all_gather);
+            hsdp_watch_label(label, !*share);
         }
         if (st == HSDP_OK) st = hsdp_mpi_raw_all_gather(g, send, recv, nbytes);
     }

@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include "mpi_internal.h"
+#include "watchdog.h"
 #include "peer_read.h"
 
 /* ---------------------------------------------------------------- fixed chunks, read directly */
@@ -79,7 +80,7 @@ hsdp_status hsdp_mpi_direct_setup(hsdp_group *g, void **share, const void *send,
     uint64_t all[DIRECT_MAX_RANKS][REC_WORDS];
     hsdp_mpi_watch_begin("MPI_Allgather (exchanging shard addresses)", g, sizeof mine * (size_t)n);
     int rc = MPI_Allgather(mine, REC_WORDS, MPI_UINT64_T, all, REC_WORDS, MPI_UINT64_T, comm_of(g));
-    hsdp_mpi_watch_end();
+    hsdp_watch_end();
     if (rc != MPI_SUCCESS) {
         free(d);
         return hsdp_mpi_fail(rc, "MPI_Allgather (exchanging shard addresses)");
@@ -98,7 +99,7 @@ hsdp_status hsdp_mpi_direct_setup(hsdp_group *g, void **share, const void *send,
     int agreed = 0;
     hsdp_mpi_watch_begin("MPI_Allreduce (agreeing on direct gathers)", g, sizeof ok);
     rc = MPI_Allreduce(&ok, &agreed, 1, MPI_INT, MPI_MIN, comm_of(g));
-    hsdp_mpi_watch_end();
+    hsdp_watch_end();
     if (rc != MPI_SUCCESS) {
         free(d);
         return hsdp_mpi_fail(rc, "MPI_Allreduce (agreeing on direct gathers)");

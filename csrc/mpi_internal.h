@@ -1,6 +1,6 @@
 /* mpi_internal.h - what the files of the MPI backend share (backend_mpi.c: the table and
  * the collectives; mpi_worker.c: the calls on the worker thread and the asynchronous slots;
- * mpi_watchdog.c: the timeout and naming who is missing; mpi_direct.c: direct reads of
+ * mpi_watchdog.c: its use of watchdog.h, the timeout that names who is missing; mpi_direct.c: direct reads of
  * fixed chunks and their deferred frees; mpi_agreement.c: the tickets beside a unit's data;
  * mpi_world.c: world start and finalize). Only compiled with HSDP_HAVE_MPI. */
 #ifndef HSDP_MPI_INTERNAL_H
@@ -30,7 +30,6 @@ hsdp_status hsdp_mpi_fail(int rc, const char *what);
 typedef struct {
     MPI_Comm comm;
     uint64_t id;
-    uint64_t unit_gathers; /* collective unit gathers issued on this group (the worker's) */
     int *world_ranks;      /* owned: the world rank of each rank of the group (for messages) */
 } mpi_group;
 
@@ -58,16 +57,10 @@ hsdp_status hsdp_mpi_world(hsdp_group **out, int *we_init);
 hsdp_status hsdp_mpi_finalize(void);
 
 /* ---------------------------------------------------------------- mpi_watchdog.c */
-/* What the next collective is for (a unit's gather, finalising), named if it times out. */
-void hsdp_mpi_watch_next(const char *what);
-void hsdp_mpi_watch_label(const char *label, int first);
-/* Brackets a collective: ranks, the world rank of each of the size ranks taking part (NULL:
- * none can be named), must outlive the watchdog's use of it. */
-void hsdp_mpi_watch_begin_ranks(const char *op, const int *ranks, int size, size_t nbytes);
+/* The MPI side of watchdog.h: a collective over g is watched as hsdp_watch_begin over its
+ * world ranks; the thread's expiry is MPI_Abort. */
 void hsdp_mpi_watch_begin(const char *op, const hsdp_group *g, size_t nbytes);
-void hsdp_mpi_watch_end(void);
 void hsdp_mpi_watch_start_thread(void);
-void hsdp_mpi_watch_stop_thread(void);
 /* Collective over the world at its start: where each peer publishes what it waits in. */
 void hsdp_mpi_learn_world_peers(void);
 

@@ -1,210 +1,46 @@
-/* mpi_watchdog.c - the MPI backend's watchdog: every collective is bounded by HSDP_TIMEOUT,
- * and a timeout names the ranks that did not arrive (mpi_internal.h). */
+/* mpi_watchdog.c - the MPI backend's use of the watchdog (watchdog.h): every collective is
+ * bracketed by hsdp_mpi_watch_begin / hsdp_watch_end (MPI calls are serialised, so one slot
+ * suffices), and the thread started with the world ends the whole job (MPI_Abort) when one
+ * outlives HSDP_TIMEOUT, naming what waited and who is missing. Direct gathers need no peer
+ * and are not watched. */
 #if defined(HSDP_HAVE_MPI)
-#define _GNU_SOURCE
-#include <errno.h>
-#include <limits.h>
-#include <pthread.h>
-#include <stdatomic.h>
-#include <stddef.h>
-#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
-#include <string.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "mpi_internal.h"
-#include "peer_read.h"
-#include "peer_status.h"
-
-/* ---------------------------------------------------------------- the watchdog (HSDP_TIMEOUT) */
-/* A collective waits for every rank of its group; a peer that stalls, hangs or is a step
- * behind would make it wait forever. Every collective below is bracketed by watch_begin /
- * watch_end (MPI calls are serialised, so one slot suffices), and a thread started with the
- * world ends the whole job (MPI_Abort) when one outlives the timeout, saying what waited.
- * Direct gathers need no peer and are not watched. */
-static pthread_mutex_t watch_mu = PTHREAD_MUTEX_INITIALIZER;
-static char watch_what[320];        /* under watch_mu: the collective in progress */
-static char watch_next[96];         /* under watch_mu: what the next collective is for */
-static _Atomic uint64_t watch_start; /* ns; 0 while no collective runs */
-static int watch_rank = -1;          /* this process's world rank, for the message */
-static pthread_t watch_thread;
-static atomic_int watch_running, watch_stop;
-/* What this rank waits in, published for its peers' watchdogs to read (same host). */
-static struct {
-    _Atomic uint64_t active;
-    char what[320];
-} watch_pub;
-static const int *watch_group;  /* under watch_mu: world ranks of the collective's group */
-static int watch_group_size;
-static void who_is_missing(char *out, size_t n, const char *what); /* below, with the direct reads */
-
-void hsdp_mpi_watch_next(const char *what) {
-    pthread_mutex_lock(&watch_mu);
-    snprintf(watch_next, sizeof watch_next, "%s", what);
-    pthread_mutex_unlock(&watch_mu);
-}
-
-void hsdp_mpi_watch_label(const char *label, int first) {
-    pthread_mutex_lock(&watch_mu);
-    snprintf(watch_next, sizeof watch_next, "%s unit '%s'", first ? "the first gather of" : "gathering",
-             label ? label : "");
-    pthread_mutex_unlock(&watch_mu);
-}
-
-/* ranks: the world rank of each of the size ranks taking part (NULL: none can be named);
- * it must outlive the watchdog's use of it (a group's, or finalize's until the thread stops). */
-void hsdp_mpi_watch_begin_ranks(const char *op, const int *ranks, int size, size_t nbytes) {
-    pthread_mutex_lock(&watch_mu);
-    int n = snprintf(watch_what, sizeof watch_what, "%s of %zu bytes over a group of %d ranks", op, nbytes, size);
-    if (watch_next[0] && n > 0 && (size_t)n < sizeof watch_what)
-        snprintf(watch_what + n, sizeof watch_what - (size_t)n, " (%s)", watch_next);
-    watch_next[0] = '\0';
-    watch_group = ranks;
-    watch_group_size = size;
-    /* published: inactive while being rewritten, so a peer never reads a torn description */
-    atomic_store(&watch_pub.active, 0);
-    memcpy(watch_pub.what, watch_what, sizeof watch_pub.what);
-    atomic_store(&watch_pub.active, 1);
-    pthread_mutex_unlock(&watch_mu);
-    atomic_store(&watch_start, hsdp_now_ns());
-}
+#include "watchdog.h"
 
 void hsdp_mpi_watch_begin(const char *op, const hsdp_group *g, size_t nbytes) {
-    hsdp_mpi_watch_begin_ranks(op, ((const mpi_group *)g->impl)->world_ranks, g->size, nbytes);
+    hsdp_watch_begin(op, ((const mpi_group *)g->impl)->world_ranks, g->size, nbytes);
 }
 
-void hsdp_mpi_watch_end(void) {
-    atomic_store(&watch_start, 0);
-    atomic_store(&watch_pub.active, 0);
-}
-
-static void *watchdog(void *arg) {
-    (void)arg;
-    while (!atomic_load(&watch_stop)) {
-        struct timespec tick = {0, 100 * 1000 * 1000};
-        nanosleep(&tick, NULL);
-        uint64_t t0 = atomic_load(&watch_start), limit = hsdp_timeout_ns();
-        if (!t0 || !limit || hsdp_now_ns() - t0 <= limit) continue;
-        char what[sizeof watch_what];
-        pthread_mutex_lock(&watch_mu);
-        memcpy(what, watch_what, sizeof what);
-        pthread_mutex_unlock(&watch_mu);
-        if (atomic_load(&watch_start) != t0) continue; /* it completed meanwhile */
-        char missing[640];
-        who_is_missing(missing, sizeof missing, what);
-        fprintf(stderr,
-                "hsdp: rank %d: %s has waited more than %.3g s (HSDP_TIMEOUT): some rank of the group has not "
-                "reached it (stalled, hung, or at a different step)%s; ending the job\n",
-                watch_rank, what, (double)limit / 1e9, missing);
-        fflush(stderr);
-        MPI_Abort(MPI_COMM_WORLD, 124); /* the launcher ends every rank */
-        _exit(124);
-    }
-    return NULL;
+static void expire(void) {
+    MPI_Abort(MPI_COMM_WORLD, 124); /* the launcher ends every rank */
 }
 
 void hsdp_mpi_watch_start_thread(void) {
-    if (atomic_load(&watch_running)) return;
-    MPI_Comm_rank(MPI_COMM_WORLD, &watch_rank);
-    atomic_store(&watch_stop, 0);
-    if (pthread_create(&watch_thread, NULL, watchdog, NULL) == 0) atomic_store(&watch_running, 1);
+    int rank = -1;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    hsdp_watch_start_thread(rank, expire);
 }
 
-void hsdp_mpi_watch_stop_thread(void) {
-    if (!atomic_load(&watch_running)) return;
-    atomic_store(&watch_stop, 1);
-    pthread_join(watch_thread, NULL);
-    atomic_store(&watch_running, 0);
-}
-
-/* ---------------------------------------------------------------- naming who did not arrive */
-/* At world start every rank learns where each world peer publishes what it waits in: its
- * watch_pub, read by pid on the same host, and its status card (peer_status.h), asked over
- * TCP from other hosts. When a collective times out, the watchdog learns that of every peer
- * of the group: a peer not waiting in the same collective did not arrive, and what it waits
- * in instead (if anything) is named. Peers that neither can be read nor answer are listed
- * as unknown. Best effort: it runs just before the job ends. */
-static struct {
-    uint64_t pid, addr, host, pidns;
-    hsdp_status_card card;
-} *world_peers; /* owned: one per world rank; set once */
-static int world_n;
-enum { PEER_WORDS = 4 + sizeof(hsdp_status_card) / sizeof(uint64_t) };
-_Static_assert(sizeof world_peers[0] == PEER_WORDS * sizeof(uint64_t), "a peer record is plain words");
-
-/* What this rank waits in, for a peer's watchdog asking over TCP (on the answering thread). */
-static int describe_wait(char *what, size_t n) {
-    pthread_mutex_lock(&watch_mu);
-    int active = (int)atomic_load(&watch_pub.active);
-    snprintf(what, n, "%s", active ? watch_pub.what : "");
-    pthread_mutex_unlock(&watch_mu);
-    return active;
-}
-
+/* Collective over the world, like the dup of MPI_COMM_WORLD it runs beside. */
 void hsdp_mpi_learn_world_peers(void) {
-    int n = 0;
-    if (world_peers || MPI_Comm_size(MPI_COMM_WORLD, &n) != MPI_SUCCESS || n < 2) return;
-    __typeof__(world_peers[0]) mine = {(uint64_t)getpid(), (uintptr_t)&watch_pub, hsdp_host_id(), hsdp_pidns_id(), {0, 0, {0}}};
-    hsdp_status_serve(describe_wait, &mine.card);
-    void *all = malloc(sizeof mine * (size_t)n); /* owned by world_peers */
+    int n = 0, me = 0;
+    if (hsdp_peers_known() || MPI_Comm_size(MPI_COMM_WORLD, &n) != MPI_SUCCESS || n < 2) return;
+    MPI_Comm_rank(MPI_COMM_WORLD, &me);
+    uint64_t mine[HSDP_PEER_WORDS];
+    hsdp_peers_mine(mine);
+    uint64_t *all = malloc(sizeof mine * (size_t)n); /* freed below (hsdp_peers_learn copies) */
     if (!all) { /* the others are in the all-gather below: leaving would hang them */
-        fprintf(stderr, "hsdp: rank %d: out of memory for the %d ranks' watchdog records; ending the job\n",
-                watch_rank, n);
+        fprintf(stderr, "hsdp: rank %d: out of memory for the %d ranks' watchdog records; ending the job\n", me, n);
         MPI_Abort(MPI_COMM_WORLD, 1);
+        _exit(1);
     }
-    if (MPI_Allgather(&mine, PEER_WORDS, MPI_UINT64_T, all, PEER_WORDS, MPI_UINT64_T, MPI_COMM_WORLD) != MPI_SUCCESS) {
-        free(all);
-        return;
-    }
-    world_peers = all;
-    world_n = n;
-}
-
-static void who_is_missing(char *out, size_t n, const char *what) {
-    out[0] = '\0';
-    pthread_mutex_lock(&watch_mu);
-    const int *ranks = watch_group;
-    int size = watch_group_size;
-    pthread_mutex_unlock(&watch_mu);
-    if (!ranks || !world_peers) return;
-    uint64_t host = hsdp_host_id(), pidns = hsdp_pidns_id();
-    size_t used = (size_t)snprintf(out, n, "; not in it:");
-    int absent = 0, unknown = 0, asked = 0;
-    enum { ASK_MAX = 16, ASK_MS = 1000 }; /* peers asked over TCP, and how long each may take */
-    uint64_t ask_until = hsdp_now_ns() + 4000000000ull; /* the job ends soon after: 4 s for all */
-    char unknowns[128] = "";
-    size_t uused = 0;
-    for (int i = 0; i < size && used < n; i++) {
-        int r = ranks[i];
-        if (r == watch_rank || r < 0 || r >= world_n) continue;
-        __typeof__(world_peers[0]) *p = &world_peers[r];
-        uint64_t active = 0;
-        char theirs[sizeof watch_pub.what] = "";
-        int readable = p->host == host && p->pidns == pidns &&
-                       hsdp_peer_read((pid_t)p->pid, &active, p->addr, sizeof active) == 0 &&
-                       hsdp_peer_read((pid_t)p->pid, theirs, p->addr + offsetof(__typeof__(watch_pub), what),
-                                 sizeof theirs - 1) == 0;
-        if (!readable && asked < ASK_MAX && hsdp_now_ns() < ask_until) { /* another host: ask it */
-            int on = 0;
-            asked++;
-            readable = hsdp_status_ask(&p->card, ASK_MS, &on, theirs, sizeof theirs);
-            active = (uint64_t)on;
-        }
-        if (!readable) {
-            if (uused < sizeof unknowns)
-                uused += (size_t)snprintf(unknowns + uused, sizeof unknowns - uused, "%s%d", unknown ? ", " : "", r);
-            unknown++;
-            continue;
-        }
-        theirs[sizeof theirs - 1] = '\0';
-        if (active && strcmp(theirs, what) == 0) continue; /* waiting in the same collective: it arrived */
-        used += (size_t)snprintf(out + used, n - used, "%s rank %d (%s%.200s)", absent ? "," : "", r,
-                                 active ? "waiting in " : "in no collective", active ? theirs : "");
-        absent++;
-    }
-    if (!absent && used < n) used += (size_t)snprintf(out + used, n - used, " none of the ranks read or asked");
-    if (unknown && used < n) snprintf(out + used, n - used, "; unknown (did not answer, or not asked): %s", unknowns);
+    if (MPI_Allgather(mine, HSDP_PEER_WORDS, MPI_UINT64_T, all, HSDP_PEER_WORDS, MPI_UINT64_T, MPI_COMM_WORLD) ==
+        MPI_SUCCESS)
+        (void)hsdp_peers_learn(all, n, me); /* without memory: timeouts name no one */
+    free(all);
 }
 #endif

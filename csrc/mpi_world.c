@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include "mpi_internal.h"
+#include "watchdog.h"
 #include "peer_status.h"
 
 
@@ -118,11 +119,11 @@ static hsdp_status finalize_barrier(void) {
     int *ranks = malloc(sizeof *ranks * (size_t)n); /* freed below, after the watchdog stops */
     if (ranks)
         for (int i = 0; i < n; i++) ranks[i] = i;
-    hsdp_mpi_watch_next("finalising: every rank ends MPI together");
-    hsdp_mpi_watch_begin_ranks("MPI_Barrier", ranks, n, 0);
+    hsdp_watch_next("finalising: every rank ends MPI together");
+    hsdp_watch_begin("MPI_Barrier", ranks, n, 0);
     int rc = MPI_Barrier(MPI_COMM_WORLD);
-    hsdp_mpi_watch_end();
-    hsdp_mpi_watch_stop_thread(); /* no longer reads ranks */
+    hsdp_watch_end();
+    hsdp_watch_stop_thread(); /* no longer reads ranks */
     free(ranks);
     return rc == MPI_SUCCESS ? HSDP_OK : hsdp_mpi_fail(rc, "MPI_Barrier (finalising)");
 }
@@ -135,7 +136,7 @@ hsdp_status hsdp_mpi_finalize(void) {
      * idle for good first. */
     hsdp_exec_stop(hsdp_mpi_worker);
     hsdp_status met = finalize_barrier(); /* peers' status asks are still answered meanwhile */
-    hsdp_mpi_watch_stop_thread();
+    hsdp_watch_stop_thread();
     hsdp_status_stop();
     int rc = MPI_Finalize();
     hsdp_mpi_flush_graves(0, 1); /* MPI_Finalize is collective: no peer reads any more */
