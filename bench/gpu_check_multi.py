@@ -34,8 +34,8 @@ combined over the ranks: PASS, FAIL, ERROR (a rank raised, or gave no result), o
 5. ``desync_same_size`` and 6. ``desync_sizes``: even ranks unshard one unit, odd ranks
    another (of the same size; of different sizes). Goal: every rank raises RuntimeError in
    that gather, within ``HSDP_TIMEOUT`` (set to 15 s for them), and none returns weights.
-   Today the NCCL backend's gathers carry no agreement tickets (docs/reliability.md, "Not
-   covered"), so these are expected to FAIL until they do.
+   Every unit gather on NCCL carries its agreement ticket in the same NCCL group as its data
+   (docs/design.md, "[Note: agreement]"), so the ranks fail together at the wait.
 
 Exit status: 0 when no step failed or raised, 1 otherwise, 2 without enough GPUs (and
 without ``--dry-run``). Per-rank results go to $OUT/gpu_check_multi/ when OUT is set
@@ -353,8 +353,8 @@ def _desync(env: Env, same_size: bool) -> dict:
     except RuntimeError as exc:
         res["next_barrier"] = f"raised: {exc}"[:400]
     return {**res, "verdict": "FAIL",
-            "why": "a rank returned from a gather its peers did not make, with no error: the NCCL backend's gathers "
-                   "carry no agreement tickets yet (docs/reliability.md, 'Not covered')"}
+            "why": "a rank returned from a gather its peers did not make, with no error: the agreement ticket "
+                   "that rides with every NCCL unit gather did not catch it (docs/design.md, '[Note: agreement]')"}
 
 
 def step_desync_same_size(env: Env) -> dict:

@@ -1,6 +1,6 @@
 /* backend.h - the collective backend table. Each backend is an existing engine (MPI, NCCL) or
  * the dependency-free world of one; every collective goes through one of them (the only
- * socket hsdp's own code opens is the MPI backend's watchdog status port, peer_status.h).
+ * socket hsdp's own code opens is the watchdog's status port, peer_status.h).
  * A backend is one const table of functions, registered in backend.c and found by name.
  * A group is a set of ranks with a backend-specific handle; every collective takes one.
  *
@@ -94,7 +94,8 @@ struct hsdp_backend {
     hsdp_status (*gather_fixed)(hsdp_group *g, void **share, const void *send, void *recv, size_t nbytes,
                                 const char *label);
     /* gather_fixed, told the unit's identity (hsdp_unit.ident, the same on every rank for
-     * one unit) as well: for a backend that checks that the ranks gather the same unit.
+     * one unit) as well: for a backend that checks that the ranks gather the same unit
+     * (agreement.h: MPI, NCCL).
      * Preferred to gather_fixed when set. */
     hsdp_status (*gather_unit)(hsdp_group *g, void **share, const void *send, void *recv, size_t nbytes,
                                const char *label, uint64_t ident);
@@ -128,6 +129,9 @@ struct hsdp_group {
      * identity across ranks: two models of one architecture have units alike in name and
      * size, and this tells them apart. Zero in a new group. */
     uint64_t units_made;
+    /* Collective unit gathers issued on this group so far: the sequence number of the next
+     * one's ticket (agreement.h; the backend's issuing thread). Zero in a new group. */
+    uint64_t unit_gathers;
 };
 
 /* ---------------------------------------------------------------- the registry (backend.c) */
@@ -192,15 +196,15 @@ void hsdp_buffers_released(const hsdp_backend *b, hsdp_device device);
 void *hsdp_device_alloc(hsdp_stats *st, const hsdp_backend *b, hsdp_device device, size_t nbytes);
 void hsdp_device_free(hsdp_stats *st, const hsdp_backend *b, hsdp_device device, void *p, size_t nbytes);
 
-/* How long a collective may wait for its peers before the job is ended (backends with a
- * watchdog: MPI). From HSDP_TIMEOUT (seconds; 0: no limit) on first use, else the default. */
+/* How long a collective may wait for its peers before the job is ended (MPI) or the
+ * communicators aborted (NCCL); the timeout names who did not arrive (watchdog.h). From HSDP_TIMEOUT (seconds; 0: no limit) on first use, else the default. */
 enum { HSDP_DEFAULT_TIMEOUT_S = 600 };
 uint64_t hsdp_timeout_ns(void);
 hsdp_status hsdp_set_timeout(double seconds);
 
 /* Whether unit gathers that are collectives check that every rank gathers the same unit
- * (backend_mpi.c). HSDP_AGREE_ON, the default, carries the check with the gather where the
- * group is small; HSDP_AGREE_SEPARATE always spends its own round trip first (tests of that
+ * (agreement.h; MPI and NCCL). HSDP_AGREE_ON, the default, carries the check with the gather
+ * (MPI: where the group is small); HSDP_AGREE_SEPARATE always spends its own round trip first (tests of that
  * path); HSDP_AGREE_OFF only measures what the check costs. Every rank of a group must have
  * the same mode, or their messages no longer pair up. */
 enum { HSDP_AGREE_OFF = 0, HSDP_AGREE_ON = 1, HSDP_AGREE_SEPARATE = 2 };

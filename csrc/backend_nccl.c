@@ -24,7 +24,10 @@
  * Failures. Every call is checked. A watchdog thread retires finished collectives, polls
  * every communicator's asynchronous error, and aborts all communicators when one fails or
  * a collective outlives HSDP_TIMEOUT; from then on every call fails with what happened,
- * naming the collective (and its unit). */
+ * naming the collective (and its unit) and the ranks that were not in it (watchdog.h).
+ *
+ * Agreement. Every unit gather carries its ticket in the same NCCL group as its data, and
+ * its wait compares them ("agreement" below, agreement.h). */
 #define _POSIX_C_SOURCE 200809L
 #include <dlfcn.h>
 #include <pthread.h>
@@ -35,9 +38,11 @@
 #include <string.h>
 #include <time.h>
 
+#include "agreement.h"
 #include "backend.h"
 #include "backend_nccl.h"
 #include "cuda_dequant.h"
+#include "watchdog.h"
 
 #ifdef HSDP_NO_NCCL
 /* ---------------------------------------------------------------- built with HSDP_NO_NCCL=1 */
@@ -193,6 +198,8 @@ fail:
 typedef struct nccl_comm {
     hsdp_ncclComm_t comm;
     int aborted;
+    int size;
+    int *world_ranks;       /* owned: the world rank of each rank of the group (to name who is missing) */
     struct nccl_comm *next; /* the live list, under S.mu */
 } nccl_comm;
 
@@ -208,6 +215,7 @@ typedef struct {
     uint64_t t0;
     const char *dst; /* the device memory it writes (NULL: none a consumer sees) */
     size_t dst_n;
+    const nccl_comm *comm; /* whose collective, to name who is missing (NULL: not known) */
     char what[160];
 } flight;
 
@@ -238,6 +246,7 @@ static struct {
         int rank, size, device, set;
     } boot;
 } S = {.mu = PTHREAD_MUTEX_INITIALIZER, .issue = PTHREAD_MUTEX_INITIALIZER, .calls = PTHREAD_MUTEX_INITIALIZER};
+static nccl_comm *issuing; /* S.issue held: the communicator of the collectives being tracked */
 
 /* The device guard: every thread that enters the backend runs on its device. A thread's
  * first CUDA call without cudaSetDevice makes a context on device 0 (about 0.5 GiB): the
@@ -311,12 +320,13 @@ static hsdp_status failed_status_if_failed(void) { return atomic_load(&S.failed)
  * collective, and the abort is what releases that thread. The watchdog aborts (watch_once),
  * and so does an issuing thread on its way out (issue_unlock), whichever comes first. S.mu held. */
 __attribute__((format(printf, 1, 2))) static void abort_all_locked(const char *fmt, ...) {
-    int expected = 0;
-    if (!atomic_compare_exchange_strong(&S.failed, &expected, 1)) return;
+    /* every writer holds S.mu; readers see S.failed set only once S.why is whole */
+    if (atomic_load(&S.failed)) return;
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(S.why, sizeof S.why, fmt, ap);
     va_end(ap);
+    atomic_store(&S.failed, 1);
     fprintf(stderr, "hsdp: rank %d (NCCL): %s; aborting the NCCL communicators\n", S.boot.rank, S.why);
 }
 
@@ -339,6 +349,7 @@ static void abort_comms(void) {
 }
 static void issue_unlock(void) {
     if (atomic_load(&S.failed)) abort_comms();
+    issuing = NULL;
     pthread_mutex_unlock(&S.issue);
 }
 
@@ -374,17 +385,45 @@ static hsdp_status nccl_done(nccl_comm *c, hsdp_ncclResult_t rc, const char *wha
     return HSDP_OK;
 }
 
+/* What this rank waits in, for the peers' watchdogs (watchdog.h): the oldest collective in
+ * flight, which is the one a missing peer holds up (the side stream runs in order). S.mu held. */
+static void publish_locked(void) {
+    if (hsdp_peers_known()) hsdp_watch_publish(S.count ? S.ring[S.head].what : NULL);
+}
+
+/* "; not in it: rank R (...)": who of the oldest collective's group does not wait in it
+ * (watchdog.h), for a timeout's message. Takes S.mu briefly; asks the peers without it. */
+static void name_missing(char *out, size_t n) {
+    out[0] = '\0';
+    char what[sizeof S.ring[0].what];
+    int *ranks = NULL, size = 0;
+    pthread_mutex_lock(&S.mu);
+    const flight *f = S.count ? &S.ring[S.head] : NULL;
+    for (nccl_comm *c = S.live; f && f->comm && c; c = c->next)
+        if (c == f->comm && c->world_ranks) { /* still live: its ranks may be read */
+            ranks = malloc(sizeof *ranks * (size_t)c->size); /* freed below */
+            if (ranks) memcpy(ranks, c->world_ranks, sizeof *ranks * (size_t)c->size);
+            size = c->size;
+            memcpy(what, f->what, sizeof what);
+        }
+    pthread_mutex_unlock(&S.mu);
+    if (ranks) hsdp_who_is_missing(out, n, what, ranks, size);
+    free(ranks);
+}
+
 /* Retires finished collectives from the front of the ring (S.mu held). */
 static void retire_locked(void) {
+    unsigned before = S.count;
     while (S.count) {
         flight *f = &S.ring[S.head];
         hsdp_cudaError_t e = CUDA(cudaEventQuery, f->ev);
-        if (e == hsdp_cudaErrorNotReady) return;
+        if (e == hsdp_cudaErrorNotReady) break;
         if (e != hsdp_cudaSuccess)
             abort_all_locked("%s failed on the GPU: CUDA error %d (%s)", f->what, (int)e, api.cudaGetErrorString(e));
         S.head = (S.head + 1) % RING;
         S.count--;
     }
+    if (S.count != before) publish_locked();
 }
 
 static void watch_once(void) {
@@ -393,10 +432,18 @@ static void watch_once(void) {
     uint64_t limit = hsdp_timeout_ns();
     if (S.count && limit && !atomic_load(&S.failed)) {
         flight *f = &S.ring[S.head];
-        uint64_t age = hsdp_now_ns() - f->t0;
-        if (age > limit)
-            abort_all_locked("%s has waited %.1f s for its peers (HSDP_TIMEOUT=%g s)", f->what, (double)age / 1e9,
-                             timeout_s());
+        uint64_t age = hsdp_now_ns() - f->t0, t0 = f->t0;
+        if (age > limit) {
+            char what[sizeof f->what], missing[640];
+            memcpy(what, f->what, sizeof what);
+            pthread_mutex_unlock(&S.mu); /* asking the peers takes a while */
+            name_missing(missing, sizeof missing);
+            pthread_mutex_lock(&S.mu);
+            retire_locked();
+            if (S.count && S.ring[S.head].t0 == t0) /* still waiting */
+                abort_all_locked("%s has waited %.1f s for its peers (HSDP_TIMEOUT=%g s)%s", what, (double)age / 1e9,
+                                 timeout_s(), missing);
+        }
     }
     for (nccl_comm *c = S.live; c && !atomic_load(&S.failed); c = c->next) {
         hsdp_ncclResult_t state = hsdp_ncclSuccess;
@@ -448,8 +495,9 @@ static hsdp_status track(const char *what, const void *dst, size_t dst_n, hsdp_c
     f->t0 = hsdp_now_ns();
     f->dst = dst;
     f->dst_n = dst_n;
+    f->comm = issuing;
     snprintf(f->what, sizeof f->what, "%s", what);
-    S.count++;
+    if (++S.count == 1) publish_locked();
     *ev = f->ev;
     pthread_mutex_unlock(&S.mu);
     return HSDP_OK;
@@ -464,8 +512,11 @@ static hsdp_status host_wait(hsdp_cudaEvent_t ev, const char *what) {
         if (e == hsdp_cudaSuccess) return HSDP_OK;
         if (e != hsdp_cudaErrorNotReady) return cuda_fail(e, what);
         if (atomic_load(&S.failed)) return failed_status();
-        if (limit && hsdp_now_ns() - t0 > limit)
-            return ABORT_ALL("%s has waited %g s for its peers (HSDP_TIMEOUT)", what, timeout_s());
+        if (limit && hsdp_now_ns() - t0 > limit) {
+            char missing[640];
+            name_missing(missing, sizeof missing);
+            return ABORT_ALL("%s has waited %g s for its peers (HSDP_TIMEOUT)%s", what, timeout_s(), missing);
+        }
         nap(&us);
     }
 }
@@ -576,6 +627,7 @@ static hsdp_status run_sync(hsdp_group *g, op_kind op, const void *send, void *r
     int direct = op != OP_BARRIER && on_device(send) && on_device(recv);
     hsdp_cudaStream_t order = call_stream_set ? call_stream : S.compute; /* the consumer's stream */
     pthread_mutex_lock(&S.issue);
+    issuing = c;
     hsdp_status st = begin();
     void *base = NULL;
     const void *s = send;
@@ -725,8 +777,146 @@ static hsdp_status fixed_source(void **share, const void *send, size_t nbytes, c
     return HSDP_OK;
 }
 
-static hsdp_status nccl_gather_fixed(hsdp_group *g, void **share, const void *send, void *recv, size_t nbytes,
-                                     const char *label) {
+/* ---------------------------------------------------------------- agreement */
+/* Every unit gather carries its ticket (agreement.h) in the same NCCL group as its data: a
+ * second ncclAllGather, of 64 bytes per rank, in place in a slot of device memory, filled
+ * from pinned host memory before and copied back after, on the side stream. The wait (the
+ * request's, or the synchronous gather's before it returns) waits on the host for that copy,
+ * within the timeout, and compares: a mismatch fails on every rank, and the gathered buffer
+ * is not handed out. The host therefore waits for each unit gather at its wait (the compute
+ * stream already did); HSDP_AGREE_OFF leaves that out. A mismatch of sizes also aborts the
+ * communicators: NCCL does not check that the ranks' counts match, and an all-gather of
+ * unequal counts may leave a communicator out of step, so no later collective may trust it
+ * (or it hangs, and the watchdog ends it). Host units, and HSDP_AGREE_SEPARATE, exchange the
+ * tickets in their own staged all-gather first (hsdp_agree). Slots are taken at the start
+ * and given back at the wait, so at most TICKET_SLOTS unit gathers are in flight at once. */
+enum { TICKET_SLOTS = 64 };
+static struct {
+    hsdp_ticket *host; /* pinned (cudaHostAlloc): TICKET_SLOTS slots of `ranks` tickets; freed at finalize */
+    char *dev;         /* the same on the device (dev_malloc); freed at finalize */
+    int ranks;         /* tickets per slot: the world's size */
+    hsdp_cudaEvent_t ev[TICKET_SLOTS]; /* each slot's copy back to the host */
+    atomic_int used[TICKET_SLOTS];     /* taken at a gather's start (S.issue), given back at its wait */
+} T;
+
+static void tickets_free(void) {
+    for (int i = 0; i < TICKET_SLOTS; i++) {
+        if (T.ev[i]) CUDA(cudaEventDestroy, T.ev[i]);
+        T.ev[i] = NULL;
+        atomic_store(&T.used[i], 0);
+    }
+    if (T.host) CUDA(cudaFreeHost, T.host);
+    if (T.dev) CUDA(cudaFree, T.dev);
+    T.host = NULL;
+    T.dev = NULL;
+    T.ranks = 0;
+}
+
+/* S.issue held: the slots, made on first use. */
+static hsdp_status tickets_ready(int size) {
+    if (!T.host) {
+        int ranks = S.boot.size > size ? S.boot.size : size;
+        size_t n = (size_t)TICKET_SLOTS * (size_t)ranks * sizeof(hsdp_ticket);
+        void *h = NULL, *d = NULL;
+        hsdp_cudaError_t e = CUDA(cudaHostAlloc, &h, n, hsdp_cudaHostAllocDefault);
+        if (e != hsdp_cudaSuccess) return cuda_fail(e, "allocating pinned memory for the agreement tickets");
+        T.host = h;
+        e = dev_malloc(&d, n);
+        T.dev = d;
+        for (int i = 0; e == hsdp_cudaSuccess && i < TICKET_SLOTS; i++)
+            e = CUDA(cudaEventCreateWithFlags, &T.ev[i], hsdp_cudaEventDisableTiming);
+        if (e != hsdp_cudaSuccess) {
+            tickets_free();
+            return cuda_fail(e, "allocating the agreement tickets on the GPU");
+        }
+        T.ranks = ranks;
+    }
+    if (size > T.ranks)
+        return hsdp_fail(HSDP_EINVAL, "a group of %d ranks is larger than the NCCL world of %d", size, T.ranks);
+    return HSDP_OK;
+}
+
+/* S.issue held: this rank's ticket for a unit gather on g, in a free slot (*slot), copied to
+ * the device on the side stream. */
+static hsdp_status ticket_begin(hsdp_group *g, const char *label, uint64_t ident, size_t nbytes, int *slot) {
+    *slot = -1;
+    hsdp_status st = tickets_ready(g->size);
+    if (st != HSDP_OK) return st;
+    int i = 0;
+    while (i < TICKET_SLOTS && atomic_load(&T.used[i])) i++;
+    if (i == TICKET_SLOTS)
+        return hsdp_fail(HSDP_ESTATE, "more than %d unit gathers are in flight on the NCCL backend: wait some before "
+                         "starting more", TICKET_SLOTS);
+    hsdp_ticket *mine = T.host + (size_t)i * (size_t)T.ranks + (size_t)g->rank;
+    *mine = hsdp_ticket_make(g, label, ident, nbytes);
+    char *dev = T.dev + ((size_t)i * (size_t)T.ranks + (size_t)g->rank) * sizeof *mine;
+    CUDA_TRY(CUDA(cudaMemcpyAsync, dev, mine, sizeof *mine, hsdp_cudaMemcpyDefault, S.comm), "copying a ticket to the GPU");
+    atomic_store(&T.used[i], 1);
+    *slot = i;
+    return HSDP_OK;
+}
+
+/* S.issue held: the data's all-gather (slot < 0: alone), or it and the tickets' in one NCCL
+ * group, then the tickets copied back to the host. */
+static hsdp_status enqueue_unit(hsdp_group *g, int slot, const void *send, void *recv, size_t nbytes) {
+    nccl_comm *c = g->impl;
+    if (slot < 0) return enqueue(c, OP_GATHER, g->size, send, recv, nbytes, 0);
+    size_t tb = sizeof(hsdp_ticket);
+    char *tk = T.dev + (size_t)slot * (size_t)T.ranks * tb;
+    pthread_mutex_lock(&S.calls);
+    hsdp_status st = failed_status_if_failed();
+    if (st == HSDP_OK) {
+        hsdp_ncclResult_t rc = api.ncclGroupStart();
+        if (rc == hsdp_ncclSuccess)
+            rc = api.ncclAllGather(tk + (size_t)g->rank * tb, tk, tb, hsdp_ncclUint8, c->comm, S.comm);
+        if (rc == hsdp_ncclSuccess) rc = api.ncclAllGather(send, recv, nbytes, hsdp_ncclUint8, c->comm, S.comm);
+        hsdp_ncclResult_t end = api.ncclGroupEnd();
+        st = nccl_done(c, rc != hsdp_ncclSuccess ? rc : end, "ncclAllGather (a unit and its tickets)");
+    }
+    pthread_mutex_unlock(&S.calls);
+    if (st != HSDP_OK) return st;
+    hsdp_ticket *host = T.host + (size_t)slot * (size_t)T.ranks;
+    CUDA_TRY(CUDA(cudaMemcpyAsync, host, tk, tb * (size_t)g->size, hsdp_cudaMemcpyDefault, S.comm),
+             "copying the tickets back from the GPU");
+    CUDA_TRY(CUDA(cudaEventRecord, T.ev[slot], S.comm), "recording the tickets' event");
+    return HSDP_OK;
+}
+
+/* Waits on the host (within the timeout) for slot's tickets, compares them, and gives the
+ * slot back. A slot of a gather that failed before is given back as is (st). */
+static hsdp_status ticket_check(hsdp_group *g, int slot, hsdp_status st, const char *what) {
+    if (slot < 0) return st;
+    if (st == HSDP_OK) st = host_wait(T.ev[slot], what);
+    if (st == HSDP_OK) {
+        const hsdp_ticket *all = T.host + (size_t)slot * (size_t)T.ranks;
+        st = hsdp_tickets_check(g, all);
+        int sizes_differ = 0;
+        for (int j = 1; st != HSDP_OK && j < g->size; j++) sizes_differ |= all[j].nbytes != all[0].nbytes;
+        if (sizes_differ) {
+            char msg[sizeof S.why];
+            snprintf(msg, sizeof msg, "%s", hsdp_last_error());
+            st = ABORT_ALL("%s", msg);
+        }
+    }
+    atomic_store(&T.used[slot], 0);
+    return st;
+}
+
+/* How a unit gather on g checks agreement: HSDP_AGREE_ON (the tickets beside the data),
+ * HSDP_AGREE_OFF, or done already (hsdp_agree, HSDP_OK: then OFF). */
+static int agreement_mode(hsdp_group *g, const void *recv, const char *label, uint64_t ident, size_t nbytes,
+                          hsdp_status *st) {
+    *st = HSDP_OK;
+    int mode = g->size > 1 ? hsdp_agreement_check() : HSDP_AGREE_OFF;
+    if (mode == HSDP_AGREE_SEPARATE || (mode != HSDP_AGREE_OFF && !on_device(recv))) {
+        *st = hsdp_agree(g, label, ident, nbytes, nccl_all_gather);
+        mode = HSDP_AGREE_OFF;
+    }
+    return mode;
+}
+
+static hsdp_status gather_fixed_as(hsdp_group *g, void **share, const void *send, void *recv, size_t nbytes,
+                                   const char *label, uint64_t ident, int mode) {
     device_guard();
     if (!on_device(recv)) { /* a host unit: staged each time, and fixed from now on like any other */
         /* a unit already on the device is gathered from its device copy (its host chunk may be gone) */
@@ -738,11 +928,14 @@ static hsdp_status nccl_gather_fixed(hsdp_group *g, void **share, const void *se
     char what[160];
     describe(what, sizeof what, "gather", label, nbytes, g->size);
     pthread_mutex_lock(&S.issue);
+    issuing = g->impl;
     const void *src = NULL;
+    int slot = -1;
     hsdp_status st = begin();
     if (st == HSDP_OK) st = fixed_source(share, send, nbytes, &src);
     if (st == HSDP_OK) st = in_place(src, recv, nbytes, g->rank, &src);
-    if (st == HSDP_OK) st = enqueue(g->impl, OP_GATHER, g->size, src, recv, nbytes, 0);
+    if (st == HSDP_OK && mode == HSDP_AGREE_ON) st = ticket_begin(g, label, ident, nbytes, &slot);
+    if (st == HSDP_OK) st = enqueue_unit(g, slot, src, recv, nbytes);
     hsdp_cudaEvent_t ev = NULL;
     if (st == HSDP_OK) st = track(what, recv, nbytes * (size_t)g->size, &ev);
     if (st == HSDP_OK) {
@@ -750,7 +943,20 @@ static hsdp_status nccl_gather_fixed(hsdp_group *g, void **share, const void *se
         if (e != hsdp_cudaSuccess) st = cuda_fail(e, "ordering the compute stream after a gather");
     }
     issue_unlock();
-    return st;
+    return ticket_check(g, slot, st, what); /* a synchronous gather returns once checked */
+}
+
+static hsdp_status nccl_gather_fixed(hsdp_group *g, void **share, const void *send, void *recv, size_t nbytes,
+                                     const char *label) {
+    return gather_fixed_as(g, share, send, recv, nbytes, label, 0, HSDP_AGREE_OFF);
+}
+
+static hsdp_status nccl_gather_unit(hsdp_group *g, void **share, const void *send, void *recv, size_t nbytes,
+                                    const char *label, uint64_t ident) {
+    device_guard();
+    hsdp_status st;
+    int mode = agreement_mode(g, recv, label, ident, nbytes, &st);
+    return st == HSDP_OK ? gather_fixed_as(g, share, send, recv, nbytes, label, ident, mode) : st;
 }
 
 static void nccl_share_free(hsdp_group *g, void *share, void *memory) {
@@ -797,6 +1003,8 @@ static const char *nccl_share_kind(const void *share) {
 /* The request's own state: the event its wait makes the compute stream wait on. */
 typedef struct {
     hsdp_cudaEvent_t ev;
+    int slot;       /* a unit gather's tickets (agreement), or -1 */
+    char what[160]; /* what it gathers, for the tickets' wait */
 } nccl_task;
 _Static_assert(sizeof(nccl_task) <= HSDP_REQ_STATE_BYTES, "nccl_task must fit in hsdp_req.state");
 
@@ -827,6 +1035,7 @@ static hsdp_status nccl_gather_start(hsdp_req *r, const void *send, void *recv, 
     device_guard();
     nccl_task *t = (nccl_task *)r->state;
     t->ev = NULL;
+    t->slot = -1;
     r->start_ns = hsdp_now_ns();
     const hsdp_gather_req *wr = hsdp_unit_wire_request(r); /* float8 wire: decoded here, see wire_decode */
     if (r->then && !wr) /* the conversion is host work: a device unit computes in its storage dtypes */
@@ -834,24 +1043,31 @@ static hsdp_status nccl_gather_start(hsdp_req *r, const void *send, void *recv, 
     hsdp_status st = wr && on_device(recv) ? wire_check(wr, r->label) : HSDP_OK;
     if (st != HSDP_OK) return st;
     if (!on_device(recv)) { /* a host unit: staged and complete before returning */
-        st = r->share ? nccl_gather_fixed(r->g, r->share, send, recv, nbytes, r->label)
+        st = r->share ? nccl_gather_unit(r->g, r->share, send, recv, nbytes, r->label, r->ident)
                       : nccl_all_gather(r->g, send, recv, nbytes);
         if (st == HSDP_OK && wr) st = r->then(r->then_arg); /* the float8 wire's decode, on the host */
         r->end_ns = hsdp_now_ns();
         return st;
     }
+    int mode = HSDP_AGREE_OFF; /* a unit's gather carries its tickets (agreement) */
+    if (r->share && (mode = agreement_mode(r->g, recv, r->label, r->ident, nbytes, &st), st != HSDP_OK)) return st;
     char what[160];
     describe(what, sizeof what, "gather", r->label, nbytes, r->g->size);
     pthread_mutex_lock(&S.issue);
+    issuing = r->g->impl;
     const void *src = send;
     st = begin();
     if (st == HSDP_OK && r->share) st = fixed_source(r->share, send, nbytes, &src);
     if (st == HSDP_OK && src != (const char *)recv + (size_t)r->g->rank * nbytes)
         st = in_place(src, recv, nbytes, r->g->rank, &src);
-    if (st == HSDP_OK) st = enqueue(r->g->impl, OP_GATHER, r->g->size, src, recv, nbytes, 0);
+    if (st == HSDP_OK && mode == HSDP_AGREE_ON) st = ticket_begin(r->g, r->label, r->ident, nbytes, &t->slot);
+    if (st == HSDP_OK) st = enqueue_unit(r->g, t->slot, src, recv, nbytes);
     if (st == HSDP_OK) st = track(what, recv, nbytes * (size_t)r->g->size, &t->ev);
     if (st == HSDP_OK && wr) st = wire_decode(wr, r->label, &t->ev); /* the float8 wire */
     issue_unlock();
+    if (st != HSDP_OK) (void)ticket_check(r->g, t->slot, st, what); /* no wait follows: the slot goes back now */
+    if (st != HSDP_OK) t->slot = -1;
+    memcpy(t->what, what, sizeof t->what);
     return st;
 }
 
@@ -866,6 +1082,8 @@ static void nccl_gather_wait(hsdp_req *r) {
         hsdp_cudaError_t e = CUDA(cudaStreamWaitEvent, S.compute, t->ev, 0);
         if (e != hsdp_cudaSuccess) st = cuda_fail(e, "ordering the compute stream after a gather");
     }
+    st = ticket_check(r->g, t->slot, st, t->what); /* the host waits for the tickets, and compares */
+    t->slot = -1;
     r->end_ns = hsdp_now_ns();
     r->status = st;
     if (st != HSDP_OK) snprintf(r->err, sizeof r->err, "%s", hsdp_last_error());
@@ -882,6 +1100,7 @@ static hsdp_status nccl_sendrecv_start(hsdp_req *r, const void *send, size_t sby
     device_guard();
     nccl_task *t = (nccl_task *)r->state;
     t->ev = NULL;
+    t->slot = -1;
     r->start_ns = hsdp_now_ns();
     if ((sbytes && !on_device(send)) || (rbytes && !on_device(recv)))
         return hsdp_fail(HSDP_EUNSUPPORTED, "the NCCL backend's sendrecv takes device buffers only");
@@ -891,6 +1110,7 @@ static hsdp_status nccl_sendrecv_start(hsdp_req *r, const void *send, size_t sby
              rbytes, source, r->g->size);
     hsdp_cudaStream_t order = call_stream_set ? call_stream : S.compute; /* the consumer's stream */
     pthread_mutex_lock(&S.issue);
+    issuing = c;
     hsdp_status st = begin();
     if (st == HSDP_OK) {
         /* the send buffer was written on the consumer's stream: read it after */
@@ -955,6 +1175,7 @@ static hsdp_status comm_wrap(hsdp_ncclComm_t comm, int rank, int size, hsdp_grou
         return hsdp_fail(HSDP_ENOMEM, "could not allocate an NCCL group");
     }
     c->comm = comm;
+    c->size = size;
     pthread_mutex_lock(&S.mu);
     c->next = S.live;
     S.live = c;
@@ -962,6 +1183,42 @@ static hsdp_status comm_wrap(hsdp_ncclComm_t comm, int rank, int size, hsdp_grou
     *g = (hsdp_group){.backend = &hsdp_backend_nccl, .rank = rank, .size = size, .impl = c};
     *out = g;
     return HSDP_OK;
+}
+
+static void nccl_free(hsdp_group *g);
+
+/* Which world rank each rank of g is, so that a timeout can name them (watchdog.h): the
+ * world's own, or learned over a split group by an all-gather. Collective over g. */
+static hsdp_status learn_world_ranks(hsdp_group *g, int world) {
+    nccl_comm *c = g->impl;
+    int *ranks = malloc(sizeof *ranks * (size_t)g->size); /* owned by c; freed by nccl_free */
+    if (!ranks) return hsdp_fail(HSDP_ENOMEM, "could not allocate the world ranks of a group of %d", g->size);
+    hsdp_status st = HSDP_OK;
+    if (world)
+        for (int i = 0; i < g->size; i++) ranks[i] = i;
+    else
+        st = nccl_all_gather(g, &S.boot.rank, ranks, sizeof *ranks);
+    pthread_mutex_lock(&S.mu);
+    if (st == HSDP_OK) c->world_ranks = ranks;
+    pthread_mutex_unlock(&S.mu);
+    if (st != HSDP_OK) free(ranks);
+    return st;
+}
+
+/* Every rank's peer record (watchdog.h), all-gathered over the world once: a timeout can then
+ * name who did not arrive. Collective over the world (the first world learned wins, as with
+ * MPI's: one world per process). */
+static hsdp_status learn_peers(hsdp_group *world) {
+    if (world->size < 2) return HSDP_OK;
+    uint64_t mine[HSDP_PEER_WORDS];
+    hsdp_peers_mine(mine);
+    uint64_t *all = malloc(sizeof mine * (size_t)world->size); /* freed below (hsdp_peers_learn copies) */
+    if (!all) return hsdp_fail(HSDP_ENOMEM, "could not allocate the %d ranks' watchdog records", world->size);
+    hsdp_status st = nccl_all_gather(world, mine, all, sizeof mine);
+    if (st == HSDP_OK && hsdp_peers_learn(all, world->size, world->rank) != 0)
+        st = hsdp_fail(HSDP_ENOMEM, "could not keep the %d ranks' watchdog records", world->size);
+    free(all);
+    return st;
 }
 
 /* Non-blocking communicators, so that joining can be timed out. */
@@ -1093,6 +1350,13 @@ static hsdp_status nccl_world(hsdp_group **out, int *we_init) {
     if (st != HSDP_OK) return st;
     st = comm_wrap(comm, S.boot.rank, S.boot.size, out);
     if (st == HSDP_OK) *we_init = 1;
+    if (st == HSDP_OK) st = learn_world_ranks(*out, 1);
+    if (st == HSDP_OK) st = learn_peers(*out);
+    if (st != HSDP_OK && *out) { /* the world is not usable: the caller gets none */
+        nccl_free(*out);
+        *out = NULL;
+        *we_init = 0;
+    }
     return st;
 }
 
@@ -1123,7 +1387,13 @@ static hsdp_status nccl_split(hsdp_group *g, int color, int key, hsdp_group **ou
         api.ncclCommAbort(comm);
         return hsdp_fail(HSDP_ECOMM, "could not read the rank and size of a split NCCL communicator");
     }
-    return comm_wrap(comm, rank, size, out);
+    st = comm_wrap(comm, rank, size, out);
+    if (st == HSDP_OK) st = learn_world_ranks(*out, 0);
+    if (st != HSDP_OK && *out) {
+        nccl_free(*out);
+        *out = NULL;
+    }
+    return st;
 }
 
 /* Frees a communicator without a collective: a group may be dropped on its ranks in any
@@ -1148,6 +1418,7 @@ static void nccl_free(hsdp_group *g) {
             }
         if (!c->aborted) api.ncclCommAbort(c->comm);
         pthread_mutex_unlock(&S.mu);
+        free(c->world_ranks);
         free(c);
     }
     free(g);
@@ -1163,6 +1434,7 @@ static hsdp_status nccl_finalize(void) {
     if (S.comm && !atomic_load(&S.failed)) (void)CUDA(cudaStreamSynchronize, S.comm);
     if (S.scratch) CUDA(cudaFree, S.scratch);
     S.scratch = NULL;
+    tickets_free();
     if (S.pinned) CUDA(cudaFreeHost, S.pinned);
     S.pinned = NULL;
     for (int i = 0; i < 2; i++) {
@@ -1206,6 +1478,7 @@ const hsdp_backend hsdp_backend_nccl = {
     .buffers_released = nccl_buffers_released,
     .finalize = nccl_finalize,
     .gather_fixed = nccl_gather_fixed,
+    .gather_unit = nccl_gather_unit,
     .share_free = nccl_share_free,
     .share_kind = nccl_share_kind,
     .share_read = nccl_share_read,

@@ -4,7 +4,7 @@
  * before torch is imported would pick another NCCL and break torch). The unique id that
  * joins the ranks is made on rank 0 and carried to the others by the caller (an MPI
  * broadcast, or torch's TCPStore), never over a socket of hsdp's own code (its only one is the
- * MPI backend's watchdog status port, peer_status.h). */
+ * watchdog's status port, peer_status.h, opened by a world of two or more). */
 #ifndef HSDP_BACKEND_NCCL_H
 #define HSDP_BACKEND_NCCL_H
 

@@ -1,7 +1,7 @@
 /* peer_status.h - what this rank waits in, answered over TCP to its peers' watchdogs.
  *
  * When a collective outlives HSDP_TIMEOUT, the watchdog names the ranks that never arrived.
- * Peers on the same host it reads by pid (backend_mpi.c); a peer on another host it asks:
+ * Peers on the same host it reads by pid (watchdog.c); a peer on another host it asks:
  * every rank of a job of two or more serves a small TCP answer on an ephemeral port, on a
  * thread of its own, and the ranks exchange their cards at the world's start. Only a
  * caller that sends the peer's cookie (which only the job's ranks learnt) gets an answer,

@@ -15,7 +15,9 @@
  *                                 another communicator's collective is in progress; or
  *                                 "ranks N": a world of N forked ranks over the fake's shared
  *                                 memory (collectives across ranks, a sharded unit, and a
- *                                 rank that never arrives).
+ *                                 rank that never arrives, named by the others), or "ranks N
+ *                                 desync": the same world ending in ranks that gather
+ *                                 different units (agreement: every rank fails).
  *   test_nccl --nvrtc LIBNVRTC LIBCUDA
  *                                 the float8 wire's kernel compiled by the real NVRTC.
  * Both modes first check what holds before any loading: built, registered, unusable and
@@ -450,9 +452,64 @@ static void fake_world(const char *fake, const char *ending) {
     CHECK(F.contexts() == 1u << DEVICE);
 }
 
-/* One rank of a world of several (forked processes over the fake's shared memory). */
 enum { MAX_TEST_RANKS = 8 };
-static void one_rank(const unsigned char *id, int rank, int n) {
+
+/* Ranks that disagree on the unit they gather fail together (agreement.h): rank 0 gathers
+ * one unit while the others gather another of the same size, synchronously and started;
+ * every rank fails naming what each asked for, and none hands out the buffer. The group
+ * still works after (all gather the same unit: the numbers are right). Then rank 0 gathers a
+ * unit of another size: every rank fails again, and the communicators are aborted. */
+static void desync(hsdp_group *world, int rank, hsdp_stats *stats) {
+    const hsdp_backend *b = hsdp_backend_find("nccl");
+    size_t small[1] = {16 * (size_t)world->size}, big[1] = {32 * (size_t)world->size};
+    hsdp_dtype f32[1] = {HSDP_F32};
+    hsdp_unit a, other, large;
+    CHECK(hsdp_unit_init(&a, small, f32, NULL, 1, world, stats) == HSDP_OK);
+    CHECK(hsdp_unit_init(&other, small, f32, NULL, 1, world, stats) == HSDP_OK);
+    CHECK(hsdp_unit_init(&large, big, f32, NULL, 1, world, stats) == HSDP_OK);
+    float w[16 * MAX_TEST_RANKS];
+    for (size_t i = 0; i < small[0]; i++) w[i] = (float)i + 0.5f;
+    CHECK(hsdp_unit_write(&a, 0, 0, small[0], w, HSDP_F32) == HSDP_OK);
+    void *full = hsdp_device_alloc(stats, b, HSDP_DEVICE_CUDA, large.layout.total_bytes);
+    CHECK(full != NULL);
+    if (!full) return;
+    hsdp_unit *mine = rank == 0 ? &a : &other;
+    char ask0[96], ask1[96];
+    snprintf(ask0, sizeof ask0, "rank 0 asks for unit '' (the group's unit #%llu as made", (unsigned long long)a.ident);
+    snprintf(ask1, sizeof ask1, "rank 1 asks for unit '' (the group's unit #%llu as made", (unsigned long long)other.ident);
+
+    CHECK(hsdp_unit_gather(mine, full) == HSDP_ECOMM);
+    CHECK(strstr(hsdp_last_error(), "do not gather the same unit") != NULL);
+    CHECK(strstr(hsdp_last_error(), ask0) != NULL && strstr(hsdp_last_error(), ask1) != NULL);
+    hsdp_gather_req req;
+    memset(&req, 0, sizeof req);
+    CHECK(hsdp_unit_gather_start(mine, full, NULL, &req) == HSDP_OK);
+    CHECK(hsdp_unit_gather_wait(mine, &req) == HSDP_ECOMM);
+    CHECK(strstr(hsdp_last_error(), ask0) != NULL && strstr(hsdp_last_error(), ask1) != NULL);
+
+    memset(&req, 0, sizeof req);
+    CHECK(hsdp_unit_gather_start(&a, full, NULL, &req) == HSDP_OK);
+    CHECK(hsdp_unit_gather_wait(&a, &req) == HSDP_OK);
+    device_sync();
+    CHECK(memcmp(full, w, small[0] * sizeof(float)) == 0);
+
+    memset(&req, 0, sizeof req);
+    mine = rank == 0 ? &large : &a;
+    CHECK(hsdp_unit_gather_start(mine, full, NULL, &req) == HSDP_OK);
+    CHECK(hsdp_unit_gather_wait(mine, &req) == HSDP_ECOMM);
+    char bytes0[48];
+    snprintf(bytes0, sizeof bytes0, "%zu bytes per rank", large.layout.chunk_bytes);
+    CHECK(strstr(hsdp_last_error(), "do not gather the same unit") != NULL && strstr(hsdp_last_error(), bytes0));
+    CHECK(hsdp_barrier(world) == HSDP_ECOMM && strstr(hsdp_last_error(), "aborted") != NULL);
+    hsdp_device_free(stats, b, HSDP_DEVICE_CUDA, full, large.layout.total_bytes);
+    hsdp_unit_free(&a);
+    hsdp_unit_free(&other);
+    hsdp_unit_free(&large);
+}
+
+/* One rank of a world of several (forked processes over the fake's shared memory), ending in
+ * a timeout (ending "timeout") or in ranks that disagree ("desync"). */
+static void one_rank(const unsigned char *id, int rank, int n, const char *ending) {
     hsdp_group *world = NULL, *sub = NULL;
     int we_init = 0;
     CHECK(hsdp_nccl_set_bootstrap(id, rank, n, rank % 2) == HSDP_OK);
@@ -499,15 +556,25 @@ static void one_rank(const unsigned char *id, int rank, int n) {
     hsdp_unit_free(&u);
     wire_unit(world, getenv("TEST_NCCL_FAKE"), 0);
 
-    /* rank 1 never arrives at a collective the others make: they end in an error naming it
-     * within the timeout, and rank 1 ends cleanly */
-    CHECK(hsdp_set_timeout(0.5) == HSDP_OK);
-    if (rank != 1) {
-        CHECK(hsdp_all_gather(world, mine, all, sizeof mine) == HSDP_ECOMM);
-        char want[96];
-        snprintf(want, sizeof want, "an all-gather of 8 bytes per rank over %d ranks", n);
-        CHECK(strstr(hsdp_last_error(), want) != NULL && strstr(hsdp_last_error(), "HSDP_TIMEOUT") != NULL);
-        CHECK(hsdp_barrier(sub) == HSDP_ECOMM);
+    if (strcmp(ending, "desync") == 0) {
+        desync(world, rank, &stats);
+    } else {
+        /* rank 1 never arrives at a collective the others make, waiting in another: they end in
+         * an error naming it, and what it waits in, within the timeout; rank 1 (with a longer
+         * one, so that it still waits when they time out) ends in its own */
+        CHECK(hsdp_set_timeout(rank == 1 ? 1.5 : 0.5) == HSDP_OK);
+        char barrier[64];
+        snprintf(barrier, sizeof barrier, "rank 1 (waiting in a barrier over %d ranks)", n);
+        if (rank != 1) {
+            CHECK(hsdp_all_gather(world, mine, all, sizeof mine) == HSDP_ECOMM);
+            char want[96];
+            snprintf(want, sizeof want, "an all-gather of 8 bytes per rank over %d ranks", n);
+            CHECK(strstr(hsdp_last_error(), want) != NULL && strstr(hsdp_last_error(), "HSDP_TIMEOUT") != NULL);
+            CHECK(strstr(hsdp_last_error(), barrier) != NULL);
+            CHECK(hsdp_barrier(sub) == HSDP_ECOMM);
+        } else {
+            CHECK(hsdp_barrier(sub) == HSDP_ECOMM && strstr(hsdp_last_error(), "HSDP_TIMEOUT") != NULL);
+        }
     }
     CHECK(F.get_last_error() == hsdp_cudaSuccess);
     hsdp_group_free(sub);
@@ -518,7 +585,7 @@ static void one_rank(const unsigned char *id, int rank, int n) {
 
 /* A world of n ranks: forked from this process once it has the unique id (the fake's shared
  * memory is inherited), rank 0 here. */
-static void several_ranks(const char *fake, int n) {
+static void several_ranks(const char *fake, int n, const char *ending) {
     CHECK(n >= 2 && n <= MAX_TEST_RANKS);
     CHECK(setenv("TEST_NCCL_FAKE", fake, 1) == 0); /* for wire_unit in every rank */
     CHECK(hsdp_nccl_load(fake, fake) == HSDP_OK);
@@ -532,14 +599,14 @@ static void several_ranks(const char *fake, int n) {
     for (int r = 1; r < n; r++) {
         kids[r] = fork();
         if (kids[r] == 0) {
-            one_rank(id, r, n);
+            one_rank(id, r, n, ending);
             if (check_failed) fprintf(stderr, "test_nccl: rank %d: %d failed\n", r, check_failed);
             fflush(NULL);
             _exit(check_failed ? 1 : 0);
         }
         CHECK(kids[r] > 0);
     }
-    one_rank(id, 0, n);
+    one_rank(id, 0, n, ending);
     for (int r = 1; r < n; r++) {
         int status = 0;
         CHECK(kids[r] > 0 && waitpid(kids[r], &status, 0) == kids[r] && WIFEXITED(status) && WEXITSTATUS(status) == 0);
@@ -607,8 +674,8 @@ static int real_nvrtc(const char *nvrtc, const char *driver) {
 
 int main(int argc, char **argv) {
     if (argc == 4 && strcmp(argv[1], "--nvrtc") == 0) return real_nvrtc(argv[2], argv[3]);
-    if (argc < 3 || argc > 5 || !*argv[1] || !*argv[2]) {
-        fprintf(stderr, "usage: %s LIBNCCL LIBCUDART | %s --fake FAKE_CUDA_NCCL [stall|race|ranks N]\n", argv[0],
+    if (argc < 3 || argc > 6 || !*argv[1] || !*argv[2]) {
+        fprintf(stderr, "usage: %s LIBNCCL LIBCUDART | %s --fake FAKE_CUDA_NCCL [stall|race|ranks N [desync]]\n", argv[0],
                 argv[0]);
         return 2;
     }
@@ -616,8 +683,8 @@ int main(int argc, char **argv) {
     const char *nccl = fake ? argv[2] : argv[1], *cudart = argv[2];
     unloaded(nccl, cudart);
     if (fake)
-        if (argc == 5 && strcmp(argv[3], "ranks") == 0)
-            several_ranks(argv[2], atoi(argv[4]));
+        if (argc >= 5 && strcmp(argv[3], "ranks") == 0)
+            several_ranks(argv[2], atoi(argv[4]), argc == 6 ? argv[5] : "timeout");
         else
             fake_world(argv[2], argc >= 4 ? argv[3] : "stall");
     else

@@ -1,0 +1,36 @@
+/* agreement.h - every rank of a group gathers the same unit, on every backend.
+ *
+ * Every collective unit gather carries a ticket: the unit's name, its identity (which unit of
+ * the group it is, counted as made: two models of one architecture have units of the same
+ * names and sizes), the group's count of unit gathers so far and the bytes per rank. Ranks
+ * that disagree (one unsharding blocks.0 while another unshards blocks.1, one the first
+ * model's blocks.0 while another the second's, or a rank that skipped a gather after
+ * catching an exception) all see every ticket, so every one of them fails, naming what each
+ * asked for, and none hands out the gathered buffer: no rank returns weights mixed from two
+ * units. How the tickets travel is the backend's (MPI: beside the data, mpi_agreement.c;
+ * NCCL: a second all-gather in the same NCCL group as the data, backend_nccl.c); without a
+ * way of its own a backend exchanges them in their own all-gather first (hsdp_agree). The
+ * mode (hsdp_set_agreement_check, backend.h) must be the same on every rank of a group. */
+#ifndef HSDP_AGREEMENT_H
+#define HSDP_AGREEMENT_H
+
+#include "backend.h"
+
+enum { HSDP_TICKET_LABEL = 32, HSDP_TICKET_BYTES = 64 };
+typedef struct {
+    uint64_t seq, nbytes, label_hash, ident;
+    char label[HSDP_TICKET_LABEL];
+} hsdp_ticket;
+_Static_assert(sizeof(hsdp_ticket) == HSDP_TICKET_BYTES, "a ticket is 64 bytes");
+
+/* This rank's ticket for its next unit gather on g (counts it: g->unit_gathers). */
+hsdp_ticket hsdp_ticket_make(hsdp_group *g, const char *label, uint64_t ident, size_t nbytes);
+/* HSDP_OK when every one of the g->size tickets equals rank 0's; else HSDP_ECOMM naming what
+ * each rank that differs (and rank 0) asked for. */
+hsdp_status hsdp_tickets_check(const hsdp_group *g, const hsdp_ticket *all);
+/* The tickets in their own all-gather (through `gather`, the backend's), checked, before the
+ * data is gathered: one round trip more, but it works on any backend. */
+typedef hsdp_status (*hsdp_gather_fn)(hsdp_group *g, const void *send, void *recv, size_t nbytes);
+hsdp_status hsdp_agree(hsdp_group *g, const char *label, uint64_t ident, size_t nbytes, hsdp_gather_fn gather);
+
+#endif
