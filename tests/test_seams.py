@@ -64,6 +64,19 @@ def test_c_registry_lists_backends_in_order():
     assert name == "nccl" and usable is False and reason.startswith(NCCL_REASON)
 
 
+def test_device_info_comes_from_the_device_tables():
+    """Where each backend's buffers live is asked of C: host for single and MPI; NCCL's device is
+    'cuda' (DLPack kDLCUDA)."""
+    host = {"kind": "host", "device": "host", "framework": "cpu", "dlpack": (1, 0), "live_bytes": None}
+    assert _C.device_info("single") == {"backend": "single", **host}
+    assert _C.device_info("mpi") == {"backend": "mpi", **host}
+    nccl = _C.device_info("nccl")
+    assert (nccl["kind"], nccl["device"], nccl["framework"], nccl["dlpack"][0]) == ("device", "cuda", "cuda", 2)
+    assert group().device_info == _C.device_info("single")
+    with pytest.raises(ValueError, match="unknown backend 'tcp'"):
+        _C.device_info("tcp")
+
+
 def test_distributed_backends_maps_name_to_reason():
     """hsdp.distributed.backends() is {name: None if usable else the reason}; for NCCL the reason
     comes from loading it (no GPU here: cudaGetDeviceCount's error)."""
@@ -166,7 +179,7 @@ def test_unit_constructor_validates_compute_dtypes_device_and_binding():
         _C.Unit(g, ["float32"], [(4,)], compute_dtypes=["int32"])
     with pytest.raises(ValueError, match="got 2 compute_dtypes but 1 shapes"):
         _C.Unit(g, ["float32"], [(4,)], compute_dtypes=["float32", "float32"])
-    with pytest.raises(ValueError, match="device must be 'host' or 'cuda', got 'tpu'"):
+    with pytest.raises(ValueError, match="device must be one of 'host', 'cuda'.*, got 'tpu'"):
         _C.Unit(g, ["float32"], [(4,)], device="tpu")
     with pytest.raises(ValueError, match="bind_attr needs params"):
         _C.Unit(g, ["float32"], [(4,)], bind_attr="_data")
@@ -194,7 +207,7 @@ def test_cuda_unit_on_single_backend_stays_sharded():
         _C.Unit(group(), ["bfloat16"], [(16,)], device="cuda", compute_dtypes=["float32"])
     before = hsdp.memory_stats()
     for call in (u.unshard, u.start_unshard):
-        with pytest.raises(NotImplementedError, match=re.escape("backend 'single' cannot allocate cuda buffers")):
+        with pytest.raises(NotImplementedError, match=re.escape("backend 'single' has no device: it cannot allocate")):
             call()
         assert not u.is_unsharded and not u.holds_buffers and not u.is_pending and u.buffers() is None
         after = hsdp.memory_stats()

@@ -20,6 +20,7 @@ typedef struct {
     PyObject *bind_attr;   /* interned str: the attribute set to each view, or NULL (adapter binds) */
     PyObject *name;        /* str */
     hsdp_device device;    /* where the unsharded buffers live */
+    const char *device_label; /* its name: "host" or a device table's (static) */
     int *ndims;            /* owned */
     npy_intp *dims;        /* owned: all shapes laid end to end */
     size_t *dim_off;       /* owned: where slot i's dims start */
@@ -57,14 +58,15 @@ static void unit_dealloc(UnitObject *self) {
 }
 
 /* wire_dtype / wire_params of the constructor: which parameters travel as float8. */
-static int unit_set_wire(UnitObject *self, PyObject *wire_dtype, PyObject *wire_params, hsdp_device dev) {
+static int unit_set_wire(UnitObject *self, PyObject *wire_dtype, PyObject *wire_params, hsdp_device dev,
+                         const char *label) {
     hsdp_dtype wire;
     if (hsdp_py_parse_dtype(wire_dtype, &wire) < 0) return -1;
     if (dev != HSDP_DEVICE_HOST) {
         PyErr_Format(PyExc_NotImplementedError,
                      "unit %R: wire_dtype=%s is built for host buffers only (MPI and single-process groups): the "
                      "dequantization after the gather is a host loop and cannot read %s memory",
-                     self->name, hsdp_dtype_name(wire), hsdp_device_name(dev));
+                     self->name, hsdp_dtype_name(wire), label);
         return -1;
     }
     size_t n = self->u.layout.nslots;
@@ -117,8 +119,17 @@ static PyObject *unit_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
                                      &params, &name, &compute, &bind_attr, &device, &wire_dtype, &wire_params))
         return NULL;
     hsdp_device dev;
-    if (hsdp_device_from_name(device, &dev) < 0)
-        return PyErr_Format(PyExc_ValueError, "device must be 'host' or 'cuda', got '%s'", device);
+    const char *dev_label = NULL;
+    char choices[128];
+    if (hsdp_device_parse(device, &dev, &dev_label) < 0)
+        return PyErr_Format(PyExc_ValueError, "device must be one of %s, got '%s'",
+                            hsdp_device_choices(choices, sizeof choices), device);
+    /* a group's backend allocates its device buffers: they must be its device's (a backend
+     * with none refuses at the first gather, saying so) */
+    const hsdp_device_i *own = hsdp_backend_device(((GroupObject *)group)->g->backend);
+    if (dev != HSDP_DEVICE_HOST && own && strcmp(own->name, dev_label) != 0)
+        return PyErr_Format(PyExc_ValueError, "device='%s', but this group's backend '%s' has device '%s'", dev_label,
+                            ((GroupObject *)group)->g->backend->name, own->name);
     PyObject *dt_seq = PySequence_Tuple(dtypes), *sh_seq = NULL, *ct_seq = NULL;
     if (!dt_seq) return NULL;
     sh_seq = PySequence_Tuple(shapes);
@@ -156,6 +167,7 @@ static PyObject *unit_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     self->group = Py_NewRef(group);
     self->name = name ? Py_NewRef(name) : PyUnicode_FromString("");
     self->device = dev;
+    self->device_label = dev_label;
     size_t cap = (size_t)(n ? n : 1);
     size_t *numels = calloc(cap, sizeof *numels);       /* owned here, freed below */
     hsdp_dtype *codes = calloc(cap, sizeof *codes);     /* owned here, freed below */
@@ -238,7 +250,7 @@ static PyObject *unit_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
             else PyErr_Clear();
         }
     }
-    if (ok && wire_dtype != Py_None && unit_set_wire(self, wire_dtype, wire_params, dev) < 0) ok = 0;
+    if (ok && wire_dtype != Py_None && unit_set_wire(self, wire_dtype, wire_params, dev, dev_label) < 0) ok = 0;
     if (ok && dev != HSDP_DEVICE_HOST && self->u.widened_bytes) {
         /* the conversion is a host cast: it cannot read device memory */
         PyErr_Format(PyExc_ValueError, "device='%s' needs every compute dtype equal to its storage dtype (the "
@@ -694,7 +706,7 @@ static PyObject *unit_get_view_specs(UnitObject *self, void *c) {
 }
 static PyObject *unit_get_device(UnitObject *self, void *c) {
     (void)c;
-    return PyUnicode_FromString(hsdp_device_name(self->device));
+    return PyUnicode_FromString(self->device_label);
 }
 static PyObject *unit_get_total(UnitObject *self, void *c) {
     (void)c;
