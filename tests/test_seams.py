@@ -575,7 +575,7 @@ def scenario_failed_load(rec, tmp_path):
 def test_forwards_through_adapter_match_numpy_path(rec, param_dtype, depth):
     """Sharded forwards bound in Python equal the plain NumPy path and the unsharded model, bit for bit."""
     scenario_forwards(rec, param_dtype, depth)
-    assert {"cast_inputs", "bind", "unbind", "compute_dtype", "buffer_device"} <= set(rec.calls)
+    assert {"cast_inputs", "bind", "unbind", "compute_dtype", "device_type"} <= set(rec.calls)
 
 
 def test_output_dtype_through_adapter(rec):
@@ -615,7 +615,7 @@ def test_whole_api_through_adapter_covers_the_protocol(rec, tmp_path):
     assert PROTOCOL == {
         "owns", "named_parameters", "add_hooks", "move", "place_whole", "freeze", "dtype", "shape", "is_shardable",
         "is_sharded", "shard_source", "values", "assign", "restore", "held_nbytes", "mark_sharded",
-        "compute_dtype", "check_device", "buffer_device", "cast_inputs", "cast_output", "bind", "unbind",
+        "compute_dtype", "check_device", "device_type", "cast_inputs", "cast_output", "bind", "unbind",
         "copy_state_dict", "unloaded", "named_buffers", "has_forward",
     }
     scenario_forwards(rec, "bfloat16", 1)
