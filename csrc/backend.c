@@ -18,7 +18,8 @@ uint64_t hsdp_now_ns(void) {
 }
 
 /* ---------------------------------------------------------------- the registry */
-static const hsdp_backend *const registry[] = {&hsdp_backend_single, &hsdp_backend_mpi, &hsdp_backend_nccl};
+static const hsdp_backend *const registry[] = {&hsdp_backend_single, &hsdp_backend_mpi, &hsdp_backend_nccl,
+                                              &hsdp_backend_fakedev};
 #define NBACKENDS (sizeof registry / sizeof registry[0])
 
 size_t hsdp_backend_count(void) { return NBACKENDS; }

@@ -211,5 +211,6 @@ hsdp_status hsdp_sendrecv_start(hsdp_req *r, hsdp_group *g, const void *send, si
 extern const hsdp_backend hsdp_backend_single; /* backend_single.c */
 extern const hsdp_backend hsdp_backend_mpi;    /* backend_mpi.c */
 extern const hsdp_backend hsdp_backend_nccl;   /* backend_nccl.c */
+extern const hsdp_backend hsdp_backend_fakedev; /* backend_fakedev.c (tests only) */
 
 #endif

@@ -52,26 +52,31 @@ def buffer_behind(arr):
 
 
 def test_c_registry_lists_backends_in_order():
-    """_C.backends(): single, mpi, nccl in registry order; single usable; nccl built (every build
-    has it: csrc/cuda_abi.h) but not usable until hsdp.nccl loads its libraries."""
+    """_C.backends(): single, mpi, nccl, fakedev in registry order; single usable; nccl built (every
+    build has it: csrc/cuda_abi.h) but not usable until hsdp.nccl loads its libraries; the
+    test-only fakedev only with HSDP_FAKE_DEVICE=1."""
     assert _C.nccl_built()
     rows = _C.backends()
     assert isinstance(rows, tuple) and all(isinstance(r, tuple) and len(r) == 3 for r in rows)
-    assert [r[0] for r in rows] == ["single", "mpi", "nccl"]
+    assert [r[0] for r in rows] == ["single", "mpi", "nccl", "fakedev"]
     assert rows[0] == ("single", True, None)
     assert rows[1] == ("mpi", True, None)  # this checkout is built with MPI (make build)
     name, usable, reason = rows[2]
     assert name == "nccl" and usable is False and reason.startswith(NCCL_REASON)
+    if os.environ.get("HSDP_FAKE_DEVICE") != "1":
+        assert rows[3] == ("fakedev", False, rows[3][2]) and "set HSDP_FAKE_DEVICE=1" in rows[3][2]
 
 
 def test_device_info_comes_from_the_device_tables():
     """Where each backend's buffers live is asked of C: host for single and MPI; NCCL's device is
-    'cuda' (DLPack kDLCUDA)."""
+    'cuda' (DLPack kDLCUDA); fakedev's claims to be a device but is viewed as CPU memory."""
     host = {"kind": "host", "device": "host", "framework": "cpu", "dlpack": (1, 0), "live_bytes": None}
     assert _C.device_info("single") == {"backend": "single", **host}
     assert _C.device_info("mpi") == {"backend": "mpi", **host}
     nccl = _C.device_info("nccl")
     assert (nccl["kind"], nccl["device"], nccl["framework"], nccl["dlpack"][0]) == ("device", "cuda", "cuda", 2)
+    fake = _C.device_info("fakedev")
+    assert (fake["kind"], fake["device"], fake["framework"], fake["dlpack"]) == ("device", "fakedev", "cpu", (1, 0))
     assert group().device_info == _C.device_info("single")
     with pytest.raises(ValueError, match="unknown backend 'tcp'"):
         _C.device_info("tcp")
@@ -97,7 +102,7 @@ def test_unknown_and_unbuilt_backends_are_refused():
         _C.ProcessGroup("tcp")
     with pytest.raises(NotImplementedError, match="NCCL"):
         _C.ProcessGroup("nccl")
-    with pytest.raises(ValueError, match=re.escape("one of 'single', 'mpi', 'nccl', got 'tcp'")):
+    with pytest.raises(ValueError, match=re.escape("one of 'single', 'mpi', 'nccl', 'fakedev', got 'tcp'")):
         hsdp.distributed.init_process_group("tcp")
 
 

@@ -238,7 +238,12 @@ static void test_exec(void) {
 /* The registry by name. test_core is built without MPI: asking for it says what to install;
  * NCCL is known but not built; an unknown name lists the known ones. */
 static void test_registry(void) {
-    CHECK(hsdp_backend_count() == 3 && hsdp_backend_at(3) == NULL);
+    CHECK(hsdp_backend_count() == 4 && hsdp_backend_at(4) == NULL);
+    /* the test-only fake device is never chosen by accident: it needs HSDP_FAKE_DEVICE=1 */
+    const char *fake_why = NULL;
+    unsetenv("HSDP_FAKE_DEVICE");
+    CHECK(hsdp_backend_find("fakedev") == &hsdp_backend_fakedev && hsdp_backend_fakedev.usable(&fake_why) == 0);
+    CHECK(fake_why && strstr(fake_why, "set HSDP_FAKE_DEVICE=1") != NULL);
     CHECK(hsdp_backend_find("single") == &hsdp_backend_single && hsdp_backend_find("mpi") == &hsdp_backend_mpi);
     CHECK(hsdp_backend_find("nccl") != NULL && hsdp_backend_find("tcp") == NULL && hsdp_backend_find(NULL) == NULL);
     const char *why = "unset";
