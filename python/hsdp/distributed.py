@@ -87,7 +87,7 @@ def _auto_backend() -> str:
     if launched_by_mpi():
         return "mpi"
     if _launched_by_torchrun() and "torch" in sys.modules and sys.modules["torch"].cuda.is_available():
-        return "nccl"
+        return devices.world_backend("cuda")  # the backend whose device torch's CUDA tensors view: NCCL
     world_env = os.environ.get("WORLD_SIZE")
     if world_env and world_env.isdigit() and int(world_env) > 1:
         raise RuntimeError(
