@@ -25,10 +25,8 @@ def main(kind: str, param_dtype: str, r: int, s: int) -> None:
     model = make(0)
     model._hsdp_shard_conditions = [cond]  # on the instance: a stock model needs no subclass
     before = dict(model.named_parameters())
-    hsdp.apply_hsdp_to_model(
-        model, hsdp.HSDPInferenceConfig(enabled=True, hsdp_replicate_size=r, hsdp_shard_size=s, param_dtype=param_dtype),
-        target_device=target_device(world),
-    )
+    cfg = hsdp.HSDPInferenceConfig(enabled=True, hsdp_replicate_size=r, hsdp_shard_size=s, param_dtype=param_dtype)
+    hsdp.apply_hsdp_to_model(model, cfg, target_device=target_device(world))
     check_on_device(world, model)
     assert all(before[n] is p for n, p in model.named_parameters()), "parameter identity"
     expect = run(reference(kind, param_dtype), kind)
