@@ -18,7 +18,8 @@ uint64_t hsdp_now_ns(void) {
 }
 
 /* ---------------------------------------------------------------- the registry */
-static const hsdp_backend *const registry[] = {&hsdp_backend_single, &hsdp_backend_mpi, &hsdp_backend_nccl};
+static const hsdp_backend *const registry[] = {&hsdp_backend_single, &hsdp_backend_mpi, &hsdp_backend_nccl,
+                                              &hsdp_backend_fakedev};
 #define NBACKENDS (sizeof registry / sizeof registry[0])
 
 size_t hsdp_backend_count(void) { return NBACKENDS; }
@@ -263,10 +264,6 @@ hsdp_status hsdp_share_read(hsdp_group *g, const void *share, void *out, size_t 
     return g->backend->share_read(g, share, out, nbytes);
 }
 
-void hsdp_buffers_released(const hsdp_backend *b, hsdp_device device) {
-    if (b && device != HSDP_DEVICE_HOST && b->buffers_released) b->buffers_released(device);
-}
-
 static void req_reset(hsdp_req *r, hsdp_group *g, void **share, hsdp_status (*then)(void *), void *then_arg) {
     r->g = g;
     r->share = share;
@@ -344,32 +341,4 @@ hsdp_status hsdp_gather_now(hsdp_req *r, hsdp_group *g, void **share, const void
     run_here(r, send, recv, nbytes);
     if (r->status != HSDP_OK) return hsdp_fail(r->status, "%s", r->err);
     return HSDP_OK;
-}
-
-/* ---------------------------------------------------------------- buffers on a device */
-void *hsdp_device_alloc(hsdp_stats *st, const hsdp_backend *b, hsdp_device device, size_t nbytes) {
-    if (device == HSDP_DEVICE_HOST) return hsdp_buffer_alloc(st, nbytes);
-    if (!b || !b->buffer_alloc) {
-        hsdp_fail(HSDP_EUNSUPPORTED, "backend '%s' cannot allocate %s buffers", b ? b->name : "(none)",
-                  hsdp_device_name(device) ? hsdp_device_name(device) : "unknown-device");
-        return NULL;
-    }
-    void *p = b->buffer_alloc(nbytes, device);
-    if (!p) {
-        hsdp_fail(HSDP_ENOMEM, "backend '%s' could not allocate %zu bytes of %s memory", b->name, nbytes,
-                  hsdp_device_name(device));
-        return NULL;
-    }
-    hsdp_stats_count_alloc(st, nbytes);
-    return p;
-}
-
-void hsdp_device_free(hsdp_stats *st, const hsdp_backend *b, hsdp_device device, void *p, size_t nbytes) {
-    if (device == HSDP_DEVICE_HOST) {
-        hsdp_buffer_free(st, p, nbytes);
-    } else if (p) {
-        hsdp_stats_count_free(st, nbytes);
-        /* a backend that allocates on a device frees there too (both slots are required together) */
-        if (b && b->buffer_free) b->buffer_free(p, nbytes, device);
-    }
 }

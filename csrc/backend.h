@@ -10,10 +10,8 @@
  *                               (MPI: its worker thread; NCCL: a side stream and events).
  *                               Without them a started gather runs before start returns.
  *   overlaps                    whether started gathers really progress in the background
- *   buffer_alloc / buffer_free  unsharded buffers on a device other than the host
- *   buffers_released            buffers of that device went back to the pool: work the
- *                               caller's compute stream was given so far may still read
- *                               them, so later gathers into them must wait for it (NCCL)
+ *   device                      the device its unsharded buffers live on (device.h; NCCL:
+ *                               CUDA); NULL: host memory only
  *   gather_fixed / gather_unit / share_free
  *                               an all-gather of a chunk that never changes after its first
  *                               gather (a unit's shard): from the second gather on the
@@ -38,9 +36,8 @@
 #ifndef HSDP_BACKEND_H
 #define HSDP_BACKEND_H
 
+#include "device.h"
 #include "hsdp.h"
-
-typedef struct hsdp_backend hsdp_backend;
 
 /* Where the size blocks of an all-to-all lie in a buffer, so that a strided tensor is sent or
  * received in place: block j is `inner` contiguous bytes at base + j * step + sum over k of
@@ -80,9 +77,7 @@ struct hsdp_backend {
     hsdp_status (*gather_start)(hsdp_req *r, const void *send, void *recv, size_t nbytes);
     void (*gather_wait)(hsdp_req *r);
     int (*overlaps)(const hsdp_group *g);
-    void *(*buffer_alloc)(size_t nbytes, hsdp_device device);
-    void (*buffer_free)(void *p, size_t nbytes, hsdp_device device);
-    void (*buffers_released)(hsdp_device device);
+    const hsdp_device_i *device;
     hsdp_status (*finalize)(void);
 
     /* All-gathers a chunk that stays the same from this call on. *share starts NULL and is
@@ -188,13 +183,6 @@ void hsdp_share_free(hsdp_group *g, void *share, void *memory);
 const char *hsdp_share_kind(const hsdp_group *g, const void *share);
 /* The chunk a share holds a copy of, into host memory (see the share_read slot). */
 hsdp_status hsdp_share_read(hsdp_group *g, const void *share, void *out, size_t nbytes);
-/* Tells the backend that buffers of `device` went back to the pool (see the slot). */
-void hsdp_buffers_released(const hsdp_backend *b, hsdp_device device);
-
-/* An accounted unsharded buffer on `device`: host memory from hsdp_buffer_alloc, any other
- * device from the backend's buffer slot (HSDP_EUNSUPPORTED when it has none). */
-void *hsdp_device_alloc(hsdp_stats *st, const hsdp_backend *b, hsdp_device device, size_t nbytes);
-void hsdp_device_free(hsdp_stats *st, const hsdp_backend *b, hsdp_device device, void *p, size_t nbytes);
 
 /* How long a collective may wait for its peers before the job is ended (MPI) or the
  * communicators aborted (NCCL); the timeout names who did not arrive (watchdog.h). From HSDP_TIMEOUT (seconds; 0: no limit) on first use, else the default. */
@@ -227,5 +215,6 @@ hsdp_status hsdp_sendrecv_start(hsdp_req *r, hsdp_group *g, const void *send, si
 extern const hsdp_backend hsdp_backend_single; /* backend_single.c */
 extern const hsdp_backend hsdp_backend_mpi;    /* backend_mpi.c */
 extern const hsdp_backend hsdp_backend_nccl;   /* backend_nccl.c */
+extern const hsdp_backend hsdp_backend_fakedev; /* backend_fakedev.c (tests only) */
 
 #endif

@@ -33,6 +33,7 @@
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdatomic.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -66,14 +67,8 @@ hsdp_status hsdp_nccl_set_bootstrap(const unsigned char id[HSDP_NCCL_ID_BYTES], 
     return hsdp_fail(HSDP_EUNSUPPORTED, "%s", not_built);
 }
 void hsdp_nccl_set_compute_stream(void *stream) { (void)stream; }
-hsdp_status hsdp_nccl_stream_wait(void *stream, const void *p, size_t n) {
-    (void)stream, (void)p, (void)n;
-    return HSDP_OK; /* no NCCL buffer can exist */
-}
-void hsdp_nccl_call_stream(void *stream, int set) { (void)stream, (void)set; }
 void hsdp_nccl_set_oom_handler(hsdp_nccl_oom_fn fn, void *arg) { (void)fn, (void)arg; }
 void *hsdp_nccl_comm_stream(void) { return NULL; }
-int hsdp_nccl_device(void) { return 0; }
 
 static int nccl_usable(const char **why) {
     *why = not_built;
@@ -282,12 +277,12 @@ static hsdp_cudaError_t dev_malloc(void **p, size_t n) {
 
 static _Thread_local hsdp_cudaStream_t call_stream;
 static _Thread_local int call_stream_set;
-void hsdp_nccl_call_stream(void *stream, int set) {
+static void nccl_call_stream(void *stream, int set) {
     call_stream = (hsdp_cudaStream_t)stream;
     call_stream_set = set;
 }
 void *hsdp_nccl_comm_stream(void) { return (void *)S.comm; }
-int hsdp_nccl_device(void) { return S.device; }
+static int nccl_device_id(void) { return S.device; } /* one GPU per process */
 
 static const char *nccl_text(hsdp_ncclResult_t rc, nccl_comm *c) {
     const char *last = c && api.ncclGetLastError ? api.ncclGetLastError(c->comm) : NULL;
@@ -521,7 +516,9 @@ static hsdp_status host_wait(hsdp_cudaEvent_t ev, const char *what) {
     }
 }
 
-hsdp_status hsdp_nccl_stream_wait(void *stream, const void *p, size_t n) {
+/* Makes `stream` (a consumer's: NULL, the legacy default stream) wait for every collective
+ * still in flight that writes into [p, p + n); the host never blocks. */
+static hsdp_status stream_wait(void *stream, const void *p, size_t n) {
     if (!S.world_up || !p) return HSDP_OK;
     device_guard();
     const char *lo = p, *hi = lo + n;
@@ -1145,24 +1142,54 @@ static int nccl_overlaps(const hsdp_group *g) {
     return 1;
 }
 
-static void *nccl_buffer_alloc(size_t nbytes, hsdp_device device) {
+/* ---------------------------------------------------------------- the device: CUDA */
+static void *nccl_buffer_alloc(size_t nbytes) {
     void *p = NULL;
-    if (device != HSDP_DEVICE_CUDA || !api.loaded) return NULL;
+    if (!api.loaded) return NULL;
     device_guard();
-    return dev_malloc(&p, nbytes ? nbytes : 1) == hsdp_cudaSuccess ? p : NULL;
+    return dev_malloc(&p, nbytes) == hsdp_cudaSuccess ? p : NULL;
 }
 
-static void nccl_buffer_free(void *p, size_t nbytes, hsdp_device device) {
+static void nccl_buffer_free(void *p, size_t nbytes) {
     device_guard();
-    (void)nbytes, (void)device;
+    (void)nbytes;
     if (p) CUDA(cudaFree, p);
 }
 
-static void nccl_buffers_released(hsdp_device device) {
-    if (device != HSDP_DEVICE_CUDA || !S.world_up) return;
+static void nccl_buffers_released(void) {
+    if (!S.world_up) return;
     device_guard();
     if (CUDA(cudaEventRecord, S.released, S.compute) == hsdp_cudaSuccess) S.have_released = 1;
 }
+
+/* DLPack's CUDA streams: None or 1 (the legacy default stream), 2 (per-thread default), -1
+ * (the consumer orders itself) or a stream handle; 0 is ambiguous and refused. */
+static hsdp_status nccl_consumer_wait(int given, long long stream, const void *p, size_t n) {
+    if (given && (stream == 0 || stream < -1))
+        return hsdp_fail(HSDP_EINVAL, "__dlpack__(stream=%lld): a CUDA consumer's stream is None, -1, 1, 2 or a "
+                                      "stream handle (DLPack forbids 0)", stream);
+    if (given && stream == -1) return HSDP_OK;
+    return stream_wait(!given || stream == 1 ? NULL : (void *)(uintptr_t)stream, p, n);
+}
+
+static const char *nccl_wire_missing(void) {
+    return hsdp_wire_cuda_loaded() ? NULL
+                                   : "dequantizes with a GPU kernel that is not loaded: call hsdp.nccl.load_wire_kernel() "
+                                     "first (it needs NVRTC and the CUDA driver)";
+}
+
+static const hsdp_device_i nccl_device = {
+    .name = "cuda",
+    .framework = "cuda",
+    .dlpack_type = 2, /* kDLCUDA */
+    .dlpack_id = nccl_device_id,
+    .alloc = nccl_buffer_alloc,
+    .free = nccl_buffer_free,
+    .released = nccl_buffers_released,
+    .consumer_wait = nccl_consumer_wait,
+    .call_stream = nccl_call_stream,
+    .wire_missing = nccl_wire_missing,
+};
 
 /* ---------------------------------------------------------------- communicators */
 static hsdp_status comm_wrap(hsdp_ncclComm_t comm, int rank, int size, hsdp_group **out) {
@@ -1473,9 +1500,7 @@ const hsdp_backend hsdp_backend_nccl = {
     .gather_start = nccl_gather_start,
     .gather_wait = nccl_gather_wait,
     .overlaps = nccl_overlaps,
-    .buffer_alloc = nccl_buffer_alloc,
-    .buffer_free = nccl_buffer_free,
-    .buffers_released = nccl_buffers_released,
+    .device = &nccl_device,
     .finalize = nccl_finalize,
     .gather_fixed = nccl_gather_fixed,
     .gather_unit = nccl_gather_unit,

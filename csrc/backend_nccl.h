@@ -28,14 +28,6 @@ hsdp_status hsdp_nccl_set_bootstrap(const unsigned char id[HSDP_NCCL_ID_BYTES], 
 /* The stream the caller's framework computes on (torch's current stream; NULL: the legacy
  * default stream). Gathers make it wait on their completion, never the host. */
 void hsdp_nccl_set_compute_stream(void *stream);
-/* Makes `stream` (a consumer's: NULL, the legacy default stream) wait for every collective
- * still in flight that writes into [p, p + n): a buffer exported over DLPack is read on the
- * consumer's stream only after its gather has landed. The host never blocks. */
-hsdp_status hsdp_nccl_stream_wait(void *stream, const void *p, size_t n);
-/* Until called again with set = 0, the collectives on device addresses this thread makes
- * order on `stream` (the caller's current stream) instead of the compute stream: they wait
- * for its work before reading, and it waits for them before its later work. */
-void hsdp_nccl_call_stream(void *stream, int set);
 /* Called when a cudaMalloc of the backend's fails for lack of memory, before it retries once:
  * it may free what a framework caches (Python registers torch.cuda.empty_cache). Returns
  * nonzero when it freed something worth a retry. NULL: no retry. */
@@ -43,7 +35,6 @@ typedef int (*hsdp_nccl_oom_fn)(void *arg);
 void hsdp_nccl_set_oom_handler(hsdp_nccl_oom_fn fn, void *arg);
 /* The side stream gathers run on (NULL before the world exists), for timing with events. */
 void *hsdp_nccl_comm_stream(void);
-/* The CUDA device this process runs on (0 before the world exists). */
-int hsdp_nccl_device(void);
+/* Its device (CUDA: allocation, DLPack export, streams) is the backend table's device slot. */
 
 #endif

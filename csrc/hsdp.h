@@ -108,12 +108,9 @@ typedef struct {
 
 void hsdp_stats_init(hsdp_stats *st);
 
-/* Where an unsharded buffer lives. Host memory needs nothing from a backend; any other
- * device is allocated by the backend's buffer slot (see backend.h). */
-typedef enum { HSDP_DEVICE_HOST = 0, HSDP_DEVICE_CUDA = 1, HSDP_DEVICE_COUNT } hsdp_device;
-const char *hsdp_device_name(hsdp_device d);
-/* Exact name ("host", "cuda") -> device. 0 on success, -1 if unknown (no error recorded). */
-int hsdp_device_from_name(const char *name, hsdp_device *out);
+/* Where an unsharded buffer lives: host memory, which needs nothing from a backend, or the
+ * device of the backend that allocates it (its device table, device.h, says which). */
+typedef enum { HSDP_DEVICE_HOST = 0, HSDP_DEVICE_BACKEND = 1 } hsdp_device;
 
 /* memory.c: aligned (64 bytes) host memory, accounted as unsharded. Returns NULL (and
  * records an error) on failure. The caller owns the result and gives it back with

@@ -72,18 +72,3 @@ void hsdp_buffer_free(hsdp_stats *st, void *p, size_t nbytes) {
     hsdp_stats_count_free(st, nbytes);
     free(p);
 }
-
-static const char *const device_names[HSDP_DEVICE_COUNT] = {[HSDP_DEVICE_HOST] = "host", [HSDP_DEVICE_CUDA] = "cuda"};
-
-const char *hsdp_device_name(hsdp_device d) {
-    return (unsigned)d < (unsigned)HSDP_DEVICE_COUNT ? device_names[d] : NULL;
-}
-
-int hsdp_device_from_name(const char *name, hsdp_device *out) {
-    for (int i = 0; name && i < HSDP_DEVICE_COUNT; i++)
-        if (strcmp(name, device_names[i]) == 0) {
-            *out = (hsdp_device)i;
-            return 0;
-        }
-    return -1;
-}

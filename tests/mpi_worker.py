@@ -10,6 +10,7 @@ of leaving them waiting in a collective.
 from __future__ import annotations
 
 import gc
+import os
 import sys
 
 import numpy as np
@@ -391,14 +392,15 @@ SCENARIOS = {name[9:]: fn for name, fn in globals().items() if name.startswith("
 def main() -> None:
     R = int(sys.argv[1])
     names = sys.argv[2:] or list(SCENARIOS)
-    world = init_process_group()
+    world = init_process_group(os.environ.get("HSDP_TEST_BACKEND", "auto"))  # tests/mpirun.py FAKEDEV
     for name in names:
         SCENARIOS[name](R)
         # A sharded module and its unit state refer to each other; free the scenario's model
         # now so the next scenario's byte accounting starts from zero.
         gc.collect()
         world.barrier()
-    print(f"rank {world.rank}/{world.size} mesh ({R}x{world.size // R}): {' '.join(names)} OK", flush=True)
+    mesh = f"({R}x{world.size // R})"
+    print(f"rank {world.rank}/{world.size} mesh {mesh}: {' '.join(names)} OK on {world.backend}", flush=True)
 
 
 if __name__ == "__main__":

@@ -33,9 +33,18 @@ def mpiexec() -> str:
     return exe
 
 
-def run_ranks(n: int, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    """Runs `python ARGS...` on n ranks; fails the test with the output if any rank fails."""
-    env = {**os.environ, **MPI_ENV}
+# What makes a worker run on the test-only fake-device backend (csrc/backend_fakedev.c: host
+# memory that claims to be a device, over MPI): workers start their world with
+# init_process_group(os.environ.get("HSDP_TEST_BACKEND", "auto")), and torch workers put
+# their buffers on the device its device_info names (tests/torch_models.py, target_device).
+FAKEDEV = {"HSDP_FAKE_DEVICE": "1", "HSDP_TEST_BACKEND": "fakedev"}
+
+
+def run_ranks(n: int, *args: str, timeout: float = 300,
+              env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Runs `python ARGS...` on n ranks (with `env` added: FAKEDEV, say); fails the test with
+    the output if any rank fails."""
+    env = {**os.environ, **MPI_ENV, **(env or {})}
     cmd = [mpiexec(), "-n", str(n), sys.executable, *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:

@@ -14,12 +14,12 @@ import torch
 import hsdp
 from hsdp import parallel
 from hsdp.parallel_torch import apply_sequence_parallel_torch
-from torch_models import is_wan_block, make_wan, wan_inputs
+from torch_models import check_on_device, is_wan_block, make_wan, target_device, worker_world, wan_inputs
 
 
 def main() -> None:
     dtype = sys.argv[1]
-    world = hsdp.distributed.init_process_group()
+    world = worker_world()
     sp = parallel.Ulysses(world)
     args, kwargs = wan_inputs()
     ref = make_wan(0)
@@ -30,7 +30,9 @@ def main() -> None:
         ref._hsdp_shard_conditions = [is_wan_block]
         unsharded_reference(ref, "bfloat16")
     model._hsdp_shard_conditions = [is_wan_block]
-    hsdp.apply_hsdp_to_model(model, hsdp.HSDPInferenceConfig(enabled=True, param_dtype=dtype))
+    hsdp.apply_hsdp_to_model(model, hsdp.HSDPInferenceConfig(enabled=True, param_dtype=dtype),
+                             target_device=target_device(world))
+    check_on_device(world, model)
     apply_sequence_parallel_torch(model, sp)
     with torch.inference_mode():
         expect = ref(*args, **kwargs)[0].float()
@@ -38,7 +40,7 @@ def main() -> None:
             got = model(*args, **kwargs)[0].float()
             rel = ((got - expect).abs().max() / expect.abs().max()).item()
             assert rel <= (1e-5 if dtype == "float32" else 2e-2), rel
-    print(f"rank {world.rank}: torch ulysses ok, relative {rel:.3g}", flush=True)
+    print(f"rank {world.rank}: torch ulysses ok on {world.backend}, relative {rel:.3g}", flush=True)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from mpirun import run_ranks
+from mpirun import FAKEDEV, run_ranks
 
 MESHES = [(1, 2), (1, 4), (2, 2), (4, 1), (2, 4), (1, 8)]
 
@@ -21,6 +21,16 @@ def test_mesh_all_scenarios(replicate: int, shard: int) -> None:
     # Ranks share stdout, so their lines may run together: count ranks, not lines.
     done = set(re.findall(r"rank (\d+)/\d+ mesh \(\d+x\d+\): [\w ]+ OK", proc.stdout))
     assert done == {str(r) for r in range(replicate * shard)}, proc.stdout
+
+
+def test_fake_device_backend_runs_the_core_scenarios() -> None:
+    """A backend is one file plus a registry line: the test-only fakedev (a device table over
+    MPI's collectives, csrc/backend_fakedev.c) runs representative scenarios on a 2x2 mesh
+    with the same parity asserts as MPI (NumPy's buffers stay host memory: its views need it)."""
+    scenarios = ["float32", "bfloat16", "replicas", "prefetch", "async_unshard", "resident_budget"]
+    proc = run_ranks(4, "tests/mpi_worker.py", "2", *scenarios, env=FAKEDEV)
+    done = set(re.findall(r"rank (\d+)/4 mesh \(2x2\): [\w ]+ OK on fakedev", proc.stdout))
+    assert done == {"0", "1", "2", "3"}, proc.stdout
 
 
 def test_failing_rank_ends_job_under_plain_mpiexec() -> None:

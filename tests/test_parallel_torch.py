@@ -7,7 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")  # torch is an optional dependency; make test installs it
 
-from mpirun import run_ranks  # noqa: E402
+from mpirun import FAKEDEV, run_ranks  # noqa: E402
 from torch_models import make_flux, make_wan  # noqa: E402
 
 from hsdp import parallel  # noqa: E402
@@ -19,6 +19,13 @@ from hsdp.parallel_torch import apply_sequence_parallel_torch  # noqa: E402
 def test_wan_with_ulysses_and_hsdp_matches_the_unsharded_model(dtype):
     out = run_ranks(2, "tests/parallel_torch_worker.py", dtype).stdout
     assert out.count("torch ulysses ok") == 2, out
+
+
+def test_ulysses_and_hsdp_on_the_fake_device():
+    """HSDP x Ulysses on the test-only fakedev backend: device buffers, and the exchanges on
+    device addresses (all_to_all_device), within the same tolerance as on MPI."""
+    out = run_ranks(2, "tests/parallel_torch_worker.py", "float32", env=FAKEDEV).stdout
+    assert out.count("torch ulysses ok on fakedev") == 2, out
 
 
 def test_only_wan_models_and_divisible_heads_are_taken():

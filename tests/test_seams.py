@@ -52,16 +52,34 @@ def buffer_behind(arr):
 
 
 def test_c_registry_lists_backends_in_order():
-    """_C.backends(): single, mpi, nccl in registry order; single usable; nccl built (every build
-    has it: csrc/cuda_abi.h) but not usable until hsdp.nccl loads its libraries."""
+    """_C.backends(): single, mpi, nccl, fakedev in registry order; single usable; nccl built (every
+    build has it: csrc/cuda_abi.h) but not usable until hsdp.nccl loads its libraries; the
+    test-only fakedev only with HSDP_FAKE_DEVICE=1."""
     assert _C.nccl_built()
     rows = _C.backends()
     assert isinstance(rows, tuple) and all(isinstance(r, tuple) and len(r) == 3 for r in rows)
-    assert [r[0] for r in rows] == ["single", "mpi", "nccl"]
+    assert [r[0] for r in rows] == ["single", "mpi", "nccl", "fakedev"]
     assert rows[0] == ("single", True, None)
     assert rows[1] == ("mpi", True, None)  # this checkout is built with MPI (make build)
     name, usable, reason = rows[2]
     assert name == "nccl" and usable is False and reason.startswith(NCCL_REASON)
+    if os.environ.get("HSDP_FAKE_DEVICE") != "1":
+        assert rows[3] == ("fakedev", False, rows[3][2]) and "set HSDP_FAKE_DEVICE=1" in rows[3][2]
+
+
+def test_device_info_comes_from_the_device_tables():
+    """Where each backend's buffers live is asked of C: host for single and MPI; NCCL's device is
+    'cuda' (DLPack kDLCUDA); fakedev's claims to be a device but is viewed as CPU memory."""
+    host = {"kind": "host", "device": "host", "framework": "cpu", "dlpack": (1, 0), "live_bytes": None}
+    assert _C.device_info("single") == {"backend": "single", **host}
+    assert _C.device_info("mpi") == {"backend": "mpi", **host}
+    nccl = _C.device_info("nccl")
+    assert (nccl["kind"], nccl["device"], nccl["framework"], nccl["dlpack"][0]) == ("device", "cuda", "cuda", 2)
+    fake = _C.device_info("fakedev")
+    assert (fake["kind"], fake["device"], fake["framework"], fake["dlpack"]) == ("device", "fakedev", "cpu", (1, 0))
+    assert group().device_info == _C.device_info("single")
+    with pytest.raises(ValueError, match="unknown backend 'tcp'"):
+        _C.device_info("tcp")
 
 
 def test_distributed_backends_maps_name_to_reason():
@@ -84,7 +102,7 @@ def test_unknown_and_unbuilt_backends_are_refused():
         _C.ProcessGroup("tcp")
     with pytest.raises(NotImplementedError, match="NCCL"):
         _C.ProcessGroup("nccl")
-    with pytest.raises(ValueError, match=re.escape("one of 'single', 'mpi', 'nccl', got 'tcp'")):
+    with pytest.raises(ValueError, match=re.escape("one of 'single', 'mpi', 'nccl', 'fakedev', got 'tcp'")):
         hsdp.distributed.init_process_group("tcp")
 
 
@@ -166,7 +184,7 @@ def test_unit_constructor_validates_compute_dtypes_device_and_binding():
         _C.Unit(g, ["float32"], [(4,)], compute_dtypes=["int32"])
     with pytest.raises(ValueError, match="got 2 compute_dtypes but 1 shapes"):
         _C.Unit(g, ["float32"], [(4,)], compute_dtypes=["float32", "float32"])
-    with pytest.raises(ValueError, match="device must be 'host' or 'cuda', got 'tpu'"):
+    with pytest.raises(ValueError, match="device must be one of 'host', 'cuda'.*, got 'tpu'"):
         _C.Unit(g, ["float32"], [(4,)], device="tpu")
     with pytest.raises(ValueError, match="bind_attr needs params"):
         _C.Unit(g, ["float32"], [(4,)], bind_attr="_data")
@@ -194,7 +212,7 @@ def test_cuda_unit_on_single_backend_stays_sharded():
         _C.Unit(group(), ["bfloat16"], [(16,)], device="cuda", compute_dtypes=["float32"])
     before = hsdp.memory_stats()
     for call in (u.unshard, u.start_unshard):
-        with pytest.raises(NotImplementedError, match=re.escape("backend 'single' cannot allocate cuda buffers")):
+        with pytest.raises(NotImplementedError, match=re.escape("backend 'single' has no device: it cannot allocate")):
             call()
         assert not u.is_unsharded and not u.holds_buffers and not u.is_pending and u.buffers() is None
         after = hsdp.memory_stats()
@@ -562,7 +580,7 @@ def scenario_failed_load(rec, tmp_path):
 def test_forwards_through_adapter_match_numpy_path(rec, param_dtype, depth):
     """Sharded forwards bound in Python equal the plain NumPy path and the unsharded model, bit for bit."""
     scenario_forwards(rec, param_dtype, depth)
-    assert {"cast_inputs", "bind", "unbind", "compute_dtype", "buffer_device"} <= set(rec.calls)
+    assert {"cast_inputs", "bind", "unbind", "compute_dtype", "device_type"} <= set(rec.calls)
 
 
 def test_output_dtype_through_adapter(rec):
@@ -602,7 +620,7 @@ def test_whole_api_through_adapter_covers_the_protocol(rec, tmp_path):
     assert PROTOCOL == {
         "owns", "named_parameters", "add_hooks", "move", "place_whole", "freeze", "dtype", "shape", "is_shardable",
         "is_sharded", "shard_source", "values", "assign", "restore", "held_nbytes", "mark_sharded",
-        "compute_dtype", "check_device", "buffer_device", "cast_inputs", "cast_output", "bind", "unbind",
+        "compute_dtype", "check_device", "device_type", "cast_inputs", "cast_output", "bind", "unbind",
         "copy_state_dict", "unloaded", "named_buffers", "has_forward",
     }
     scenario_forwards(rec, "bfloat16", 1)

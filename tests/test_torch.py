@@ -15,7 +15,7 @@ import torch
 
 import hsdp
 from hsdp.distributed import init_process_group
-from mpirun import run_ranks
+from mpirun import FAKEDEV, run_ranks
 from torch_models import MODELS, is_linear, is_time_embedder, is_wan_block, make_wan, reference, run, wan_inputs
 
 init_process_group("single")
@@ -63,6 +63,15 @@ def test_parity_across_ranks(mesh):
     assert out.count("ok") == r * s * len(specs), out
     if mesh == (1, 2):
         assert out.count("ok wire") == 2, out
+
+
+def test_parity_on_the_fake_device():
+    """On the test-only fakedev backend (tests/mpirun.py FAKEDEV) with the target device its
+    device_info names: every unit's buffers are the fake device's, exported over DLPack, and
+    Wan and Flux still equal the unsharded model bit for bit."""
+    out = run_ranks(2, "tests/torch_worker.py", "1", "2", "wan:float32", "flux:bfloat16", env=FAKEDEV,
+                    timeout=300).stdout
+    assert out.count("on fakedev") == 2 * 2, out
 
 
 def test_parameters_keep_identity_and_become_placeholders():

@@ -10,6 +10,35 @@ from typing import Any, Callable
 import torch
 
 
+def worker_world() -> Any:
+    """The world a worker runs on: HSDP_TEST_BACKEND's (tests/mpirun.py FAKEDEV), else "auto"."""
+    import os
+
+    import hsdp
+
+    return hsdp.distributed.init_process_group(os.environ.get("HSDP_TEST_BACKEND", "auto"))
+
+
+def target_device(world: Any) -> str | None:
+    """Where a worker puts its sharded model: the device type the world's device is viewed as,
+    when its backend has a device (fakedev: 'cpu', its buffers then on the fake device), else
+    None (host buffers), as the C core's device_info says."""
+    import hsdp
+
+    info = hsdp.devices.of_group(world)
+    return info.framework if info.on_device else None
+
+
+def check_on_device(world: Any, model: Any) -> None:
+    """On a backend with a device, every unit's buffers are that device's."""
+    import hsdp
+
+    info = hsdp.devices.of_group(world)
+    if info.on_device:
+        got = {u.unit.device for u in hsdp.get_units(model)}
+        assert got == {info.device}, (got, info)
+
+
 def is_wan_block(name: str, module: Any) -> bool:
     return name.startswith("blocks.") and name.count(".") == 1
 

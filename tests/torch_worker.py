@@ -15,19 +15,19 @@ import sys
 import torch
 
 import hsdp
-from torch_models import MODELS, reference, run
+from torch_models import MODELS, check_on_device, reference, run, target_device, worker_world
 
 
 def main(kind: str, param_dtype: str, r: int, s: int) -> None:
-    world = hsdp.distributed.init_process_group()
-    assert world.backend == "mpi" and world.size == r * s, (world.backend, world.size)
+    world = worker_world()
+    assert world.backend in ("mpi", "fakedev") and world.size == r * s, (world.backend, world.size)
     make, _, cond = MODELS[kind]
     model = make(0)
     model._hsdp_shard_conditions = [cond]  # on the instance: a stock model needs no subclass
     before = dict(model.named_parameters())
-    hsdp.apply_hsdp_to_model(
-        model, hsdp.HSDPInferenceConfig(enabled=True, hsdp_replicate_size=r, hsdp_shard_size=s, param_dtype=param_dtype)
-    )
+    cfg = hsdp.HSDPInferenceConfig(enabled=True, hsdp_replicate_size=r, hsdp_shard_size=s, param_dtype=param_dtype)
+    hsdp.apply_hsdp_to_model(model, cfg, target_device=target_device(world))
+    check_on_device(world, model)
     assert all(before[n] is p for n, p in model.named_parameters()), "parameter identity"
     expect = run(reference(kind, param_dtype), kind)
     for i in range(3):  # the first forward records, the later ones prefetch
@@ -42,7 +42,7 @@ def main(kind: str, param_dtype: str, r: int, s: int) -> None:
     assert not bad, f"rank {world.rank}: state dict differs at {bad[:3]}"
     units = hsdp.get_units(model)
     assert sum(u.unit.chunk_bytes for u in units) * s == sum(u.unit.total_bytes for u in units)  # 1/S each
-    print(f"rank {world.rank}: ok {kind} {param_dtype} {r}x{s}")
+    print(f"rank {world.rank}: ok {kind} {param_dtype} {r}x{s} on {world.backend}")
 
 
 def load(folder: str, param_dtype: str, r: int, s: int) -> None:

@@ -10,7 +10,7 @@ static BufferObject *buffer_new(modstate *ms, size_t n, const hsdp_backend *b, h
     void *p = hsdp_device_alloc(&ms->stats, b, device, n);
     if (!p) {
         /* hsdp_device_alloc recorded why; a missing slot is "not supported", else memory */
-        int unsupported = device != HSDP_DEVICE_HOST && (!b || !b->buffer_alloc);
+        int unsupported = device != HSDP_DEVICE_HOST && !hsdp_backend_device(b);
         return (BufferObject *)hsdp_py_raise(unsupported ? HSDP_EUNSUPPORTED : HSDP_ENOMEM);
     }
     BufferObject *buf = PyObject_New(BufferObject, ms->buffer_type);
@@ -75,13 +75,15 @@ BufferObject *hsdp_py_buffer_take(modstate *ms, size_t n, const hsdp_backend *b,
     }
     /* The newest idle buffer of exactly this size first: units of one model repeat sizes. */
     for (int i = ms->pool_n - 1; i >= 0; i--)
-        if (ms->pool[i]->n == n && ms->pool[i]->device == device) return pool_remove(ms, i, OUT_TO_USE);
+        if (ms->pool[i]->n == n && ms->pool[i]->device == device &&
+            (device == HSDP_DEVICE_HOST || ms->pool[i]->backend == b))
+            return pool_remove(ms, i, OUT_TO_USE);
     return buffer_new(ms, n, b, device);
 }
 
 void hsdp_py_buffer_give(modstate *ms, BufferObject *b) {
     if (!b) return;
-    /* the compute stream may still read a device buffer: later gathers into it wait (NCCL) */
+    /* the compute stream may still read a device buffer: later gathers into it wait */
     hsdp_buffers_released(b->backend, b->device);
     /* idle: nobody but the caller and what an adapter kept with it holds it */
     if (Py_REFCNT(b) == 1 + b->kept_refs && ms->pool_cap > 0 && b->n > 0) {
@@ -114,7 +116,8 @@ static void buffer_dealloc(BufferObject *self) {
  * numpy.frombuffer). A write would be lost at reshard, so none is allowed. */
 static int buffer_getbuffer(BufferObject *self, Py_buffer *view, int flags) {
     if (self->device != HSDP_DEVICE_HOST) {
-        PyErr_Format(PyExc_BufferError, "a %s buffer has no host bytes to export", hsdp_device_name(self->device));
+        PyErr_Format(PyExc_BufferError, "a %s buffer has no host bytes to export",
+                     hsdp_device_label(self->backend, self->device));
         view->obj = NULL;
         return -1;
     }
@@ -127,7 +130,7 @@ static PyObject *buffer_get_nbytes(BufferObject *self, void *c) {
 }
 static PyObject *buffer_get_device(BufferObject *self, void *c) {
     (void)c;
-    return PyUnicode_FromString(hsdp_device_name(self->device));
+    return PyUnicode_FromString(hsdp_device_label(self->backend, self->device));
 }
 static PyObject *buffer_get_address(BufferObject *self, void *c) {
     (void)c;
@@ -174,7 +177,7 @@ static PyGetSetDef buffer_getset[] = {
     {"kept_refs", (getter)buffer_get_kept_refs, (setter)buffer_set_kept_refs,
      "how many references to this buffer `kept` holds: the pool still counts the buffer idle", NULL},
     {"nbytes", (getter)buffer_get_nbytes, NULL, "size in bytes", NULL},
-    {"device", (getter)buffer_get_device, NULL, "'host' or 'cuda'", NULL},
+    {"device", (getter)buffer_get_device, NULL, "'host', or the name of its backend's device ('cuda')", NULL},
     {"address", (getter)buffer_get_address, NULL, "the address of the first byte (64-byte aligned)", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
@@ -204,17 +207,22 @@ static PyObject *mod_set_pool_capacity(PyObject *m, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* One entry of pool_reserve's sizes: an int (host bytes) or (bytes, device name). */
-static int reserve_entry(PyObject *item, size_t *n, hsdp_device *dev) {
+/* One entry of pool_reserve's sizes: an int (host bytes) or (bytes, device name); *b is the
+ * backend whose device that is (NULL for host memory). */
+static int reserve_entry(PyObject *item, size_t *n, hsdp_device *dev, const hsdp_backend **b) {
     *dev = HSDP_DEVICE_HOST;
+    *b = NULL;
     PyObject *size = item;
     if (PyTuple_Check(item)) {
-        const char *name = NULL;
+        const char *name = NULL, *label = NULL;
         if (!PyArg_ParseTuple(item, "Os;pool_reserve entries are sizes or (size, device)", &size, &name)) return -1;
-        if (hsdp_device_from_name(name, dev) < 0) {
-            PyErr_Format(PyExc_ValueError, "device must be 'host' or 'cuda', got '%s'", name);
+        if (hsdp_device_parse(name, dev, &label) < 0) {
+            char choices[128];
+            PyErr_Format(PyExc_ValueError, "device must be one of %s, got '%s'",
+                         hsdp_device_choices(choices, sizeof choices), name);
             return -1;
         }
+        if (*dev != HSDP_DEVICE_HOST) *b = hsdp_device_backend(label);
     }
     *n = PyLong_AsSize_t(size);
     return *n == (size_t)-1 && PyErr_Occurred() ? -1 : 0;
@@ -246,20 +254,22 @@ static PyObject *mod_pool_reserve(PyObject *m, PyObject *args) {
     for (Py_ssize_t i = 0; i < n; i++) {
         size_t want;
         hsdp_device dev;
-        if (reserve_entry(PySequence_Fast_GET_ITEM(seq, i), &want, &dev) < 0) {
+        const hsdp_backend *owner;
+        if (reserve_entry(PySequence_Fast_GET_ITEM(seq, i), &want, &dev, &owner) < 0) {
             rc = -1;
             break;
         }
         BufferObject *b = NULL;
         for (int k = 0; k < nidle; k++)
-            if (idle[k] && idle[k]->n == want && idle[k]->device == dev) {
+            if (idle[k] && idle[k]->n == want && idle[k]->device == dev &&
+                (dev == HSDP_DEVICE_HOST || idle[k]->backend == owner)) {
                 b = idle[k];
                 idle[k] = NULL;
                 break;
             }
         if (!b) {
-            /* device buffers come from the backend of that device (one per process) */
-            b = buffer_new(ms, want, dev == HSDP_DEVICE_HOST ? NULL : hsdp_backend_find("nccl"), dev);
+            /* device buffers come from the backend whose device that is (one per process) */
+            b = buffer_new(ms, want, owner, dev);
             if (!b) {
                 rc = -1;
                 break;

@@ -12,7 +12,7 @@ typedef struct {
     uint32_t major, minor;
 } DLPackVersion;
 typedef struct {
-    int32_t device_type; /* kDLCPU = 1, kDLCUDA = 2 */
+    int32_t device_type; /* kDLCPU = 1, kDLCUDA = 2: host buffers are kDLCPU, others as their device says */
     int32_t device_id;
 } DLDevice;
 typedef struct {
@@ -87,10 +87,15 @@ static void capsule_legacy(PyObject *cap) {
     }
 }
 
+/* The buffer's device table, or NULL for host memory. */
+static const hsdp_device_i *device_i(const BufferObject *b) {
+    return b->device == HSDP_DEVICE_HOST ? NULL : hsdp_backend_device(b->backend);
+}
+
 static DLDevice device_of(const BufferObject *b) {
-    /* one GPU per process: the one the NCCL backend runs on */
-    DLDevice d = {b->device == HSDP_DEVICE_CUDA ? 2 : 1, b->device == HSDP_DEVICE_CUDA ? hsdp_nccl_device() : 0};
-    return d;
+    const hsdp_device_i *d = device_i(b);
+    DLDevice out = {d ? d->dlpack_type : 1 /* kDLCPU */, d && d->dlpack_id ? d->dlpack_id() : 0};
+    return out;
 }
 
 /* __dlpack__(*, stream=None, max_version=None, dl_device=None, copy=None) */
@@ -108,31 +113,26 @@ static PyObject *buffer_dlpack(BufferObject *self, PyObject *args, PyObject *kw)
             return NULL;
         if (type != own.device_type || id != own.device_id)
             return PyErr_Format(PyExc_BufferError, "an hsdp %s buffer lives on DLPack device (%d, %d), not (%d, %d); "
-                                "it is exported without a copy", hsdp_device_name(self->device), own.device_type,
+                                "it is exported without a copy", hsdp_device_label(self->backend, self->device),
+                                own.device_type,
                                 own.device_id, type, id);
     }
-    if (self->device == HSDP_DEVICE_CUDA) {
-        /* The consumer's stream waits for the gather writing this buffer (the host does not):
-         * DLPack's CUDA streams are None or 1 (the legacy default stream), 2 (per-thread
-         * default), -1 (the consumer orders itself) or a stream handle; 0 is ambiguous. */
-        void *handle = NULL;
-        int order = 1;
+    const hsdp_device_i *dev = device_i(self);
+    if (dev && dev->consumer_wait) {
+        /* The consumer's stream waits for the gather writing this buffer (the host does not);
+         * the device reads its own DLPack stream conventions. A device without streams, and
+         * host memory, has landed once the gather's wait returned: stream is not needed. */
+        long long v = 0;
         if (stream != Py_None) {
-            long long v = PyLong_AsLongLong(stream);
+            v = PyLong_AsLongLong(stream);
             if (v == -1 && PyErr_Occurred()) return NULL;
-            if (v == 0 || v < -1)
-                return PyErr_Format(PyExc_BufferError, "__dlpack__(stream=%lld): a CUDA consumer's stream is None, -1, "
-                                    "1, 2 or a stream handle (DLPack forbids 0)", v);
-            order = v != -1;
-            handle = v == 1 ? NULL : (void *)(uintptr_t)v;
         }
-        if (order) {
-            hsdp_status st;
-            Py_BEGIN_ALLOW_THREADS
-            st = hsdp_nccl_stream_wait(handle, self->p, self->n);
-            Py_END_ALLOW_THREADS
-            if (st != HSDP_OK) return hsdp_py_raise(st);
-        }
+        hsdp_status st;
+        Py_BEGIN_ALLOW_THREADS
+        st = dev->consumer_wait(stream != Py_None, v, self->p, self->n);
+        Py_END_ALLOW_THREADS
+        if (st == HSDP_EINVAL) return PyErr_Format(PyExc_BufferError, "%s", hsdp_last_error());
+        if (st != HSDP_OK) return hsdp_py_raise(st);
     }
     long major = 0;
     if (max_version != Py_None) {
@@ -181,8 +181,8 @@ static PyObject *buffer_dlpack_device(BufferObject *self, PyObject *unused) {
 PyMethodDef hsdp_py_dlpack_methods[] = {
     {"__dlpack__", (PyCFunction)(void (*)(void))buffer_dlpack, METH_VARARGS | METH_KEYWORDS,
      "__dlpack__(*, stream=None, max_version=None, dl_device=None, copy=None): the buffer as a 1-D uint8 "
-     "DLPack tensor, zero-copy; it keeps the buffer alive until the consumer lets go. A CUDA buffer makes the "
-     "consumer's stream wait for the gather writing it (stream=-1: no ordering). The read-only flag is set, "
+     "DLPack tensor, zero-copy; it keeps the buffer alive until the consumer lets go. A buffer on a device with "
+     "streams (CUDA) makes the consumer's stream wait for the gather writing it (stream=-1: no ordering). The read-only flag is set, "
      "but torch ignores it: a write through the tensor changes the gathered weights until the next reshard."},
     {"__dlpack_device__", (PyCFunction)buffer_dlpack_device, METH_NOARGS, "(device type, device id) for DLPack."},
     {NULL, NULL, 0, NULL},

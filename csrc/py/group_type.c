@@ -63,6 +63,11 @@ static PyObject *group_get_backend(GroupObject *self, void *c) {
     (void)c;
     return PyUnicode_FromString(self->g->backend->name);
 }
+static PyObject *device_info(const hsdp_backend *b);
+static PyObject *group_get_device_info(GroupObject *self, void *c) {
+    (void)c;
+    return device_info(self->g->backend);
+}
 static PyObject *group_get_overlaps(GroupObject *self, void *c) {
     (void)c;
     return PyBool_FromLong(hsdp_group_overlaps(self->g));
@@ -231,6 +236,12 @@ static PyObject *group_sendrecv_start(GroupObject *self, PyObject *args, PyObjec
     Py_RETURN_NONE;
 }
 
+/* Device addresses are only meaningful to a backend with a device (device.h). */
+static PyObject *no_device(GroupObject *self) {
+    return PyErr_Format(PyExc_ValueError, "device addresses need a GPU backend (a backend with a device, such as "
+                        "nccl); this group runs on '%s', which has host memory only", self->g->backend->name);
+}
+
 /* sendrecv_device / sendrecv_start_device(send_addr, dest, recv_addr, source, nbytes): the
  * same on device memory given as addresses (torch's data_ptr(); nccl), ordered after the
  * compute stream's work so far; the caller keeps both alive until the wait (started form:
@@ -240,9 +251,7 @@ static PyObject *p2p_device(GroupObject *self, PyObject *args, int start) {
     int dest, source;
     Py_ssize_t n;
     if (!PyArg_ParseTuple(args, "KiKin", &s, &dest, &r, &source, &n)) return NULL;
-    if (!self->g->backend->buffer_alloc)
-        return PyErr_Format(PyExc_ValueError, "device addresses need a GPU backend (nccl); this group runs on '%s'",
-                            self->g->backend->name);
+    if (!hsdp_backend_device(self->g->backend)) return no_device(self);
     if (n < 0) return PyErr_Format(PyExc_ValueError, "nbytes must be >= 0, got %zd", n);
     if (!s || !r) return PyErr_Format(PyExc_ValueError, "send and recv must be device addresses, not 0");
     if (dest < 0 || dest >= self->g->size || source < 0 || source >= self->g->size)
@@ -366,17 +375,16 @@ static PyObject *device_call(GroupObject *self, PyObject *args, int send_blocks,
         handle = PyLong_AsVoidPtr(stream);
         if (!handle && PyErr_Occurred()) return NULL;
     }
-    if (!self->g->backend->buffer_alloc)
-        return PyErr_Format(PyExc_ValueError, "device addresses need a GPU backend (nccl); this group runs on '%s'",
-                            self->g->backend->name);
+    const hsdp_device_i *dev = hsdp_backend_device(self->g->backend);
+    if (!dev) return no_device(self);
     if (block < 0) return PyErr_Format(PyExc_ValueError, "block_bytes must be >= 0, got %zd", block);
     if (!s || !r) return PyErr_Format(PyExc_ValueError, "send and recv must be device addresses, not 0");
     (void)send_blocks;
     hsdp_status st;
     Py_BEGIN_ALLOW_THREADS
-    hsdp_nccl_call_stream(handle, stream != Py_None);
+    if (dev->call_stream) dev->call_stream(handle, stream != Py_None);
     st = fn(self->g, (const void *)(uintptr_t)s, (void *)(uintptr_t)r, (size_t)block);
-    hsdp_nccl_call_stream(NULL, 0);
+    if (dev->call_stream) dev->call_stream(NULL, 0);
     Py_END_ALLOW_THREADS
     if (st != HSDP_OK) return hsdp_py_raise(st);
     Py_RETURN_NONE;
@@ -399,6 +407,8 @@ static PyGetSetDef group_getset[] = {
     {"rank", (getter)group_get_rank, NULL, "this process's rank in the group", NULL},
     {"size", (getter)group_get_size, NULL, "number of ranks in the group", NULL},
     {"backend", (getter)group_get_backend, NULL, "the backend's registered name", NULL},
+    {"device_info", (getter)group_get_device_info, NULL,
+     "where this group's unsharded buffers live (see hsdp._C.device_info)", NULL},
     {"overlaps", (getter)group_get_overlaps, NULL,
      "whether started gathers progress while Python computes (MPI: its worker thread runs)", NULL},
     {NULL, NULL, NULL, NULL, NULL},
@@ -476,6 +486,33 @@ static PyObject *mod_backends(PyObject *m, PyObject *unused) {
     return t;
 }
 
+/* What a backend's unsharded buffers live on, as Python asks it (no backend is named here):
+ * {"backend", "kind": "host" or "device", "device": "host" or the device's name, "framework":
+ * the framework device type views have ("cpu" for host memory), "dlpack": (type, id),
+ * "live_bytes": the device's own count, or None}. */
+static PyObject *device_info(const hsdp_backend *b) {
+    const hsdp_device_i *d = hsdp_backend_device(b);
+    if (!d)
+        return Py_BuildValue("{s:s,s:s,s:s,s:s,s:(ii),s:O}", "backend", b->name, "kind", "host", "device", "host",
+                             "framework", "cpu", "dlpack", 1, 0, "live_bytes", Py_None);
+    PyObject *live = d->live_bytes ? PyLong_FromSize_t(d->live_bytes()) : Py_NewRef(Py_None);
+    if (!live) return NULL;
+    PyObject *r = Py_BuildValue("{s:s,s:s,s:s,s:s,s:(ii),s:N}", "backend", b->name, "kind", "device", "device",
+                                d->name, "framework", d->framework, "dlpack", d->dlpack_type,
+                                d->dlpack_id ? d->dlpack_id() : 0, "live_bytes", live);
+    return r;
+}
+
+/* device_info(backend): the registered backend's device_info (see ProcessGroup.device_info). */
+static PyObject *mod_device_info(PyObject *m, PyObject *arg) {
+    (void)m;
+    const char *name = PyUnicode_AsUTF8(arg);
+    if (!name) return NULL;
+    const hsdp_backend *b = hsdp_backend_find(name);
+    if (!b) return PyErr_Format(PyExc_ValueError, "unknown backend '%s'", name);
+    return device_info(b);
+}
+
 /* finalize_backends(): ends every backend runtime hsdp started (only those: whoever else
  * started one owns its end). Returns the names it finalised. */
 static PyObject *mod_finalize_backends(PyObject *m, PyObject *unused) {
@@ -550,6 +587,10 @@ PyMethodDef hsdp_py_backend_functions[] = {
      "alike)."},
     {"backends", mod_backends, METH_NOARGS,
      "The registered backends: (name, usable, reason it is not usable or None) each."},
+    {"device_info", mod_device_info, METH_O,
+     "device_info(backend): where the named backend's unsharded buffers live: a dict with backend, kind ('host' "
+     "or 'device'), device ('host' or the device's name), framework (the device type of views: 'cpu', 'cuda'), "
+     "dlpack ((type, id)) and live_bytes (the device's own count of its live buffers, or None)."},
     {"finalize_backends", mod_finalize_backends, METH_NOARGS,
      "End every backend runtime hsdp started itself (MPI_Finalize, say); returns their names."},
     {NULL, NULL, 0, NULL},

@@ -10,7 +10,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../cuda_dequant.h"
 
 typedef struct {
     PyObject_HEAD
@@ -22,6 +21,7 @@ typedef struct {
     PyObject *bind_attr;   /* interned str: the attribute set to each view, or NULL (adapter binds) */
     PyObject *name;        /* str */
     hsdp_device device;    /* where the unsharded buffers live */
+    const char *device_label; /* its name: "host" or a device table's (static) */
     int *ndims;            /* owned */
     npy_intp *dims;        /* owned: all shapes laid end to end */
     size_t *dim_off;       /* owned: where slot i's dims start */
@@ -59,16 +59,22 @@ static void unit_dealloc(UnitObject *self) {
 }
 
 /* wire_dtype / wire_params of the constructor: which parameters travel as float8. */
-static int unit_set_wire(UnitObject *self, PyObject *wire_dtype, PyObject *wire_params, hsdp_device dev) {
+static int unit_set_wire(UnitObject *self, PyObject *wire_dtype, PyObject *wire_params, hsdp_device dev,
+                         const char *label) {
     hsdp_dtype wire;
     if (hsdp_py_parse_dtype(wire_dtype, &wire) < 0) return -1;
-    /* on the GPU the NCCL backend dequantizes with a kernel (cuda_dequant.h), loaded first */
-    if (dev == HSDP_DEVICE_CUDA && !hsdp_wire_cuda_loaded()) {
-        PyErr_Format(PyExc_NotImplementedError,
-                     "unit %R: wire_dtype=%s on device 'cuda' dequantizes with a GPU kernel that is not loaded: call "
-                     "hsdp.nccl.load_wire_kernel() first (it needs NVRTC and the CUDA driver)",
-                     self->name, hsdp_dtype_name(wire));
-        return -1;
+    /* a device's buffers are decoded by the device (NCCL: a kernel that must be loaded first) */
+    if (dev != HSDP_DEVICE_HOST) {
+        const hsdp_device_i *di = hsdp_backend_device(hsdp_device_backend(label));
+        const char *missing = !di ? "no device table" : di->wire_missing ? di->wire_missing() : "";
+        if (missing) {
+            PyErr_Format(PyExc_NotImplementedError, "unit %R: wire_dtype=%s on device '%s' %s", self->name,
+                         hsdp_dtype_name(wire), label,
+                         *missing ? missing
+                                  : "is not built: its dequantization after the gather is a host loop here, and "
+                                    "this device has no decoder of its own");
+            return -1;
+        }
     }
     size_t n = self->u.layout.nslots;
     unsigned char *quant = calloc(n ? n : 1, 1); /* owned here, freed below */
@@ -120,8 +126,17 @@ static PyObject *unit_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
                                      &params, &name, &compute, &bind_attr, &device, &wire_dtype, &wire_params))
         return NULL;
     hsdp_device dev;
-    if (hsdp_device_from_name(device, &dev) < 0)
-        return PyErr_Format(PyExc_ValueError, "device must be 'host' or 'cuda', got '%s'", device);
+    const char *dev_label = NULL;
+    char choices[128];
+    if (hsdp_device_parse(device, &dev, &dev_label) < 0)
+        return PyErr_Format(PyExc_ValueError, "device must be one of %s, got '%s'",
+                            hsdp_device_choices(choices, sizeof choices), device);
+    /* a group's backend allocates its device buffers: they must be its device's (a backend
+     * with none refuses at the first gather, saying so) */
+    const hsdp_device_i *own = hsdp_backend_device(((GroupObject *)group)->g->backend);
+    if (dev != HSDP_DEVICE_HOST && own && strcmp(own->name, dev_label) != 0)
+        return PyErr_Format(PyExc_ValueError, "device='%s', but this group's backend '%s' has device '%s'", dev_label,
+                            ((GroupObject *)group)->g->backend->name, own->name);
     PyObject *dt_seq = PySequence_Tuple(dtypes), *sh_seq = NULL, *ct_seq = NULL;
     if (!dt_seq) return NULL;
     sh_seq = PySequence_Tuple(shapes);
@@ -159,6 +174,7 @@ static PyObject *unit_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     self->group = Py_NewRef(group);
     self->name = name ? Py_NewRef(name) : PyUnicode_FromString("");
     self->device = dev;
+    self->device_label = dev_label;
     size_t cap = (size_t)(n ? n : 1);
     size_t *numels = calloc(cap, sizeof *numels);       /* owned here, freed below */
     hsdp_dtype *codes = calloc(cap, sizeof *codes);     /* owned here, freed below */
@@ -241,7 +257,7 @@ static PyObject *unit_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
             else PyErr_Clear();
         }
     }
-    if (ok && wire_dtype != Py_None && unit_set_wire(self, wire_dtype, wire_params, dev) < 0) ok = 0;
+    if (ok && wire_dtype != Py_None && unit_set_wire(self, wire_dtype, wire_params, dev, dev_label) < 0) ok = 0;
     if (ok && dev != HSDP_DEVICE_HOST && self->u.widened_bytes) {
         /* the conversion is a host cast: it cannot read device memory */
         PyErr_Format(PyExc_ValueError, "device='%s' needs every compute dtype equal to its storage dtype (the "
@@ -697,7 +713,7 @@ static PyObject *unit_get_view_specs(UnitObject *self, void *c) {
 }
 static PyObject *unit_get_device(UnitObject *self, void *c) {
     (void)c;
-    return PyUnicode_FromString(hsdp_device_name(self->device));
+    return PyUnicode_FromString(self->device_label);
 }
 static PyObject *unit_get_total(UnitObject *self, void *c) {
     (void)c;

@@ -238,7 +238,12 @@ static void test_exec(void) {
 /* The registry by name. test_core is built without MPI: asking for it says what to install;
  * NCCL is known but not built; an unknown name lists the known ones. */
 static void test_registry(void) {
-    CHECK(hsdp_backend_count() == 3 && hsdp_backend_at(3) == NULL);
+    CHECK(hsdp_backend_count() == 4 && hsdp_backend_at(4) == NULL);
+    /* the test-only fake device is never chosen by accident: it needs HSDP_FAKE_DEVICE=1 */
+    const char *fake_why = NULL;
+    unsetenv("HSDP_FAKE_DEVICE");
+    CHECK(hsdp_backend_find("fakedev") == &hsdp_backend_fakedev && hsdp_backend_fakedev.usable(&fake_why) == 0);
+    CHECK(fake_why && strstr(fake_why, "set HSDP_FAKE_DEVICE=1") != NULL);
     CHECK(hsdp_backend_find("single") == &hsdp_backend_single && hsdp_backend_find("mpi") == &hsdp_backend_mpi);
     CHECK(hsdp_backend_find("nccl") != NULL && hsdp_backend_find("tcp") == NULL && hsdp_backend_find(NULL) == NULL);
     const char *why = "unset";
@@ -250,6 +255,10 @@ static void test_registry(void) {
         if (b->usable(&why))
             CHECK(b->world && b->all_gather && b->broadcast && b->barrier && b->all_to_all && b->split && b->free);
         CHECK((b->gather_start == NULL) == (b->gather_wait == NULL)); /* the async pair comes together */
+        /* a device table fills its required slots, and its name is no other device's */
+        const hsdp_device_i *d = b->device;
+        CHECK(!d || (d->name && d->framework && d->dlpack_type > 0 && d->alloc && d->free &&
+                     strcmp(d->name, "host") != 0 && hsdp_device_backend(d->name) == b));
     }
     hsdp_group *g = (hsdp_group *)1;
     int we = 1;
@@ -262,14 +271,18 @@ static void test_registry(void) {
     /* host buffers need no backend; a device buffer needs the backend's slot */
     hsdp_stats st;
     hsdp_stats_init(&st);
-    CHECK(hsdp_device_alloc(&st, &hsdp_backend_single, HSDP_DEVICE_CUDA, 64) == NULL);
-    CHECK(strstr(hsdp_last_error(), "backend 'single' cannot allocate cuda buffers") != NULL);
+    CHECK(hsdp_device_alloc(&st, &hsdp_backend_single, HSDP_DEVICE_BACKEND, 64) == NULL);
+    CHECK(strstr(hsdp_last_error(), "backend 'single' has no device: it cannot allocate device buffers") != NULL);
     void *p = hsdp_device_alloc(&st, &hsdp_backend_single, HSDP_DEVICE_HOST, 100);
     CHECK(p && st.unsharded_bytes == 100 && st.buffer_allocs == 1);
     hsdp_device_free(&st, &hsdp_backend_single, HSDP_DEVICE_HOST, p, 100);
     CHECK(st.unsharded_bytes == 0);
+    /* device names come from the backends' device tables: no backend is named here */
     hsdp_device d;
-    CHECK(hsdp_device_from_name("cuda", &d) == 0 && d == HSDP_DEVICE_CUDA && hsdp_device_from_name("tpu", &d) == -1);
+    const char *label = NULL;
+    CHECK(hsdp_device_parse("cuda", &d, &label) == 0 && d == HSDP_DEVICE_BACKEND && strcmp(label, "cuda") == 0);
+    CHECK(hsdp_device_backend("cuda") == &hsdp_backend_nccl && hsdp_backend_device(&hsdp_backend_mpi) == NULL);
+    CHECK(hsdp_device_parse("host", &d, NULL) == 0 && d == HSDP_DEVICE_HOST && hsdp_device_parse("tpu", &d, NULL) == -1);
 }
 
 /* hsdp_unit_read: exact bytes, a cast, and the refusals (past the end, a wrapping offset,

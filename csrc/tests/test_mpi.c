@@ -2,11 +2,42 @@
  * registry: a unit's gather rebuilds every parameter on every rank of each shard group of a
  * (2, S/2) or (1, S) mesh, broadcast over the replicate group copies replica 0's shard, the
  * asynchronous slots run gathers on the worker, and all_to_all exchanges blocks. */
+#define _POSIX_C_SOURCE 200809L /* setenv */
 #include <stdlib.h>
 #include <string.h>
 
 #include "../backend.h"
 #include "check.h"
+
+/* The test-only fakedev backend (backend_fakedev.c): MPI's collectives under its own name,
+ * and a device of its own. Only with HSDP_FAKE_DEVICE=1; MPI is already running, so its
+ * world starts nothing. A gather lands in a device buffer, counted apart from the host's. */
+static void test_fakedev(void) {
+    hsdp_group *fw = NULL, *half = NULL;
+    int we = 1;
+    unsetenv("HSDP_FAKE_DEVICE");
+    CHECK(hsdp_backend_world("fakedev", &fw, &we) == HSDP_EUNSUPPORTED && fw == NULL);
+    CHECK(strstr(hsdp_last_error(), "HSDP_FAKE_DEVICE=1") != NULL);
+    setenv("HSDP_FAKE_DEVICE", "1", 1);
+    CHECK(hsdp_backend_world("fakedev", &fw, &we) == HSDP_OK && we == 0 && fw->backend == &hsdp_backend_fakedev);
+    CHECK(hsdp_group_split(fw, fw->rank % 2, fw->rank, &half) == HSDP_OK && half->backend == &hsdp_backend_fakedev);
+    const hsdp_device_i *dev = hsdp_backend_device(fw->backend);
+    CHECK(dev && strcmp(dev->name, "fakedev") == 0 && dev->dlpack_type == 1 && dev->live_bytes() == 0);
+    hsdp_stats st;
+    hsdp_stats_init(&st);
+    size_t n = sizeof(int) * (size_t)fw->size;
+    int *recv = hsdp_device_alloc(&st, fw->backend, HSDP_DEVICE_BACKEND, n); /* owned here */
+    CHECK(recv && dev->live_bytes() == n && st.unsharded_bytes == n);
+    int mine = 100 + fw->rank;
+    CHECK(hsdp_all_gather(fw, &mine, recv, sizeof mine) == HSDP_OK);
+    for (int r = 0; recv && r < fw->size; r++) CHECK(recv[r] == 100 + r);
+    hsdp_buffers_released(fw->backend, HSDP_DEVICE_BACKEND); /* no streams: nothing to order */
+    hsdp_device_free(&st, fw->backend, HSDP_DEVICE_BACKEND, recv, n);
+    CHECK(dev->live_bytes() == 0 && st.unsharded_bytes == 0);
+    CHECK(hsdp_barrier(half) == HSDP_OK);
+    hsdp_group_free(half);
+    hsdp_group_free(fw);
+}
 
 int main(void) {
     hsdp_group *world = NULL;
@@ -144,6 +175,7 @@ int main(void) {
     hsdp_group_free(rep);
     hsdp_group_free(shard);
     hsdp_group_free(world);
+    test_fakedev();
     int rc = check_report();
     hsdp_backend_finalize("mpi");
     return rc;

@@ -132,9 +132,9 @@ static void wire_unit(hsdp_group *g, const char *fake, int first_load) {
     CHECK(hsdp_unit_set_wire(&u, HSDP_F8E4M3, quant) == HSDP_OK);
     size_t total = u.layout.total_bytes, wbytes = hsdp_unit_wire_bytes(&u);
     CHECK(wbytes > 0 && wbytes < total);
-    unsigned char *full = hsdp_device_alloc(&stats, b, HSDP_DEVICE_CUDA, total);
-    unsigned char *wire = hsdp_device_alloc(&stats, b, HSDP_DEVICE_CUDA, wbytes);
-    unsigned char *ref = malloc(total), *seen = hsdp_device_alloc(&stats, b, HSDP_DEVICE_CUDA, total);
+    unsigned char *full = hsdp_device_alloc(&stats, b, HSDP_DEVICE_BACKEND, total);
+    unsigned char *wire = hsdp_device_alloc(&stats, b, HSDP_DEVICE_BACKEND, wbytes);
+    unsigned char *ref = malloc(total), *seen = hsdp_device_alloc(&stats, b, HSDP_DEVICE_BACKEND, total);
     CHECK(full && wire && ref && seen);
     if (!full || !wire || !ref || !seen) return;
     hsdp_gather_req req;
@@ -179,14 +179,14 @@ static void wire_unit(hsdp_group *g, const char *fake, int first_load) {
 
     /* ordering: the side stream is busy, so neither the gather nor the kernel has run; a
      * consumer that waits for the unsharded buffer waits for the kernel, never reads before */
-    hsdp_buffers_released(b, HSDP_DEVICE_CUDA);
+    hsdp_buffers_released(b, HSDP_DEVICE_BACKEND);
     hsdp_cudaStream_t comm = hsdp_nccl_comm_stream(), consumer = NULL;
     CHECK(F.stream_create(&consumer, hsdp_cudaStreamNonBlocking, 0) == hsdp_cudaSuccess);
     memset(full, 0xAB, total);
     F.hold(comm, 1);
     memset(&req, 0, sizeof req);
     CHECK(hsdp_unit_gather_start_wire(&u, full, NULL, wire, &req) == HSDP_OK);
-    CHECK(hsdp_nccl_stream_wait(consumer, full + total - 8, 8) == HSDP_OK); /* its tail: the kernel's range */
+    CHECK(hsdp_backend_device(b)->consumer_wait(1, (long long)(uintptr_t)consumer, full + total - 8, 8) == HSDP_OK); /* its tail: the kernel's range */
     CHECK(F.memcpy_async(seen, full, total, hsdp_cudaMemcpyDefault, consumer) == hsdp_cudaSuccess);
     CHECK(F.settle(consumer) > 0);
     F.hold(comm, 0);
@@ -196,7 +196,7 @@ static void wire_unit(hsdp_group *g, const char *fake, int first_load) {
     CHECK(F.stream_destroy(consumer) == hsdp_cudaSuccess);
 
     /* the synchronous form (Unit.unshard) goes through the same decode */
-    hsdp_buffers_released(b, HSDP_DEVICE_CUDA);
+    hsdp_buffers_released(b, HSDP_DEVICE_BACKEND);
     memset(full, 0xAB, total);
     memset(&req, 0, sizeof req);
     CHECK(hsdp_unit_gather_now_wire(&u, full, NULL, wire, &req) == HSDP_OK);
@@ -212,10 +212,10 @@ static void wire_unit(hsdp_group *g, const char *fake, int first_load) {
     CHECK(hsdp_unit_gather_start_wire(&u, ref, NULL, wire, &req) == HSDP_EUNSUPPORTED);
     CHECK(strstr(hsdp_last_error(), "unsharded buffer must be device memory too") != NULL);
     CHECK(F.get_last_error() == hsdp_cudaSuccess);
-    hsdp_buffers_released(b, HSDP_DEVICE_CUDA);
-    hsdp_device_free(&stats, b, HSDP_DEVICE_CUDA, full, total);
-    hsdp_device_free(&stats, b, HSDP_DEVICE_CUDA, wire, wbytes);
-    hsdp_device_free(&stats, b, HSDP_DEVICE_CUDA, seen, total);
+    hsdp_buffers_released(b, HSDP_DEVICE_BACKEND);
+    hsdp_device_free(&stats, b, HSDP_DEVICE_BACKEND, full, total);
+    hsdp_device_free(&stats, b, HSDP_DEVICE_BACKEND, wire, wbytes);
+    hsdp_device_free(&stats, b, HSDP_DEVICE_BACKEND, seen, total);
     free(ref);
     hsdp_unit_free(&u);
     CHECK(atomic_load(&stats.sharded_bytes) == 0); /* the dropped encoded chunk was counted as such */
@@ -263,7 +263,7 @@ static void fake_world(const char *fake, const char *ending) {
     hsdp_stats stats;
     hsdp_stats_init(&stats);
     const hsdp_backend *b = hsdp_backend_find("nccl");
-    char *dsend = hsdp_device_alloc(&stats, b, HSDP_DEVICE_CUDA, 64), *drecv = hsdp_device_alloc(&stats, b, HSDP_DEVICE_CUDA, 64);
+    char *dsend = hsdp_device_alloc(&stats, b, HSDP_DEVICE_BACKEND, 64), *drecv = hsdp_device_alloc(&stats, b, HSDP_DEVICE_BACKEND, 64);
     CHECK(dsend && drecv);
     if (dsend && drecv) {
         memset(dsend, 7, 64);
@@ -282,20 +282,20 @@ static void fake_world(const char *fake, const char *ending) {
         device_sync();
         CHECK(drecv[63] == 5);
         CHECK(hsdp_sendrecv(sub, host_send, 8, 0, host_recv, 8, 0) == HSDP_EUNSUPPORTED); /* host memory */
-        hsdp_device_free(&stats, b, HSDP_DEVICE_CUDA, dsend, 64);
-        hsdp_device_free(&stats, b, HSDP_DEVICE_CUDA, drecv, 64);
+        hsdp_device_free(&stats, b, HSDP_DEVICE_BACKEND, dsend, 64);
+        hsdp_device_free(&stats, b, HSDP_DEVICE_BACKEND, drecv, 64);
     }
 
     /* out of device memory: the framework's cache is emptied and the allocation retried once;
      * a failure is handled, and leaves no error behind for the framework */
     hsdp_nccl_set_oom_handler(empty_cache, NULL);
     F.fail_mallocs(1);
-    void *after_retry = hsdp_device_alloc(&stats, b, HSDP_DEVICE_CUDA, 64);
+    void *after_retry = hsdp_device_alloc(&stats, b, HSDP_DEVICE_BACKEND, 64);
     CHECK(after_retry != NULL && cache_emptied == 1);
     CHECK(F.get_last_error() == hsdp_cudaSuccess);
-    if (after_retry) hsdp_device_free(&stats, b, HSDP_DEVICE_CUDA, after_retry, 64);
+    if (after_retry) hsdp_device_free(&stats, b, HSDP_DEVICE_BACKEND, after_retry, 64);
     F.fail_mallocs(2);
-    CHECK(hsdp_device_alloc(&stats, b, HSDP_DEVICE_CUDA, 64) == NULL && cache_emptied == 2);
+    CHECK(hsdp_device_alloc(&stats, b, HSDP_DEVICE_BACKEND, 64) == NULL && cache_emptied == 2);
     CHECK(F.get_last_error() == hsdp_cudaSuccess);
     F.fail_mallocs(0);
 
@@ -311,7 +311,7 @@ static void fake_world(const char *fake, const char *ending) {
     CHECK(strcmp(hsdp_share_kind(sub, u.share), "unset") == 0);
     int pageable = F.pageable_uploads();
     for (int round = 0; round < 3; round++) {
-        void *full = hsdp_device_alloc(&stats, b, HSDP_DEVICE_CUDA, u.layout.total_bytes);
+        void *full = hsdp_device_alloc(&stats, b, HSDP_DEVICE_BACKEND, u.layout.total_bytes);
         hsdp_gather_req req;
         memset(&req, 0, sizeof req);
         CHECK(full && hsdp_unit_gather_start(&u, full, NULL, &req) == HSDP_OK);
@@ -319,8 +319,8 @@ static void fake_world(const char *fake, const char *ending) {
         device_sync(); /* the compute stream waited for the gather */
         CHECK(full && memcmp(full, w, sizeof w) == 0);
         CHECK(strcmp(hsdp_share_kind(sub, u.share), "device") == 0);
-        hsdp_buffers_released(b, HSDP_DEVICE_CUDA);
-        hsdp_device_free(&stats, b, HSDP_DEVICE_CUDA, full, u.layout.total_bytes);
+        hsdp_buffers_released(b, HSDP_DEVICE_BACKEND);
+        hsdp_device_free(&stats, b, HSDP_DEVICE_BACKEND, full, u.layout.total_bytes);
     }
     CHECK(F.pageable_uploads() == pageable); /* the shard went up through pinned memory (in 16-byte slots) */
     /* the host chunk was dropped once on the device; the chunk reads back from there */
@@ -332,36 +332,40 @@ static void fake_world(const char *fake, const char *ending) {
      * it reads what a collective writes only once it has landed, never the bytes from before */
     hsdp_cudaStream_t consumer = NULL;
     CHECK(F.stream_create(&consumer, hsdp_cudaStreamNonBlocking, 0) == hsdp_cudaSuccess);
-    char *g3 = hsdp_device_alloc(&stats, b, HSDP_DEVICE_CUDA, u.layout.total_bytes);
-    char *seen = hsdp_device_alloc(&stats, b, HSDP_DEVICE_CUDA, u.layout.total_bytes);
+    char *g3 = hsdp_device_alloc(&stats, b, HSDP_DEVICE_BACKEND, u.layout.total_bytes);
+    char *seen = hsdp_device_alloc(&stats, b, HSDP_DEVICE_BACKEND, u.layout.total_bytes);
     CHECK(g3 && seen);
     F.hold(comm, 1); /* the side stream is busy: the gather has not landed */
     hsdp_gather_req req3;
     memset(&req3, 0, sizeof req3);
     CHECK(hsdp_unit_gather_start(&u, g3, NULL, &req3) == HSDP_OK);
-    CHECK(hsdp_nccl_stream_wait(consumer, g3 + 4, 8) == HSDP_OK);
+    /* the device contract: a DLPack consumer's stream waits for the gather writing its bytes */
+    const hsdp_device_i *dev = hsdp_backend_device(b);
+    CHECK(dev && strcmp(dev->name, "cuda") == 0 && dev->dlpack_type == 2);
+    CHECK(dev->consumer_wait(1, 0, g3, 8) == HSDP_EINVAL); /* DLPack forbids stream 0 */
+    CHECK(dev->consumer_wait(1, (long long)(uintptr_t)consumer, g3 + 4, 8) == HSDP_OK);
     CHECK(F.memcpy_async(seen, g3, sizeof w, hsdp_cudaMemcpyDefault, consumer) == hsdp_cudaSuccess);
     CHECK(F.settle(consumer) > 0); /* it waits for the gather */
     F.hold(comm, 0);
     CHECK(F.stream_sync(consumer) == hsdp_cudaSuccess);
     CHECK(memcmp(seen, w, sizeof w) == 0);
     CHECK(hsdp_unit_gather_wait(&u, &req3) == HSDP_OK);
-    hsdp_buffers_released(b, HSDP_DEVICE_CUDA);
-    char *dsrc = hsdp_device_alloc(&stats, b, HSDP_DEVICE_CUDA, 16), *ddst = hsdp_device_alloc(&stats, b, HSDP_DEVICE_CUDA, 16);
+    hsdp_buffers_released(b, HSDP_DEVICE_BACKEND);
+    char *dsrc = hsdp_device_alloc(&stats, b, HSDP_DEVICE_BACKEND, 16), *ddst = hsdp_device_alloc(&stats, b, HSDP_DEVICE_BACKEND, 16);
     CHECK(dsrc && ddst && F.memcpy_async(dsrc, host_send, 16, hsdp_cudaMemcpyDefault, consumer) == hsdp_cudaSuccess);
     F.hold(comm, 1);
-    hsdp_nccl_call_stream(consumer, 1);
+    dev->call_stream(consumer, 1);
     CHECK(hsdp_all_gather(sub, dsrc, ddst, 16) == HSDP_OK); /* after the consumer's copy, before its next */
-    hsdp_nccl_call_stream(NULL, 0);
+    dev->call_stream(NULL, 0);
     CHECK(F.memcpy_async(seen, ddst, 16, hsdp_cudaMemcpyDefault, consumer) == hsdp_cudaSuccess);
     CHECK(F.settle(consumer) > 0);
     F.hold(comm, 0);
     CHECK(F.stream_sync(consumer) == hsdp_cudaSuccess);
     CHECK(memcmp(seen, host_send, 16) == 0);
-    hsdp_device_free(&stats, b, HSDP_DEVICE_CUDA, dsrc, 16);
-    hsdp_device_free(&stats, b, HSDP_DEVICE_CUDA, ddst, 16);
-    hsdp_device_free(&stats, b, HSDP_DEVICE_CUDA, g3, u.layout.total_bytes);
-    hsdp_device_free(&stats, b, HSDP_DEVICE_CUDA, seen, u.layout.total_bytes);
+    hsdp_device_free(&stats, b, HSDP_DEVICE_BACKEND, dsrc, 16);
+    hsdp_device_free(&stats, b, HSDP_DEVICE_BACKEND, ddst, 16);
+    hsdp_device_free(&stats, b, HSDP_DEVICE_BACKEND, g3, u.layout.total_bytes);
+    hsdp_device_free(&stats, b, HSDP_DEVICE_BACKEND, seen, u.layout.total_bytes);
     CHECK(F.stream_destroy(consumer) == hsdp_cudaSuccess);
 
     CHECK(hsdp_unit_write(&u, 0, 0, 10, w, HSDP_F32) == HSDP_ESTATE); /* fixed from the first gather */
@@ -372,8 +376,8 @@ static void fake_world(const char *fake, const char *ending) {
     /* gathers in flight while the side stream is busy: the backend's polling of their events
      * (cudaErrorNotReady) leaves no error for the framework's next launch check, and the
      * watchdog polls them from its own thread on the backend's device */
-    void *full2[2] = {hsdp_device_alloc(&stats, b, HSDP_DEVICE_CUDA, u.layout.total_bytes),
-                      hsdp_device_alloc(&stats, b, HSDP_DEVICE_CUDA, u.layout.total_bytes)};
+    void *full2[2] = {hsdp_device_alloc(&stats, b, HSDP_DEVICE_BACKEND, u.layout.total_bytes),
+                      hsdp_device_alloc(&stats, b, HSDP_DEVICE_BACKEND, u.layout.total_bytes)};
     CHECK(full2[0] && full2[1]);
     F.hold(comm, 1);
     hsdp_gather_req reqs[2];
@@ -385,8 +389,8 @@ static void fake_world(const char *fake, const char *ending) {
     F.hold(comm, 0);
     device_sync();
     CHECK(memcmp(full2[1], w, sizeof w) == 0);
-    hsdp_buffers_released(b, HSDP_DEVICE_CUDA);
-    for (int i = 0; i < 2; i++) hsdp_device_free(&stats, b, HSDP_DEVICE_CUDA, full2[i], u.layout.total_bytes);
+    hsdp_buffers_released(b, HSDP_DEVICE_BACKEND);
+    for (int i = 0; i < 2; i++) hsdp_device_free(&stats, b, HSDP_DEVICE_BACKEND, full2[i], u.layout.total_bytes);
     hsdp_unit_free(&u);
 
     /* asked to, the unit keeps its host chunk */
@@ -394,12 +398,12 @@ static void fake_world(const char *fake, const char *ending) {
     hsdp_unit ku;
     CHECK(hsdp_unit_init(&ku, numels, dts, NULL, 2, sub, &stats) == HSDP_OK);
     CHECK(hsdp_unit_write(&ku, 0, 0, 10, w, HSDP_F32) == HSDP_OK);
-    void *kfull = hsdp_device_alloc(&stats, b, HSDP_DEVICE_CUDA, ku.layout.total_bytes);
+    void *kfull = hsdp_device_alloc(&stats, b, HSDP_DEVICE_BACKEND, ku.layout.total_bytes);
     CHECK(kfull && hsdp_unit_gather(&ku, kfull) == HSDP_OK && ku.shard != NULL);
     CHECK(ku.shard && memcmp(ku.shard, w, sizeof w) == 0);
     unsetenv("HSDP_KEEP_HOST_SHARDS");
-    hsdp_buffers_released(b, HSDP_DEVICE_CUDA);
-    hsdp_device_free(&stats, b, HSDP_DEVICE_CUDA, kfull, ku.layout.total_bytes);
+    hsdp_buffers_released(b, HSDP_DEVICE_BACKEND);
+    hsdp_device_free(&stats, b, HSDP_DEVICE_BACKEND, kfull, ku.layout.total_bytes);
     hsdp_unit_free(&ku);
 
     /* a unit gathered into host memory on NCCL: staged, and fixed after its first gather too */
@@ -426,13 +430,13 @@ static void fake_world(const char *fake, const char *ending) {
         /* the world's communicator fails while this thread is inside a collective on another
          * (non-blocking, still in progress): the watchdog must not abort it under this thread */
         CHECK(hsdp_set_timeout(30) == HSDP_OK);
-        char *d = hsdp_device_alloc(&stats, b, HSDP_DEVICE_CUDA, 64);
+        char *d = hsdp_device_alloc(&stats, b, HSDP_DEVICE_BACKEND, 64);
         F.comm_control(1, 0, 1);                     /* sub: its collectives stay in progress */
         F.comm_control(0, hsdp_ncclSystemError, 0); /* world: an asynchronous error */
         CHECK(d && hsdp_all_gather(sub, d, d, 64) == HSDP_ECOMM);
         CHECK(strstr(hsdp_last_error(), "asynchronous error") != NULL);
         CHECK(F.violations() == 0); /* no call on an aborted communicator, no abort under a call */
-        hsdp_device_free(&stats, b, HSDP_DEVICE_CUDA, d, 64);
+        hsdp_device_free(&stats, b, HSDP_DEVICE_BACKEND, d, 64);
     } else {
         /* a collective that never completes: the watchdog (or the waiting call) aborts, naming it */
         CHECK(hsdp_set_timeout(0.3) == HSDP_OK);
@@ -470,7 +474,7 @@ static void desync(hsdp_group *world, int rank, hsdp_stats *stats) {
     float w[16 * MAX_TEST_RANKS];
     for (size_t i = 0; i < small[0]; i++) w[i] = (float)i + 0.5f;
     CHECK(hsdp_unit_write(&a, 0, 0, small[0], w, HSDP_F32) == HSDP_OK);
-    void *full = hsdp_device_alloc(stats, b, HSDP_DEVICE_CUDA, large.layout.total_bytes);
+    void *full = hsdp_device_alloc(stats, b, HSDP_DEVICE_BACKEND, large.layout.total_bytes);
     CHECK(full != NULL);
     if (!full) return;
     hsdp_unit *mine = rank == 0 ? &a : &other;
@@ -501,7 +505,7 @@ static void desync(hsdp_group *world, int rank, hsdp_stats *stats) {
     snprintf(bytes0, sizeof bytes0, "%zu bytes per rank", large.layout.chunk_bytes);
     CHECK(strstr(hsdp_last_error(), "do not gather the same unit") != NULL && strstr(hsdp_last_error(), bytes0));
     CHECK(hsdp_barrier(world) == HSDP_ECOMM && strstr(hsdp_last_error(), "aborted") != NULL);
-    hsdp_device_free(stats, b, HSDP_DEVICE_CUDA, full, large.layout.total_bytes);
+    hsdp_device_free(stats, b, HSDP_DEVICE_BACKEND, full, large.layout.total_bytes);
     hsdp_unit_free(&a);
     hsdp_unit_free(&other);
     hsdp_unit_free(&large);
@@ -543,15 +547,15 @@ static void one_rank(const unsigned char *id, int rank, int n, const char *endin
     for (int i = 0; i < 40; i++) w[i] = (float)i * 0.25f;
     CHECK(hsdp_unit_write(&u, 0, 0, 40, w, HSDP_F32) == HSDP_OK);
     for (int round = 0; round < 2; round++) {
-        void *full = hsdp_device_alloc(&stats, b_nccl, HSDP_DEVICE_CUDA, u.layout.total_bytes);
+        void *full = hsdp_device_alloc(&stats, b_nccl, HSDP_DEVICE_BACKEND, u.layout.total_bytes);
         hsdp_gather_req req;
         memset(&req, 0, sizeof req);
         CHECK(full && hsdp_unit_gather_start(&u, full, NULL, &req) == HSDP_OK);
         CHECK(hsdp_unit_gather_wait(&u, &req) == HSDP_OK);
         device_sync();
         CHECK(full && memcmp(full, w, sizeof w) == 0);
-        hsdp_buffers_released(b_nccl, HSDP_DEVICE_CUDA);
-        hsdp_device_free(&stats, b_nccl, HSDP_DEVICE_CUDA, full, u.layout.total_bytes);
+        hsdp_buffers_released(b_nccl, HSDP_DEVICE_BACKEND);
+        hsdp_device_free(&stats, b_nccl, HSDP_DEVICE_BACKEND, full, u.layout.total_bytes);
     }
     hsdp_unit_free(&u);
     wire_unit(world, getenv("TEST_NCCL_FAKE"), 0);

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _C, distributed
+from . import _C, devices, distributed
 from .adapters import TensorAdapter, adapter_for
 from .dtypes import DType, float8_e4m3fn, float8_e5m2, float32
 from .mesh import DeviceMesh, device_type_of, init_device_mesh
@@ -253,7 +253,7 @@ def _build_unit(ctx: HSDPShardContext, module: Any, fqn: str, is_root: bool, cla
         name=fqn or "<root>",
         compute_dtypes=[ad.compute_dtype(d).name for d in dtypes],
         bind_attr=ad.bind_attr,
-        device=ad.buffer_device(ctx.target_device),
+        device=devices.buffer_device(ctx.mesh.shard_group, ad.device_type(ctx.target_device), ctx.target_device),
         wire_dtype=ctx.wire_dtype if wire_params else None,
         wire_params=wire_params or None,
     )
@@ -320,25 +320,25 @@ def _module_names(model: Any) -> dict[int, str]:
 
 
 def _world_for(ad: TensorAdapter, target_device: Any) -> Any:
-    """The process group, started on NCCL when the buffers go to a GPU. A GPU target on a
-    machine with no GPU, or on a world already running on another backend, is an error
-    naming what is missing."""
-    on_gpu = target_device is not None and ad.buffer_device(target_device) == "cuda"  # checks the value
-    if not on_gpu:
-        return distributed.init_process_group()
-    if distributed.is_initialized() and distributed.get_world_group().backend == "nccl":
+    """The process group, started on the backend with that device when the buffers go to a
+    GPU (NCCL for 'cuda'). A GPU target on a machine with no GPU, or on a world already running
+    on another backend, is an error naming what is missing."""
+    framework = ad.device_type(target_device)  # checks the value
+    served = devices.device_backends_for(framework) if target_device is not None and framework else []
+    if not served or framework == devices.host_framework():
+        return distributed.init_process_group()  # a CPU target never starts a device backend
+    if distributed.is_initialized() and distributed.get_world_group().backend in served:
         return distributed.get_world_group()
-    reason = distributed.backend_reason("nccl")  # loads NCCL (after torch): says whether a GPU is there
+    name = served[0]
+    reason = distributed.backend_reason(name)  # loads NCCL (after torch): says whether a GPU is there
     if reason is not None:
-        from .nccl import error_type
-
-        raise error_type(reason)(f"target_device {target_device!r} needs a GPU: {reason}")
+        raise devices.error_type(name, reason)(f"target_device {target_device!r} needs a GPU: {reason}")
     if distributed.is_initialized():
         raise ValueError(
-            f"target_device {target_device!r} needs the NCCL process group, but this one runs on "
-            f"{distributed.get_world_group().backend!r}; call hsdp.distributed.init_process_group('nccl') first"
+            f"target_device {target_device!r} needs the {name.upper()} process group, but this one runs on "
+            f"{distributed.get_world_group().backend!r}; call hsdp.distributed.init_process_group({name!r}) first"
         )
-    return distributed.init_process_group("nccl")
+    return distributed.init_process_group(name)
 
 
 def _check_config(hsdp_config: Any) -> None:
@@ -365,10 +365,9 @@ def prepare_hsdp_shard_context(model: Any, hsdp_config: Any, target_device: Any 
     _check_config(hsdp_config)
     world = _world_for(ad, target_device)
     ad.check_device(target_device)
-    if hsdp_config.wire_dtype is not None and ad.buffer_device(target_device) != "host":
-        from .nccl import load_wire_kernel
-
-        load_wire_kernel()  # on the GPU a kernel dequantizes (untested on a GPU); a missing NVRTC is named here
+    buffers = devices.buffer_device(world, ad.device_type(target_device), target_device)
+    if hsdp_config.wire_dtype is not None and buffers != devices.HOST:
+        devices.prepare_wire(world)  # the device decodes (NCCL: a kernel, untested on a GPU); what is missing is named
     replicate, shard = _resolve_sizes(hsdp_config, world)
 
     named = list(ad.named_parameters(model))

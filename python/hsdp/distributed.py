@@ -17,7 +17,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from . import _C
+from . import _C, devices
 
 if TYPE_CHECKING:
     from .mesh import DeviceMesh
@@ -62,11 +62,11 @@ def backends() -> dict[str, str | None]:
 
 
 def _reason(name: str, usable: bool, reason: str | None) -> str | None:
-    # NCCL built but not loaded says only that: loading it (after torch) tells whether a GPU is there
-    if name == "nccl" and not usable and _C.nccl_built():
-        from . import nccl
-
-        return nccl.unusable_reason()
+    # a backend built but not loaded (NCCL) says only that: loading it (after torch) tells
+    # whether its device is there
+    mod = devices.loader(name)
+    if mod is not None and not usable and mod.built():
+        return mod.unusable_reason()
     return None if usable else reason
 
 
@@ -87,7 +87,7 @@ def _auto_backend() -> str:
     if launched_by_mpi():
         return "mpi"
     if _launched_by_torchrun() and "torch" in sys.modules and sys.modules["torch"].cuda.is_available():
-        return "nccl"
+        return devices.world_backend("cuda")  # the backend whose device torch's CUDA tensors view: NCCL
     world_env = os.environ.get("WORLD_SIZE")
     if world_env and world_env.isdigit() and int(world_env) > 1:
         raise RuntimeError(
@@ -118,12 +118,8 @@ def init_process_group(backend: str = "auto") -> ProcessGroup:
         return _world
     if backend == "auto":
         backend = _auto_backend()
-    if backend == "nccl":
-        from . import nccl
-
-        _world = nccl.init_world()
-    else:
-        _world = _C.ProcessGroup(backend)
+    mod = devices.loader(backend)  # a backend whose runtime Python prepares (NCCL) starts there
+    _world = mod.init_world() if mod is not None else _C.ProcessGroup(backend)
     register_teardown(multi_process=_world.backend != "single")
     log.debug("hsdp process group: backend=%s rank=%d size=%d", _world.backend, _world.rank, _world.size)
     return _world

@@ -10,15 +10,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from . import _C, distributed
+from . import _C, devices, distributed
 
-# The backends a mesh of each device type runs on, as the C registry names them.
-DEVICE_BACKENDS: dict[str, tuple[str, ...]] = {"cpu": ("mpi", "single"), "cuda": ("nccl",)}
+
+def device_backends() -> dict[str, list[str]]:
+    """The backends a mesh of each device type runs on, in registry order: the framework
+    device type their buffers are viewed as ('cpu': single, mpi; 'cuda': nccl), asked of C."""
+    out: dict[str, list[str]] = {}
+    for name, _usable, _why in _C.backends():
+        out.setdefault(devices.of_backend(name).framework, []).append(name)
+    return out
 
 
 def device_type_of(world: _C.ProcessGroup) -> str:
-    """The device type of meshes over a world group: 'cuda' on NCCL, else 'cpu'."""
-    return "cuda" if world.backend == "nccl" else "cpu"
+    """The device type of meshes over a world group: the one its backend's buffers are
+    viewed as ('cuda' on NCCL, else 'cpu')."""
+    return devices.of_group(world).framework
 
 
 def check_device_type(device_type: str) -> str:
@@ -26,16 +33,15 @@ def check_device_type(device_type: str) -> str:
     reason (NotImplementedError; RuntimeError for 'cuda' on a machine with no GPU), or
     ValueError for a name that is no device type."""
     device_type = "cuda" if device_type == "gpu" else device_type
-    names = DEVICE_BACKENDS.get(device_type)
+    known = device_backends()
+    names = known.get(device_type)
     if names is None:
-        raise ValueError(f"device_type must be one of {', '.join(map(repr, DEVICE_BACKENDS))}, got {device_type!r}")
+        raise ValueError(f"device_type must be one of {', '.join(map(repr, known))}, got {device_type!r}")
     reasons = [distributed.backend_reason(n) for n in names]  # a CPU mesh never loads NCCL
     if all(r is not None for r in reasons):
-        kind: type[Exception] = NotImplementedError
-        if device_type == "cuda":
-            from .nccl import error_type  # no GPU: RuntimeError; not built: NotImplementedError
-
-            kind = error_type(reasons[0])
+        # no GPU: RuntimeError; not built: NotImplementedError (the device backend's loader says)
+        on_host = device_type == devices.host_framework()
+        kind = NotImplementedError if on_host else devices.error_type(names[0], reasons[0])
         raise kind(f"device_type={device_type!r}: {reasons[0]}")
     return device_type
 
@@ -59,12 +65,14 @@ class DeviceMesh:
             raise ValueError(f"mesh_dim_names must be two distinct names, got {names!r}")
         if any(x <= 0 for x in shape):
             raise ValueError(f"mesh shape {shape}: both sizes must be positive")
-        # a GPU mesh starts the NCCL world when none exists (under mpiexec "auto" means MPI)
-        gpu_first = self.device_type == "cuda" and not distributed.is_initialized()
-        world = distributed.init_process_group("nccl" if gpu_first else "auto")
-        if world.backend not in DEVICE_BACKENDS[self.device_type]:
+        # a device mesh (GPU) starts its backend's world when none exists (under mpiexec
+        # "auto" means MPI); a CPU mesh never starts a device backend
+        served = device_backends()[self.device_type]
+        first = self.device_type != devices.host_framework() and not distributed.is_initialized()
+        world = distributed.init_process_group(served[0] if first else "auto")
+        if world.backend not in served:
             raise RuntimeError(
-                f"a {self.device_type!r} mesh needs backend {' or '.join(DEVICE_BACKENDS[self.device_type])}, but "
+                f"a {self.device_type!r} mesh needs backend {' or '.join(served)}, but "
                 f"the process group runs on {world.backend!r}"
             )
         try:

@@ -152,6 +152,11 @@ def error_type(reason: str) -> type[Exception]:
     return RuntimeError if reason.startswith(NO_GPU) else NotImplementedError
 
 
+def built() -> bool:
+    """Whether this build has the NCCL backend (every build unless HSDP_NO_NCCL=1)."""
+    return bool(_C.nccl_built())
+
+
 def load() -> None:
     """Opens libnccl and libcudart (once) and checks that a GPU is there. On a machine with
     no GPU this raises RuntimeError at once, with the CUDA runtime's error; nothing stays

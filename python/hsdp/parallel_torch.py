@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from . import devices
 from .adapters.torch import _RAW_AS
 from .parallel import ParallelGroups, Ulysses
 
@@ -36,16 +37,24 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return (t.view(raw) if raw is not None else t).numpy()
 
 
-def _stream(t: torch.Tensor) -> int:
+def _stream(t: torch.Tensor) -> int | None:
     """torch's current stream on t's device: a device collective runs after the work that
-    made its input there, and before the work that reads its output."""
-    return int(torch.cuda.current_stream(t.device).cuda_stream)
+    made its input there, and before the work that reads its output (None: a device viewed
+    as the CPU has no streams)."""
+    return int(torch.cuda.current_stream(t.device).cuda_stream) if t.is_cuda else None
+
+
+def _on_device(group: Any, t: torch.Tensor) -> bool:
+    """Whether t lives on the group's device (its backend's device table says which
+    framework device type that is): then the collective runs on the tensor itself."""
+    info = devices.of_group(group)
+    return info.on_device and t.device.type == info.framework
 
 
 def _all_to_all(sp: Ulysses, send: torch.Tensor) -> torch.Tensor:
     send = send.contiguous()
     recv = torch.empty_like(send)
-    if send.is_cuda:  # NCCL, on the tensors themselves, ordered on torch's current stream
+    if _on_device(sp.group, send):  # NCCL: on the tensors themselves, ordered on torch's current stream
         sp.group.all_to_all_device(send.data_ptr(), recv.data_ptr(), send.numel() * send.element_size() // sp.degree,
                                    _stream(send))
     else:
@@ -57,7 +66,7 @@ def _all_gather_tokens(sp: Ulysses, x: torch.Tensor) -> torch.Tensor:
     """Every rank's (B, n, C) -> (B, U * n, C) in rank order."""
     x = x.contiguous()
     recv = torch.empty((sp.degree, *x.shape), dtype=x.dtype, device=x.device)
-    if x.is_cuda:
+    if _on_device(sp.group, x):
         sp.group.all_gather_device(x.data_ptr(), recv.data_ptr(), x.numel() * x.element_size(), _stream(x))
     else:
         sp.group.all_gather(_np(x), _np(recv))
@@ -162,7 +171,7 @@ def cfg_combine(groups: ParallelGroups, branch: Callable[[int], torch.Tensor], g
     else:
         mine = branch(groups.cfg_rank).float().contiguous()
         both = torch.empty((groups.cfg_degree, *mine.shape), dtype=torch.float32, device=mine.device)
-        if mine.is_cuda:
+        if _on_device(groups.cfg, mine):
             groups.cfg.all_gather_device(mine.data_ptr(), both.data_ptr(), mine.numel() * mine.element_size(),
                                          _stream(mine))
         else:

@@ -70,12 +70,17 @@ def mem_available(path: str = "/proc/meminfo") -> int:
 
 
 def free_bytes(device: str) -> int:
-    """Free memory this rank may use: cudaMemGetInfo's free bytes on a GPU, else the host's
-    MemAvailable divided among the ranks on this host."""
-    if device.startswith("cuda"):
+    """Free memory this rank may use on ``device`` (a unit's: 'host' or its group's device):
+    on a GPU its framework's free bytes (torch.cuda.mem_get_info: cudaMemGetInfo), else the
+    host's MemAvailable divided among the ranks on this host (a device viewed as the CPU,
+    such as the test-only fakedev, is host memory)."""
+    from . import devices
+
+    framework = devices.framework_of(device)
+    if framework != devices.host_framework():
         import torch  # lazy: only GPU models need it, and they have it
 
-        return int(torch.cuda.mem_get_info()[0])
+        return int(getattr(torch, framework).mem_get_info()[0])
     return mem_available() // _local_ranks()
 
 
@@ -96,14 +101,7 @@ def agree(group: Any, budget: int, is_auto: bool) -> int:
         return budget
     send = np.array([budget, int(is_auto)], dtype=np.int64)
     recv = np.zeros((group.size, 2), dtype=np.int64)
-    if group.backend == "nccl":
-        import torch
-
-        s, r = torch.from_numpy(send).cuda(), torch.from_numpy(recv).cuda()
-        group.all_gather_device(s.data_ptr(), r.data_ptr(), send.nbytes)
-        recv = r.cpu().numpy()
-    else:
-        group.all_gather(send, recv)
+    group.all_gather(send, recv)  # host arrays on every backend (NCCL stages them through its device)
     failed = [r for r in range(group.size) if recv[r, 0] < 0]
     if failed:
         raise RuntimeError(f"resident_bytes='auto': rank(s) {failed} of the shard group could not read their free "

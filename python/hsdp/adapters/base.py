@@ -104,7 +104,7 @@ class TensorAdapter(Protocol):
     def mark_sharded(self, params: tuple[Any, ...], dtypes: tuple[DType, ...], state: str, device: str) -> None:
         """Switches parameters to the sharded state: no values, the storage dtype, and
         ``state`` as the message any use outside the unit's forward raises. ``device`` is
-        where the unit's unsharded buffers live ('host' or 'cuda')."""
+        where the unit's unsharded buffers live ('host', or the group's device: 'cuda')."""
 
     # -- dtypes and devices ----------------------------------------------------------------
     def compute_dtype(self, storage: DType) -> DType:
@@ -114,10 +114,12 @@ class TensorAdapter(Protocol):
     def check_device(self, target_device: Any) -> None:
         """Raises ValueError naming ``target_device`` when this framework cannot use it."""
 
-    def buffer_device(self, target_device: Any) -> str:
-        """Where unsharded buffers live for ``target_device``: 'host' or 'cuda'. Called before
-        anything else uses ``target_device``: raises ValueError naming a value that is no
-        device (the rest of :meth:`check_device` may need the process group first)."""
+    def device_type(self, target_device: Any) -> str | None:
+        """The framework device type views for ``target_device`` have ('cpu', 'cuda'; None
+        when this framework binds host memory only): the process group's device decides from
+        it where unsharded buffers live (hsdp.devices.buffer_device). Called before anything
+        else uses ``target_device``: raises ValueError naming a value that is no device (the
+        rest of :meth:`check_device` may need the process group first)."""
 
     # -- forwards --------------------------------------------------------------------------
     def cast_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any], dtype: DType) -> tuple[Any, Any] | None:

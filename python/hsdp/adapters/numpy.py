@@ -130,8 +130,8 @@ class NumpyAdapter:
                 "(NumPy); use 'cpu' or None"
             )
 
-    def buffer_device(self, target_device: Any) -> str:
-        return "host"
+    def device_type(self, target_device: Any) -> str | None:
+        return None  # NumPy views (bind_attr) need host memory
 
     # -- forwards --------------------------------------------------------------------------
     def cast_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any], dtype: DType) -> tuple[Any, Any]:

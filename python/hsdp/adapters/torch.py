@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from .. import devices
 from ..dtypes import DType, as_dtype
 from ..nn.module import PARAM_WATCH
 
@@ -285,7 +286,9 @@ class TorchAdapter:
         # share); on the device the views will be, since p.data cannot change device type
         ph = self._placeholders.get((dt, device))
         if ph is None:
-            where = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else "cpu"
+            # the device the views will be on: the target's (check_device), for any device
+            # buffer; a device viewed as the CPU (fakedev) has CPU placeholders too
+            where = self._target if device != "host" and self._target is not None else torch.device("cpu")
             with torch.inference_mode(False):
                 ph = self._placeholders[(dt, device)] = torch.empty(0, dtype=dt, device=where)
         return ph
@@ -303,7 +306,7 @@ class TorchAdapter:
             raise ValueError(
                 f"target_device {target_device!r} is not a torch device; use 'cpu', 'cuda' (or 'cuda:N') or None"
             ) from None
-        if device.type not in ("cpu", "cuda"):
+        if not devices.backends_for(device.type):  # no backend's buffers are viewed as that type
             raise ValueError(f"target_device {target_device!r} is not supported; use 'cpu', 'cuda' or None")
         return device
 
@@ -321,10 +324,8 @@ class TorchAdapter:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else device
         self._target = device
 
-    def buffer_device(self, target_device: Any) -> str:
-        if target_device is not None and self._device(target_device).type == "cuda":
-            return "cuda"
-        return "host"
+    def device_type(self, target_device: Any) -> str | None:
+        return "cpu" if target_device is None else self._device(target_device).type
 
     # -- forwards --------------------------------------------------------------------------
     def _cast(self, obj: Any, dt: torch.dtype) -> Any:

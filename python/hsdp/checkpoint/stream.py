@@ -179,7 +179,7 @@ def load_model_sharded(
     so far unusable (its forward raises), never a half-loaded model that runs.
     """
     _check_config(hsdp_config)  # before the process group starts or a file opens
-    adapter_for(model).buffer_device(target_device)  # a ValueError naming a bad target_device
+    adapter_for(model).device_type(target_device)  # a ValueError naming a bad target_device
     world = distributed.init_process_group()
     agree = _Agreement(world)
     own = not isinstance(checkpoint, Checkpoint)

@@ -294,13 +294,14 @@ def _verify(args: argparse.Namespace, folder: PipelineFolder, pipe: Any, kwargs:
 
 
 def run(args: argparse.Namespace, folder: PipelineFolder, config: DiffusionParallelConfig) -> int:
-    from hsdp import distributed
+    from hsdp import devices, distributed
 
-    on_gpu = (args.device or "cpu").startswith("cuda")
+    device_type = (args.device or devices.host_framework()).split(":")[0]
+    on_gpu = device_type != devices.host_framework()
     if on_gpu or not distributed.launched_by_mpi():
         import torch  # noqa: F401 - NCCL (torchrun, or --device cuda) needs torch loaded first
     # load_pipeline picks the same backend: NCCL for GPUs, otherwise what launched the job
-    world = distributed.init_process_group("nccl" if on_gpu else "auto")
+    world = distributed.init_process_group(devices.world_backend(device_type))
     try:  # before torch is imported: a job of the wrong size costs nothing
         config.check_world(world.size)
     except ValueError as exc:

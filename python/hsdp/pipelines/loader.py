@@ -164,8 +164,9 @@ def load_pipeline(
     from ..config import DiffusionParallelConfig
 
     folder = Path(os.fspath(path))
-    on_gpu = device is not None and torch.device(device).type == "cuda"
-    world = distributed.init_process_group("nccl" if on_gpu else "auto")
+    from ..devices import world_backend
+
+    world = distributed.init_process_group(world_backend(torch.device(device).type if device is not None else None))
 
     err: BaseException | None = None
     components: list[Component] = []
