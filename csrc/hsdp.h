@@ -269,6 +269,7 @@ typedef struct {
     void *full, *widened;
     void *wire;     /* the gathered encodings while in flight (hsdp_unit_wire_bytes) */
     int wire_owned; /* wire was allocated by the request: the wait frees it */
+    int decoded;    /* chunks the backend decoded as they landed (hsdp_unit_decode_landed) */
 } hsdp_gather_req;
 /* Asynchronous gather + conversion through the backend's asynchronous slots (with none, it
  * runs on the caller's thread before returning). req is owned by the caller and must stay
@@ -283,6 +284,15 @@ hsdp_status hsdp_unit_gather_now_wire(hsdp_unit *u, void *full, void *widened, v
 /* The gather request behind r when r's only conversion is the float8 wire's decode (a
  * backend whose buffers are on a device runs that decode itself), else NULL. */
 const hsdp_gather_req *hsdp_unit_wire_request(const hsdp_req *r);
+/* The wire gather behind r (a unit's, whose `then` decodes), else NULL: a host backend may
+ * then decode rank s's encoded chunk (wire_chunk_bytes at `chunk`: where it landed, or this
+ * rank's send buffer) into the gather's `full` as soon as it is there, with
+ * hsdp_unit_decode_landed, calling poll(poll_arg) between slices of the work (to keep its
+ * other transfers moving; poll may be NULL). Once every rank's chunk has been decoded so, the
+ * gather's `then` does not decode again; the backend decodes only what its gather agreed on. */
+hsdp_gather_req *hsdp_unit_landing_request(hsdp_req *r);
+hsdp_status hsdp_unit_decode_landed(hsdp_gather_req *r, int s, const void *chunk, void (*poll)(void *),
+                                    void *poll_arg);
 /* Bytes of the buffer a gather receives the encodings in (0 without a wire encoding). */
 size_t hsdp_unit_wire_bytes(const hsdp_unit *u);
 /* Synchronous gather + conversion through the same request (so traces see its times). */

@@ -42,9 +42,76 @@ static int error_class(int rc) {
     return MPI_Error_class(rc, &cls) == MPI_SUCCESS ? cls : rc;
 }
 
-/* The gather with the tickets beside the data, in one exchange (groups of up to FUSED_RANKS). */
+/* ---- a float8 wire gather decoded as its chunks land ----
+ * This rank's chunk is decoded while the peers' are in flight, each peer's as soon as both its
+ * ticket and its chunk are in and the ticket equals this rank's (so nothing of a unit the
+ * ranks disagree on is decoded; the gather then fails as before). MPI moves data (over TCP,
+ * say) only inside MPI calls, so the decode polls the requests (MPI_Testsome) between slices.
+ * Request k < 2 (n - 1) is a receive from the peer at position k / 2 (tickets at even k). */
+typedef struct {
+    MPI_Request *req;
+    MPI_Status *stat;
+    int m, n, me;
+    int failed, tickets_ok;         /* the first error seen; whether every ticket arrived */
+    int got[FUSED_RANKS];           /* per peer position: 1 ticket in, 2 chunk in (bits) */
+    int ready[FUSED_RANKS], nready; /* peers whose ticket and chunk are in, in landing order */
+} landing_state;
+
+static int peer_at(const landing_state *ls, int pos) { return pos < ls->me ? pos : pos + 1; }
+
+/* Records what completed (outcount indices in idx, or an error from a Testsome/Waitsome). */
+static void landed(landing_state *ls, int rc, int outcount, const int *idx) {
+    int in_status = rc != MPI_SUCCESS && error_class(rc) == MPI_ERR_IN_STATUS;
+    if (rc != MPI_SUCCESS && !in_status) { /* which request failed is unknown: the cleanup waits the rest */
+        if (ls->failed == MPI_SUCCESS) ls->failed = rc;
+        return;
+    }
+    for (int c = 0; c < outcount && outcount != MPI_UNDEFINED; c++) {
+        int k = idx[c], e = in_status ? ls->stat[c].MPI_ERROR : MPI_SUCCESS;
+        if (e != MPI_SUCCESS) {
+            if (ls->failed == MPI_SUCCESS) ls->failed = e;
+            if (k < 2 * (ls->n - 1) && k % 2 == 0) ls->tickets_ok = 0;
+            continue;
+        }
+        if (k >= 2 * (ls->n - 1)) continue; /* a send */
+        int pos = k / 2;
+        ls->got[pos] |= k % 2 ? 2 : 1;
+        if (ls->got[pos] == 3) ls->ready[ls->nready++] = pos;
+    }
+}
+
+static void landing_poll(void *arg) {
+    landing_state *ls = arg;
+    if (ls->failed != MPI_SUCCESS) return;
+    int outcount = 0, idx[4 * (FUSED_RANKS - 1)];
+    int rc = MPI_Testsome(ls->m, ls->req, &outcount, idx, ls->stat);
+    landed(ls, rc, outcount, idx);
+}
+
+/* Decodes this rank's chunk, then each peer's as it lands, until every one is decoded or an
+ * error ends the wait (the caller's cleanup then waits what is left). */
+static hsdp_status decode_as_landed(landing_state *ls, hsdp_gather_req *landing, const hsdp_ticket *all,
+                                    const void *send, const unsigned char *out, size_t nbytes) {
+    hsdp_status st = hsdp_unit_decode_landed(landing, ls->me, send, landing_poll, ls);
+    for (int next = 0; st == HSDP_OK && ls->failed == MPI_SUCCESS && next < ls->n - 1;) {
+        if (next < ls->nready) {
+            int j = peer_at(ls, ls->ready[next++]);
+            if (memcmp(&all[j], &all[ls->me], sizeof *all) == 0) /* else the ticket check fails the gather */
+                st = hsdp_unit_decode_landed(landing, j, out + (size_t)j * nbytes, landing_poll, ls);
+            continue;
+        }
+        int outcount = 0, idx[4 * (FUSED_RANKS - 1)];
+        int rc = MPI_Waitsome(ls->m, ls->req, &outcount, idx, ls->stat);
+        if (rc == MPI_SUCCESS && outcount == MPI_UNDEFINED) break; /* nothing left (cannot happen here) */
+        landed(ls, rc, outcount, idx);
+    }
+    return st;
+}
+
+/* The gather with the tickets beside the data, in one exchange (groups of up to FUSED_RANKS).
+ * landing: see decode_as_landed. */
 static hsdp_status agreed_gather(hsdp_group *g, const char *label, uint64_t ident, const void *send, void *recv,
-                                 size_t nbytes) {
+                                 size_t nbytes, hsdp_gather_req *landing) {
     REQUIRE_LIVE();
     int count, owned, n = g->size, me = g->rank;
     MPI_Datatype type;
@@ -82,6 +149,14 @@ static hsdp_status agreed_gather(hsdp_group *g, const char *label, uint64_t iden
      * what was never sent until the watchdog ends the job.) */
     MPI_Status stat[4 * (FUSED_RANKS - 1)];
     int failed = rc, tickets_ok = rc == MPI_SUCCESS;
+    hsdp_status decode_st = HSDP_OK;
+    if (landing && rc == MPI_SUCCESS && !size_error[0]) {
+        landing_state ls = {.req = req, .stat = stat, .m = m, .n = n, .me = me, .tickets_ok = 1};
+        decode_st = decode_as_landed(&ls, landing, all, send, out, nbytes);
+        failed = ls.failed;
+        tickets_ok = ls.tickets_ok;
+    }
+    /* what is left (completed requests are MPI_REQUEST_NULL, which complete at once) */
     int wrc = MPI_Waitall(m, req, stat);
     int in_status = wrc != MPI_SUCCESS && error_class(wrc) == MPI_ERR_IN_STATUS;
     for (int k = 0; wrc != MPI_SUCCESS && k < m; k++) {
@@ -101,22 +176,25 @@ static hsdp_status agreed_gather(hsdp_group *g, const char *label, uint64_t iden
     }
     if (size_error[0]) return hsdp_fail(HSDP_EINVAL, "%s", size_error);
     if (failed != MPI_SUCCESS) return hsdp_mpi_fail(failed, "MPI_Isend/MPI_Irecv (gathering)");
+    if (decode_st != HSDP_OK) return decode_st;
     /* The rank's own chunk last: MPI progresses (over TCP, say) only inside MPI calls, and a
-     * copy while the messages are in flight would stall them. */
-    if (out + (size_t)me * nbytes != (const unsigned char *)send) memcpy(out + (size_t)me * nbytes, send, nbytes);
+     * copy while the messages are in flight would stall them. (Decoded as they landed: the
+     * chunks are already in `full`.) */
+    if (!landing && out + (size_t)me * nbytes != (const unsigned char *)send) memcpy(out + (size_t)me * nbytes, send, nbytes);
     hsdp_mpi_collective_done(g); /* every peer sent to this rank, so every one entered the gather */
     return HSDP_OK;
 }
 
 /* On the worker. The first gather of a fixed chunk is collective and sets *share. */
 hsdp_status hsdp_mpi_fixed_gather(hsdp_group *g, void **share, const void *send, void *recv, size_t nbytes,
-                                const char *label, uint64_t ident) {
-    if (*share && *share != hsdp_share_collective()) return hsdp_mpi_direct_gather(g, *share, send, recv, nbytes);
+                                const char *label, uint64_t ident, hsdp_gather_req *landing) {
+    if (*share && *share != hsdp_share_collective())
+        return hsdp_mpi_direct_gather(g, *share, send, recv, nbytes, landing);
     hsdp_status st = HSDP_OK;
     int mode = g->size > 1 ? hsdp_agreement_check() : HSDP_AGREE_OFF;
     hsdp_watch_label(label, !*share); /* a stalled peer is first seen here: name the unit */
     if (mode == HSDP_AGREE_ON && g->size <= FUSED_RANKS) {
-        st = agreed_gather(g, label, ident, send, recv, nbytes);
+        st = agreed_gather(g, label, ident, send, recv, nbytes, landing);
     } else {
         if (mode != HSDP_AGREE_OFF) {
             st = hsdp_agree(g, label, ident, nbytes, ticket_all_gather);

@@ -121,11 +121,19 @@ hsdp_status hsdp_mpi_direct_setup(hsdp_group *g, void **share, const void *send,
     return HSDP_OK;
 }
 
-hsdp_status hsdp_mpi_direct_gather(hsdp_group *g, const direct_share *d, const void *send, void *recv, size_t nbytes) {
+/* With `landing` (a float8 wire gather) each chunk is decoded right after it is read, while it
+ * is still in cache; this rank's straight from its shard. */
+hsdp_status hsdp_mpi_direct_gather(hsdp_group *g, const direct_share *d, const void *send, void *recv, size_t nbytes,
+                                   hsdp_gather_req *landing) {
     for (int j = 0; j < d->size; j++) {
         unsigned char *dst = (unsigned char *)recv + (size_t)j * nbytes;
         if (j == g->rank) {
-            if (dst != (const unsigned char *)send) memcpy(dst, send, nbytes);
+            if (landing) {
+                hsdp_status st = hsdp_unit_decode_landed(landing, j, send, NULL, NULL);
+                if (st != HSDP_OK) return st;
+            } else if (dst != (const unsigned char *)send) {
+                memcpy(dst, send, nbytes);
+            }
             continue;
         }
         pid_t pid = (pid_t)d->peer[j].pid;
@@ -140,6 +148,10 @@ hsdp_status hsdp_mpi_direct_gather(hsdp_group *g, const direct_share *d, const v
             return hsdp_fail(HSDP_ECOMM,
                              "rank %d (pid %d) no longer holds the unit this gather reads (it freed it): the ranks "
                              "are out of step", j, (int)pid);
+        if (landing) {
+            hsdp_status st = hsdp_unit_decode_landed(landing, j, dst, NULL, NULL);
+            if (st != HSDP_OK) return st;
+        }
     }
     return HSDP_OK;
 }

@@ -68,7 +68,8 @@ void hsdp_mpi_learn_world_peers(void);
 typedef struct direct_share direct_share;
 /* After the first (collective) gather of a chunk: exchange, probe, agree. Collective over g. */
 hsdp_status hsdp_mpi_direct_setup(hsdp_group *g, void **share, const void *send, size_t nbytes);
-hsdp_status hsdp_mpi_direct_gather(hsdp_group *g, const direct_share *d, const void *send, void *recv, size_t nbytes);
+hsdp_status hsdp_mpi_direct_gather(hsdp_group *g, const direct_share *d, const void *send, void *recv, size_t nbytes,
+                                   hsdp_gather_req *landing);
 /* After a collective over g completed: frees the shards no peer can still read. */
 void hsdp_mpi_collective_done(hsdp_group *g);
 /* all: every deferred free (a collective over every rank, or the end of MPI); else g's. */
@@ -76,9 +77,11 @@ void hsdp_mpi_flush_graves(uint64_t group_id, int all);
 void hsdp_mpi_share_free(hsdp_group *g, void *share, void *memory);
 
 /* ---------------------------------------------------------------- mpi_agreement.c */
-/* On the worker: a fixed chunk's gather, with its ticket. The first is collective and sets *share. */
+/* On the worker: a fixed chunk's gather, with its ticket. The first is collective and sets *share.
+ * landing (may be NULL): a float8 wire gather whose chunks are decoded as they land
+ * (hsdp_unit_landing_request), each once its rank's ticket agrees with this rank's. */
 hsdp_status hsdp_mpi_fixed_gather(hsdp_group *g, void **share, const void *send, void *recv, size_t nbytes,
-                                  const char *label, uint64_t ident);
+                                  const char *label, uint64_t ident, hsdp_gather_req *landing);
 
 /* ---------------------------------------------------------------- mpi_worker.c */
 hsdp_status hsdp_mpi_all_gather(hsdp_group *g, const void *send, void *recv, size_t nbytes);

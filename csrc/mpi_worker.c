@@ -43,7 +43,7 @@ static hsdp_status do_all_gather(void *p) {
 }
 static hsdp_status do_gather_fixed(void *p) {
     call_args *a = p;
-    return hsdp_mpi_fixed_gather(a->g, a->share, a->send, a->recv, a->nbytes, a->label, a->ident);
+    return hsdp_mpi_fixed_gather(a->g, a->share, a->send, a->recv, a->nbytes, a->label, a->ident, NULL);
 }
 static hsdp_status do_broadcast(void *p) {
     call_args *a = p;
@@ -130,7 +130,8 @@ static hsdp_status gather_job(void *p) {
     gather_task *t = p;
     hsdp_group *g = t->r->g;
     hsdp_status st = t->r->share
-                         ? hsdp_mpi_fixed_gather(g, t->r->share, t->send, t->recv, t->nbytes, t->r->label, t->r->ident)
+                         ? hsdp_mpi_fixed_gather(g, t->r->share, t->send, t->recv, t->nbytes, t->r->label, t->r->ident,
+                                                 hsdp_unit_landing_request(t->r))
                          : hsdp_mpi_raw_all_gather(g, t->send, t->recv, t->nbytes);
     if (st == HSDP_OK && t->r->then) st = t->r->then(t->r->then_arg);
     return st;

@@ -231,33 +231,52 @@ hsdp_status hsdp_unit_encode(hsdp_unit *u) {
     return HSDP_OK;
 }
 
+/* Weights decoded between two calls of a decode's poll: about 10-20 us of work, so that a
+ * backend polling its transfers in them keeps them moving (bench/bench_dequant.c). */
+enum { DECODE_SLICE = 512 * HSDP_WIRE_BLOCK };
+
+/* Rank s's encoded chunk `w` into its chunk of `full`, calling poll(poll_arg) (when not NULL)
+ * after every DECODE_SLICE weights. */
+static hsdp_status decode_chunk(const hsdp_unit *u, const unsigned char *w, void *full, int s,
+                                void (*poll)(void *), void *poll_arg) {
+    size_t nb;
+    (void)wire_size(u, s, &nb);
+    const float *scales = (const float *)(const void *)w; /* memcpy'd inside: alignment not needed */
+    const unsigned char *pay = w + nb * sizeof(float);
+    unsigned char *out = (unsigned char *)full + (size_t)s * u->layout.chunk_bytes;
+    size_t bi = 0, at = 0; /* at: how far into the chunk `out` is written */
+    for (size_t i = 0; i < u->layout.nslots; i++) {
+        size_t b, e, off;
+        if (!hsdp_layout_owned(&u->layout, i, s, &b, &e, &off)) continue;
+        const hsdp_slot *p = &u->layout.slots[i];
+        if (off > at) memset(out + at, 0, off - at); /* the padding between slots */
+        size_t item = hsdp_dtype_size(p->dtype), n = (e - b) / item;
+        if (u->quant[i]) {
+            /* in slices of whole blocks, so each slice starts on its own scale */
+            for (size_t k = 0; k < n; k += DECODE_SLICE) {
+                size_t m = n - k < DECODE_SLICE ? n - k : DECODE_SLICE;
+                hsdp_status st = hsdp_dequantize_blocks(out + off + k * item, p->dtype, pay + k,
+                                                        scales + bi + k / HSDP_WIRE_BLOCK, m);
+                if (st != HSDP_OK) return st;
+                if (poll) poll(poll_arg);
+            }
+            bi += (n + HSDP_WIRE_BLOCK - 1) / HSDP_WIRE_BLOCK;
+            pay += n;
+        } else {
+            memcpy(out + off, pay, e - b);
+            pay += e - b;
+        }
+        at = off + (e - b);
+    }
+    if (u->layout.chunk_bytes > at) memset(out + at, 0, u->layout.chunk_bytes - at);
+    return HSDP_OK;
+}
+
 hsdp_status hsdp_unit_decode(const hsdp_unit *u, const void *wire, void *full) {
     for (int s = 0; s < u->layout.shard; s++) {
-        size_t nb;
-        (void)wire_size(u, s, &nb);
-        const unsigned char *w = (const unsigned char *)wire + (size_t)s * u->wire_chunk_bytes;
-        const float *scales = (const float *)(const void *)w; /* memcpy'd inside: alignment not needed */
-        const unsigned char *pay = w + nb * sizeof(float);
-        unsigned char *out = (unsigned char *)full + (size_t)s * u->layout.chunk_bytes;
-        size_t bi = 0, at = 0; /* at: how far into the chunk `out` is written */
-        for (size_t i = 0; i < u->layout.nslots; i++) {
-            size_t b, e, off;
-            if (!hsdp_layout_owned(&u->layout, i, s, &b, &e, &off)) continue;
-            const hsdp_slot *p = &u->layout.slots[i];
-            if (off > at) memset(out + at, 0, off - at); /* the padding between slots */
-            size_t n = (e - b) / hsdp_dtype_size(p->dtype);
-            if (u->quant[i]) {
-                hsdp_status st = hsdp_dequantize_blocks(out + off, p->dtype, pay, scales + bi, n);
-                if (st != HSDP_OK) return st;
-                bi += (n + HSDP_WIRE_BLOCK - 1) / HSDP_WIRE_BLOCK;
-                pay += n;
-            } else {
-                memcpy(out + off, pay, e - b);
-                pay += e - b;
-            }
-            at = off + (e - b);
-        }
-        if (u->layout.chunk_bytes > at) memset(out + at, 0, u->layout.chunk_bytes - at);
+        hsdp_status st = decode_chunk(u, (const unsigned char *)wire + (size_t)s * u->wire_chunk_bytes, full, s,
+                                      NULL, NULL);
+        if (st != HSDP_OK) return st;
     }
     return HSDP_OK;
 }
@@ -299,7 +318,9 @@ hsdp_status hsdp_unit_widen(const hsdp_unit *u, const void *full, void *widened)
 /* `then` of a unit's gather: the conversion, on the backend's completion context. */
 static hsdp_status convert_job(void *arg) {
     hsdp_gather_req *r = arg;
-    if (r->wire) { /* the dequantization, straight out of the gathered encodings */
+    /* the dequantization, straight out of the gathered encodings, unless the backend
+     * decoded every chunk as it landed (hsdp_unit_decode_landed) */
+    if (r->wire && r->decoded != r->u->layout.shard) {
         hsdp_status st = hsdp_unit_decode(r->u, r->wire, r->full);
         if (st != HSDP_OK) return st;
     }
@@ -316,6 +337,7 @@ static hsdp_status req_init(hsdp_gather_req *r, hsdp_unit *u, void *full, void *
     r->widened = widened;
     r->wire = NULL;
     r->wire_owned = 0;
+    r->decoded = 0;
     atomic_fetch_add(&u->stats->gathers, 1);
     if (!u->quant || u->layout.total_bytes == 0) return HSDP_OK;
     hsdp_status st = hsdp_unit_encode(u);
@@ -345,8 +367,26 @@ const hsdp_gather_req *hsdp_unit_wire_request(const hsdp_req *r) {
     return g->wire && !g->u->widened_bytes ? g : NULL;
 }
 
-/* The synchronous form on such a backend: its gather_start (which decodes on the device), then
- * its wait (which orders the compute stream after it; the host does not block). */
+/* ---- each chunk decoded as it lands (a host backend that sees chunks land one by one: MPI) ----
+ * The wire gather behind r (its `then` decodes), else NULL. The backend may then decode each
+ * rank's chunk with hsdp_unit_decode_landed as soon as it is in host memory, while the others
+ * are still in flight; convert_job skips the decode once every chunk has been. */
+hsdp_gather_req *hsdp_unit_landing_request(hsdp_req *r) {
+    if (r->then != convert_job) return NULL;
+    hsdp_gather_req *g = r->then_arg;
+    return g->wire ? g : NULL;
+}
+
+hsdp_status hsdp_unit_decode_landed(hsdp_gather_req *r, int s, const void *chunk, void (*poll)(void *),
+                                    void *poll_arg) {
+    hsdp_status st = decode_chunk(r->u, chunk, r->full, s, poll, poll_arg);
+    if (st == HSDP_OK) r->decoded++;
+    return st;
+}
+
+/* The synchronous form on a backend with asynchronous slots: its gather_start, then its wait
+ * (NCCL: the device decodes, and the wait orders the compute stream after it, the host does
+ * not block; MPI: the worker decodes each chunk as it lands, hsdp_unit_landing_request). */
 static hsdp_status gather_now_on_device(hsdp_req *r, hsdp_group *g, void **share, const void *send, void *recv,
                                         size_t nbytes, hsdp_status (*then)(void *), void *then_arg) {
     hsdp_status st = hsdp_gather_start(r, g, share, send, recv, nbytes, then, then_arg);
@@ -366,7 +406,9 @@ static hsdp_status unit_gather_via(gather_fn fn, hsdp_unit *u, void *full, void 
     }
     void *recv = r->wire ? r->wire : full;
     size_t nbytes = r->wire ? u->wire_chunk_bytes : u->layout.chunk_bytes;
-    gather_fn run = fn == hsdp_gather_now && r->wire && u->group->backend == &hsdp_backend_nccl ? gather_now_on_device : fn;
+    /* A synchronous wire gather on a backend with asynchronous slots goes through them too: on
+     * NCCL the device decodes; on MPI the worker decodes each chunk as it lands. */
+    gather_fn run = fn == hsdp_gather_now && r->wire && u->group->backend->gather_start ? gather_now_on_device : fn;
     st = drop_host(u, run(&r->req, u->group, &u->share, u->shard, recv, nbytes,
                          (u->widened_bytes || r->wire) ? convert_job : NULL, r));
     /* nothing in flight after an error, nor after a synchronous gather */

@@ -810,6 +810,73 @@ static void test_blocks(void) {
     CHECK(hsdp_dequantize_blocks(y, HSDP_I32, q, sc, 1) == HSDP_ETYPE && strstr(hsdp_last_error(), "int32"));
 }
 
+/* The decode's reference: the formulation hsdp_dequantize_blocks had before it was vectorised
+ * for AVX-512 and its float16 loop made branch-free (and the one wire_kernel.h copies): the
+ * code's exact float (hsdp_f8e4m3_to_f32), one float32 multiply by the block's scale, then
+ * integer rounding to nearest even (bfloat16), f16_from_bits (float16) or nothing (float32);
+ * the NaN code gives the quiet NaN; the code's sign is OR'd on last. */
+static uint32_t decode_ref(uint8_t q, float scale, hsdp_dtype dt) {
+    uint32_t a = q & 0x7Fu, sign = q & 0x80u;
+    volatile float mag = hsdp_f8e4m3_to_f32((uint8_t)a); /* volatile: one multiply, as written */
+    float p = mag * scale;
+    uint32_t b;
+    memcpy(&b, &p, 4);
+    if (dt == HSDP_F32) return (a == 0x7Fu ? 0x7FC00000u : b) | sign << 24;
+    if (dt == HSDP_BF16) return (a == 0x7Fu ? 0x7FC0u : (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16) | sign << 8;
+    uint32_t qnan = 0x7FC00000u;
+    if (a == 0x7Fu) memcpy(&p, &qnan, 4);
+    return hsdp_f32_to_f16(p) | sign << 8;
+}
+
+/* Every code times scales that cover what a product can do: exact, rounding (random scales,
+ * all 24 bits used), ties, overflow to the largest finite and to inf in float16 (65504,
+ * 65520), bfloat16 and float32 (FLT_MAX), subnormal in float16 (below 2^-14), bfloat16 and
+ * float32 (below 2^-126), underflow to zero; zero, negative, infinite and NaN scales; and
+ * each at a destination misaligned by one element and with a block tail shorter than a
+ * vector, so the vector loops' prologue and epilogue are covered too. */
+static void test_blocks_exhaustive(void) {
+    enum { N = 3 * HSDP_WIRE_BLOCK - 51 };
+    float scales[96];
+    size_t ns = 0;
+    const float fixed[] = {1.0f, 0.5f, 0x1p-20f, 0x1p-24f, 0x1p-30f, 0x1p-126f, 0x1p-130f, 0x1p-140f, 0x1p-149f,
+                           0x1p-145f, 65504.0f / 448.0f, 65520.0f / 448.0f, 146.3f,
+                           0x1.fffffep127f / 448.0f, 0x1.fffffep127f / 400.0f, 0x1.fffffep127f, 0.02f / 448.0f,
+                           1.0f / 3.0f, 0x1.000002p0f, 0x1.7ffffep0f, 0.0f, -0.0f, -0.75f, INFINITY, NAN,
+                           0x1p-133f * 3.0f, 0x1p-9f, 0x1p-15f * 1.5f};
+    for (size_t i = 0; i < sizeof fixed / sizeof fixed[0]; i++) scales[ns++] = fixed[i];
+    uint64_t seed = 0xD1B54A32D192ED03u;
+    while (ns < sizeof scales / sizeof scales[0]) {
+        uint32_t bits = (uint32_t)(xorshift(&seed) >> 33) & 0x7FFFFFFFu; /* any finite or not */
+        if ((bits & 0x7F800000u) == 0x7F800000u) bits &= 0x3FFFFFFFu;
+        float f;
+        memcpy(&f, &bits, 4);
+        scales[ns++] = f;
+    }
+    uint8_t q[N];
+    for (size_t i = 0; i < N; i++) q[i] = (uint8_t)(i * 7 + 3); /* the first 256: every code once */
+    const hsdp_dtype dts[] = {HSDP_BF16, HSDP_F16, HSDP_F32};
+    int bad = 0;
+    for (size_t k = 0; k < ns; k++) {
+        float sc[3] = {scales[k], scales[k], scales[k]};
+        for (size_t t = 0; t < 3; t++) {
+            size_t item = hsdp_dtype_size(dts[t]);
+            for (size_t skew = 0; skew < 2; skew++) {
+                _Alignas(64) unsigned char out[(N + 1) * 4];
+                CHECK(hsdp_dequantize_blocks(out + skew * item, dts[t], q, sc, N) == HSDP_OK);
+                for (size_t i = 0; i < N; i++) {
+                    uint32_t got = 0;
+                    memcpy(&got, out + (skew + i) * item, item);
+                    uint32_t want = decode_ref(q[i], sc[0], dts[t]);
+                    if (got != want && bad++ < 5)
+                        fprintf(stderr, "code 0x%02X scale %a to %s: 0x%X, want 0x%X\n", q[i], (double)sc[0],
+                                hsdp_dtype_name(dts[t]), got, want);
+                }
+            }
+        }
+    }
+    CHECK(bad == 0);
+}
+
 int main(void) {
     test_metadata();
     test_bf16();
@@ -819,6 +886,7 @@ int main(void) {
     test_cast();
     test_buffers();
     test_blocks();
+    test_blocks_exhaustive();
     printf("%d passed, %d failed\n", g_pass, g_fail);
     return g_fail != 0;
 }

@@ -154,6 +154,7 @@ int main(void) {
     hsdp_gather_req r3;
     CHECK(hsdp_unit_gather_start(&u3, g3, NULL, &r3) == HSDP_OK && hsdp_unit_gather_wait(&u3, &r3) == HSDP_OK);
     CHECK(memcmp(f3, g3, t3) == 0);
+    CHECK(r3.decoded == shard->size); /* each chunk decoded as it was read, none after */
     int close3 = 1;
     for (size_t k = 0; k < 1000; k++) {
         float v;
@@ -164,6 +165,31 @@ int main(void) {
     hsdp_buffer_free(&st, f3, t3);
     hsdp_buffer_free(&st, g3, t3);
     hsdp_unit_free(&u3);
+    /* the collective path (tickets beside the data) over the whole world, chunks uneven (1260
+     * elements over W ranks, three dtypes): each chunk decoded as it lands, this rank's while
+     * the peers' are in flight, is byte for byte the decode after the whole gather */
+    {
+        hsdp_unit u4;
+        CHECK(setenv("HSDP_DIRECT_GATHER", "0", 1) == 0); /* read by the unit's first gather */
+        CHECK(hsdp_unit_init(&u4, numels, dts, NULL, 3, world, &st) == HSDP_OK);
+        for (size_t i = 0; i < 3; i++) CHECK(hsdp_unit_write(&u4, i, 0, numels[i], src, HSDP_F32) == HSDP_OK);
+        CHECK(hsdp_unit_set_wire(&u4, HSDP_F8E4M3, quant) == HSDP_OK);
+        size_t t4 = u4.layout.total_bytes;
+        unsigned char *f4 = hsdp_buffer_alloc(&st, t4), *g4 = hsdp_buffer_alloc(&st, t4); /* owned here */
+        CHECK(hsdp_unit_gather(&u4, f4) == HSDP_OK); /* all of it decoded after the gather */
+        CHECK(unsetenv("HSDP_DIRECT_GATHER") == 0);
+        CHECK(strcmp(hsdp_share_kind(u4.group, u4.share), "collective") == 0);
+        hsdp_gather_req r4;
+        memset(g4, 0xCD, t4);
+        CHECK(hsdp_unit_gather_start(&u4, g4, NULL, &r4) == HSDP_OK && hsdp_unit_gather_wait(&u4, &r4) == HSDP_OK);
+        CHECK(memcmp(f4, g4, t4) == 0 && r4.decoded == world->size);
+        memset(g4, 0xCD, t4);
+        CHECK(hsdp_unit_gather_now(&u4, g4, NULL, &r4) == HSDP_OK);
+        CHECK(memcmp(f4, g4, t4) == 0 && r4.decoded == world->size);
+        hsdp_buffer_free(&st, f4, t4);
+        hsdp_buffer_free(&st, g4, t4);
+        hsdp_unit_free(&u4);
+    }
     hsdp_buffer_free(&st, full2, u2.layout.total_bytes);
     hsdp_buffer_free(&st, wide2, u2.widened_bytes);
     hsdp_unit_free(&u2);
