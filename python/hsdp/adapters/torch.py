@@ -449,28 +449,20 @@ def unsharded_reference(model: Any, param_dtype: Any = "bfloat16") -> Any:
       module whose parameters hsdp would all keep in float32 (``_keep_in_fp32_modules``)
       casts nothing, as its unit does not.
     """
-    from ..api import (
-        _conditions_list,
-        _keep_modules,
-        _kept,
-        _model_param_dtype,
-        _post_order,
-        _storage_dtype,
-        _unit_input_dtype,
-    )
-    from ..policy import MixedPrecisionPolicy
+    from ..api import _conditions_list, _post_order
+    from ..policy import MixedPrecisionPolicy, keep_modules, kept, model_param_dtype, storage_dtype, unit_input_dtype
 
     adapter = TorchAdapter()
-    policy = MixedPrecisionPolicy(param_dtype=_model_param_dtype(adapter, model, param_dtype))
+    policy = MixedPrecisionPolicy(param_dtype=model_param_dtype(adapter, model, param_dtype))
     if policy.param_dtype is None:
         return model
-    keep = _keep_modules(model)
+    keep = keep_modules(model)
     ignored = {id(p) for n in getattr(model, "_hsdp_ignored_modules", None) or ()
                for p in model.get_submodule(n).parameters()}
     storage = {}  # id -> the dtype hsdp stores the parameter in, for those it shards
     for name, p in model.named_parameters():
         if id(p) not in ignored and adapter.is_shardable(p):
-            storage[id(p)] = _storage_dtype(adapter, p, policy, _kept(keep, name))
+            storage[id(p)] = storage_dtype(adapter, p, policy, kept(keep, name))
             p.data = p.data.to(_torch_dtype(storage[id(p)]))
 
     def hook(dtype: DType | None) -> Callable[..., Any]:
@@ -488,5 +480,5 @@ def unsharded_reference(model: Any, param_dtype: Any = "bfloat16") -> Any:
             continue
         own = [storage[id(p)] for p in module.parameters() if id(p) in storage and id(p) not in claimed]
         claimed.update(id(p) for p in module.parameters())
-        module.register_forward_pre_hook(hook(_unit_input_dtype(policy, own)), with_kwargs=True)
+        module.register_forward_pre_hook(hook(unit_input_dtype(policy, own)), with_kwargs=True)
     return model
