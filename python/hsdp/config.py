@@ -247,36 +247,28 @@ class DiffusionParallelConfig:
             return
 
         self._check_hsdp_exclusions()
-        replicate = self.hsdp_replicate_size
-        if self.hsdp_shard_size == -1:
-            if other_world == 1:
+        if other_world == 1:
+            if self.hsdp_shard_size == -1:
                 raise ValueError(
                     "hsdp_shard_size=-1 (auto) sizes the shard group from the other parallel "
                     "degrees, but all of them are 1; standalone HSDP mode needs an explicit "
                     "hsdp_shard_size (e.g. hsdp_shard_size=4 to shard across 4 ranks)"
                 )
-            if other_world % replicate != 0:
-                raise ValueError(
-                    f"hsdp_replicate_size={replicate} does not divide the other-parallel world "
-                    f"{other_world} ({self._factors_text()}), so hsdp_shard_size=-1 (auto) "
-                    "cannot be resolved; choose a replicate size that divides it"
-                )
-            self.hsdp_shard_size = other_world // replicate
+            self.world_size = self.hsdp_replicate_size * self.hsdp_shard_size
+            return
+        # Combined: the mesh reuses the ranks of the other parallelism and adds none. The
+        # mesh-size rule (-1 resolved, R x S = world) is the C core's (mesh.c), asked here.
+        from hsdp._C import mesh_sizes  # lazy: importing this module needs no extension
 
-        shard = self.hsdp_shard_size
-        if other_world == 1:
-            self.world_size = replicate * shard
-        else:
-            # Combined: the mesh reuses the ranks of the other parallelism; HSDP adds none.
-            if replicate * shard != other_world:
-                raise ValueError(
-                    f"hsdp_replicate_size={replicate} x hsdp_shard_size={shard} = "
-                    f"{replicate * shard} does not equal the other-parallel world "
-                    f"{other_world} ({self._factors_text()}); "
-                    "HSDP adds no ranks, so R x S must cover exactly those ranks "
-                    "(or use hsdp_shard_size=-1 to derive it)"
-                )
-            self.world_size = other_world
+        try:
+            _, self.hsdp_shard_size = mesh_sizes(other_world, self.hsdp_replicate_size, self.hsdp_shard_size)
+        except ValueError as exc:
+            raise ValueError(
+                f"{exc}: here the world is the other-parallel world {other_world} "
+                f"({self._factors_text()}); HSDP adds no ranks, so R x S must cover exactly those "
+                "ranks (use hsdp_shard_size=-1 to derive S, with a replicate size that divides it)"
+            ) from None
+        self.world_size = other_world
 
     # ----------------------------------------------------------------- derived values
 
