@@ -21,6 +21,7 @@ from typing import Any
 
 from . import _C, distributed
 from .adapters import TensorAdapter, adapter_for
+from .built import check_wire_dtype
 from .dtypes import DType
 from .mesh import DeviceMesh, device_type_of, init_device_mesh
 from .policy import MixedPrecisionPolicy, keep_modules, kept, model_param_dtype, storage_dtype, unit_input_dtype
@@ -324,12 +325,9 @@ def prepare_hsdp_shard_context(model: Any, hsdp_config: Any, target_device: Any 
     _check_config(hsdp_config)
     world = _world_for(ad, target_device)
     ad.check_device(target_device)
-    if hsdp_config.wire_dtype is not None and ad.buffer_device(target_device) != "host":
-        raise NotImplementedError(
-            f"wire_dtype={hsdp_config.wire_dtype!r} is built for host buffers (the MPI and single-process "
-            f"groups) only: its dequantization after each gather is a host loop, and target_device "
-            f"{target_device!r} puts the buffers on the GPU (NCCL). Use wire_dtype=None there"
-        )
+    if hsdp_config.wire_dtype is not None:
+        check_wire_dtype(hsdp_config.wire_dtype, ad.buffer_device(target_device),
+                         f"target_device {target_device!r} puts the buffers on")
     replicate, shard = _resolve_sizes(hsdp_config, world)
 
     named = list(ad.named_parameters(model))

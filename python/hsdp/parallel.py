@@ -246,11 +246,7 @@ def init_parallel_groups(config: Any, world: Any) -> ParallelGroups:
     config.check_world(world.size)  # ValueError naming both sizes and the launch command
     if sp * cfg == 1:  # standalone HSDP, or nothing parallel: no group to split off
         return SINGLE
-    if config.world_size != sp * cfg:
-        raise NotImplementedError(
-            f"only sequence and CFG parallelism run beside HSDP; the config's other degrees "
-            f"({config.describe()}) are not built"
-        )
+    config.require_supported()  # NotImplementedError naming each degree hsdp.built lists as not built
     u, c = world.rank % sp, world.rank // sp
     # Both splits on every rank, in this order: a split is a collective over the world.
     sp_group = world.split(color=c, key=u)
@@ -272,11 +268,7 @@ def _init_usp_groups(config: Any, world: Any) -> ParallelGroups:
     uly, ring, cfg = config.ulysses_degree, config.ring_degree, config.cfg_parallel_size
     sp = uly * ring
     config.check_world(world.size)
-    if config.world_size != sp * cfg:
-        raise NotImplementedError(
-            f"only sequence and CFG parallelism run beside HSDP; the config's other degrees "
-            f"({config.describe()}) are not built"
-        )
+    config.require_supported()  # NotImplementedError naming each degree hsdp.built lists as not built
     s, c = world.rank % sp, world.rank // sp
     u, r = s % uly, s // uly
     # Every split on every rank, in this order: each is a collective over the world.
