@@ -43,6 +43,20 @@ _RAW_AS = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8, torch.
 _TORCH_DTYPES: dict[str, torch.dtype] = {}
 
 
+def as_numpy(t: torch.Tensor) -> Any:
+    """A contiguous CPU tensor's bytes as a NumPy array, zero-copy (bfloat16 and float8 as
+    integers of their size, as this adapter hands them to the C unit)."""
+    raw = _RAW_AS.get(t.dtype)
+    return (t.view(raw) if raw is not None else t).numpy()
+
+
+def _stream(t: torch.Tensor) -> int:
+    """torch's current stream on t's device: a device collective runs after the work that
+    made its input there, and before the work that reads its output."""
+    return int(torch.cuda.current_stream(t.device).cuda_stream)
+
+
+
 def _torch_dtype(d: DType) -> torch.dtype:
     dt = _TORCH_DTYPES.get(d)
     if dt is None:
@@ -293,6 +307,33 @@ class TorchAdapter:
     # -- dtypes and devices ----------------------------------------------------------------
     def compute_dtype(self, storage: DType) -> DType:
         return storage  # torch computes in bfloat16 and float8: no widening
+
+    # -- exchanges: on the GPU the group's device collectives run on the tensors themselves,
+    # ordered on torch's current stream; on the CPU the group reads their bytes zero-copy.
+    def permute(self, t: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
+        return t.permute(*axes)
+
+    def to_float32(self, t: torch.Tensor) -> torch.Tensor:
+        return t.float().contiguous()
+
+    def all_gather(self, group: Any, send: torch.Tensor) -> torch.Tensor:
+        send = send.contiguous()
+        recv = torch.empty((group.size, *send.shape), dtype=send.dtype, device=send.device)
+        if send.is_cuda:
+            group.all_gather_device(send.data_ptr(), recv.data_ptr(), send.numel() * send.element_size(), _stream(send))
+        else:
+            group.all_gather(as_numpy(send), as_numpy(recv))
+        return recv
+
+    def all_to_all(self, group: Any, send: torch.Tensor) -> torch.Tensor:
+        send = send.contiguous()
+        recv = torch.empty_like(send)
+        if send.is_cuda:
+            group.all_to_all_device(send.data_ptr(), recv.data_ptr(), send.numel() * send.element_size() // group.size,
+                                    _stream(send))
+        else:
+            group.all_to_all(as_numpy(send), as_numpy(recv))
+        return recv
 
     def _device(self, target_device: Any) -> torch.device:
         """target_device as a torch device of a type hsdp runs on; a ValueError naming the
