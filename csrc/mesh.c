@@ -27,7 +27,7 @@ hsdp_status hsdp_mesh_init(hsdp_mesh *m, int world_size, int rank, int replicate
     }
     if ((long long)replicate * shard != world_size)
         return hsdp_fail(HSDP_EINVAL,
-                         "hsdp_replicate_size (%d) * hsdp_shard_size (%d) = %lld, but the world "
+                         "hsdp_replicate_size=%d x hsdp_shard_size=%d = %lld, but the world "
                          "size is %d",
                          replicate, shard, (long long)replicate * shard, world_size);
     m->world_size = world_size;

@@ -315,9 +315,9 @@ def test_not_enabled():
 @pytest.mark.parametrize(
     "kw,pattern",
     [
-        ({"hsdp_shard_size": 2}, r"hsdp_replicate_size \(1\) \* hsdp_shard_size \(2\) = 2, but the world size is 1"),
+        ({"hsdp_shard_size": 2}, r"hsdp_replicate_size=1 x hsdp_shard_size=2 = 2, but the world size is 1"),
         ({"hsdp_replicate_size": 2}, r"hsdp_replicate_size=2 does not divide the world size 1"),
-        ({"hsdp_replicate_size": 2, "hsdp_shard_size": 1}, r"\(2\) \* hsdp_shard_size \(1\) = 2.*world size is 1"),
+        ({"hsdp_replicate_size": 2, "hsdp_shard_size": 1}, r"=2 x hsdp_shard_size=1 = 2.*world size is 1"),
     ],
 )
 def test_sizes_must_match_world(kw, pattern):

@@ -628,19 +628,20 @@ def test_to_hsdp_config_requires_hsdp() -> None:
 
 
 def test_to_hsdp_config_passes_every_field(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Runs without the extension: a stand-in records what the config hands to C.
+    # A stand-in for the extension records what the config hands to C.
     seen: dict = {}
 
     def fake_config(**kwargs: object) -> dict:
         seen.update(kwargs)
         return kwargs
 
+    # built first: a combined config asks the real core's mesh rule (hsdp._C.mesh_sizes)
+    config = C(use_hsdp=True, cfg_parallel_size=2, ulysses_degree=2, hsdp_replicate_size=2,
+               hsdp_wire_dtype="float8_e4m3fn")
     fake = types.ModuleType("hsdp._C")
     fake.HSDPInferenceConfig = fake_config  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "hsdp._C", fake)
-    C(use_hsdp=True, cfg_parallel_size=2, ulysses_degree=2, hsdp_replicate_size=2,
-      hsdp_wire_dtype="float8_e4m3fn").to_hsdp_config(output_dtype="float16", reshard_after_forward=False,
-                                                       prefetch_depth=2)
+    config.to_hsdp_config(output_dtype="float16", reshard_after_forward=False, prefetch_depth=2)
     assert seen == {
         "enabled": True,
         "hsdp_replicate_size": 2,
@@ -683,23 +684,19 @@ def test_to_hsdp_config_overrides() -> None:
 
 
 def test_module_imports_no_framework() -> None:
-    # Load config.py on its own (not through the hsdp package, whose __init__ may import
-    # NumPy) in a fresh interpreter and check that it pulled in no framework or extension.
+    # In a fresh interpreter: building configs (standalone, and combined, which asks the C
+    # core's one mesh-size rule, hsdp._C.mesh_sizes) pulls in no framework.
     import subprocess
 
-    import hsdp.config
-
     code = (
-        "import importlib.util, sys\n"
-        "spec = importlib.util.spec_from_file_location('standalone_config', sys.argv[1])\n"
-        "mod = importlib.util.module_from_spec(spec)\n"
-        "sys.modules['standalone_config'] = mod\n"
-        "spec.loader.exec_module(mod)\n"
-        "mod.DiffusionParallelConfig(use_hsdp=True, ulysses_degree=2)\n"
-        "bad = [m for m in ('numpy', 'torch', 'hsdp') if m in sys.modules]\n"
+        "import sys\n"
+        "from hsdp.config import DiffusionParallelConfig\n"
+        "DiffusionParallelConfig(use_hsdp=True, hsdp_shard_size=2)\n"
+        "DiffusionParallelConfig(use_hsdp=True, ulysses_degree=2)\n"
+        "bad = [m for m in ('torch', 'diffusers', 'transformers') if m in sys.modules]\n"
         "assert not bad, bad\n"
     )
-    subprocess.run([sys.executable, "-c", code, hsdp.config.__file__], check=True)
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 @pytest.mark.parametrize("text,value", [("auto", "auto"), ("AUTO", "auto"), ("4096", 4096), ("512M", 512 << 20),

@@ -85,6 +85,20 @@ fail:
     return NULL;
 }
 
+/* mesh_sizes(world_size, replicate, shard): the same rule over a world of world_size ranks
+ * without a rank: (replicate, shard) with -1 resolved, or the ValueError naming the values.
+ * The parallel config asks it, so the mesh-size rule is written once (mesh.c). */
+static PyObject *mod_mesh_sizes(PyObject *m, PyObject *args, PyObject *kw) {
+    (void)m;
+    static char *kwlist[] = {"world_size", "replicate", "shard", NULL};
+    int world, replicate, shard;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iii", kwlist, &world, &replicate, &shard)) return NULL;
+    hsdp_mesh mesh;
+    hsdp_status st = hsdp_mesh_init(&mesh, world, 0, replicate, shard);
+    if (st != HSDP_OK) return hsdp_py_raise(st);
+    return Py_BuildValue("(ii)", mesh.replicate, mesh.shard);
+}
+
 static PyMethodDef mod_methods[] = {
     {"memory_stats", mod_memory_stats, METH_NOARGS, "Bytes this process holds for hsdp, from the core's counters."},
     {"reset_peak", mod_reset_peak, METH_NOARGS, "Reset the peak counters to the current values."},
@@ -93,6 +107,8 @@ static PyMethodDef mod_methods[] = {
      "Give freed heap memory back to the system (glibc malloc_trim); whether any was released."},
     {"mesh_coords", (PyCFunction)(void (*)(void))mod_mesh_coords, METH_VARARGS | METH_KEYWORDS,
      "mesh_coords(world_size, rank, replicate, shard): validated sizes, coordinates and group ranks."},
+    {"mesh_sizes", (PyCFunction)(void (*)(void))mod_mesh_sizes, METH_VARARGS | METH_KEYWORDS,
+     "mesh_sizes(world_size, replicate, shard): the validated (replicate, shard), -1 resolved."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -21,16 +21,16 @@ from typing import Any
 
 from . import _C, devices, distributed
 from .adapters import TensorAdapter, adapter_for
-from .dtypes import DType, float8_e4m3fn, float8_e5m2, float32
+from .built import check_wire_dtype
+from .dtypes import DType
 from .mesh import DeviceMesh, device_type_of, init_device_mesh
-from .policy import MixedPrecisionPolicy
+from .policy import MixedPrecisionPolicy, keep_modules, kept, model_param_dtype, storage_dtype, unit_input_dtype
 from .schedule import Schedule, _budgeted
 from .units import ShardCondition, UnitShardHandle, UnitState
 
 log = logging.getLogger("hsdp")
 
 HSDPInferenceConfig = _C.HSDPInferenceConfig
-_FP8 = (float8_e4m3fn, float8_e5m2)
 
 
 @dataclass(eq=False)
@@ -155,46 +155,6 @@ def _select(model: Any, conditions: list[ShardCondition], ad: TensorAdapter) -> 
     return selected
 
 
-def _storage_dtype(ad: TensorAdapter, p: Any, policy: MixedPrecisionPolicy, keep: bool) -> DType:
-    pd = policy.param_dtype
-    if pd is None or ad.dtype(p) in _FP8:
-        return ad.dtype(p)
-    if keep and pd.itemsize < float32.itemsize:
-        return float32  # as diffusers loads them: float32 whatever the rest is stored in
-    return pd
-
-
-def _unit_input_dtype(policy: MixedPrecisionPolicy, storage: Sequence[DType]) -> DType | None:
-    """What a unit casts its floating inputs to: the policy's input dtype, except for a unit
-    all of whose parameters are kept in another dtype (diffusers' _keep_in_fp32_modules under
-    a narrower param_dtype). Such a module computes in its own dtype and is written to take
-    its inputs as they come (diffusers casts nothing for it: Wan casts the timestep to its
-    time_embedder's dtype itself), so a cast to param_dtype would only feed bfloat16 to
-    float32 weights. It casts nothing."""
-    dt = policy.input_dtype
-    if dt is None or not storage or policy.param_dtype in storage:
-        return dt
-    return None
-
-
-def _model_param_dtype(ad: TensorAdapter, model: Any, param_dtype: Any) -> Any:
-    """param_dtype, or None when the model keeps every parameter's own dtype (it holds FP8
-    parameters, or sets _hsdp_preserve_parameter_dtypes)."""
-    has_fp8 = any(ad.dtype(p) in _FP8 for _, p in ad.named_parameters(model))
-    preserve = bool(getattr(model, "_hsdp_preserve_parameter_dtypes", False))
-    return None if (has_fp8 or preserve) else param_dtype
-
-
-def _kept(keep: frozenset[str], name: str) -> bool:
-    """Whether parameter `name` lies under one of the _keep_in_fp32_modules."""
-    return bool(keep) and not keep.isdisjoint(name.split("."))
-
-
-def _keep_modules(model: Any) -> frozenset[str]:
-    keep = getattr(model, "_keep_in_fp32_modules", None) or ()
-    return frozenset([keep] if isinstance(keep, str) else keep)
-
-
 _WIRE_SOURCES = ("float32", "float16", "bfloat16")
 
 
@@ -205,7 +165,7 @@ def _wire_params(ctx: HSDPShardContext, dtypes: Sequence[DType], names: Sequence
     if ctx.wire_dtype is None:
         return None
     keep = ctx.keep_dtype_modules
-    return [d.name in _WIRE_SOURCES and not _kept(keep, n) and len(tuple(s)) > 0
+    return [d.name in _WIRE_SOURCES and not kept(keep, n) and len(tuple(s)) > 0
             for d, n, s in zip(dtypes, names, shapes)]
 
 
@@ -243,7 +203,7 @@ def _build_unit(ctx: HSDPShardContext, module: Any, fqn: str, is_root: bool, cla
     if not params and not is_root:
         return None
     keep = ctx.keep_dtype_modules
-    dtypes = tuple(_storage_dtype(ad, p, ctx.mp_policy, _kept(keep, n)) for p, n in zip(params, names))
+    dtypes = tuple(storage_dtype(ad, p, ctx.mp_policy, kept(keep, n)) for p, n in zip(params, names))
     wire_params = _wire_params(ctx, dtypes, names, [ad.shape(p) for p in params])
     unit = _C.Unit(
         ctx.mesh.shard_group,
@@ -271,7 +231,7 @@ def _build_unit(ctx: HSDPShardContext, module: Any, fqn: str, is_root: bool, cla
         ctx.owner[id(p)] = (fqn, full)
     return UnitState(
         module, fqn, unit, tuple(params), tuple(names), dtypes, ctx.reshard_after_forward, ctx.mp_policy, is_root, ad,
-        _unit_input_dtype(ctx.mp_policy, dtypes),
+        unit_input_dtype(ctx.mp_policy, dtypes),
     )
 
 
@@ -366,12 +326,14 @@ def prepare_hsdp_shard_context(model: Any, hsdp_config: Any, target_device: Any 
     world = _world_for(ad, target_device)
     ad.check_device(target_device)
     buffers = devices.buffer_device(world, ad.device_type(target_device), target_device)
-    if hsdp_config.wire_dtype is not None and buffers != devices.HOST:
-        devices.prepare_wire(world)  # the device decodes (NCCL: a kernel, untested on a GPU); what is missing is named
+    if hsdp_config.wire_dtype is not None:
+        check_wire_dtype(hsdp_config.wire_dtype)
+        if buffers != devices.HOST:
+            devices.prepare_wire(world)  # the device decodes (NCCL: a kernel, untested on a GPU); what is missing is named
     replicate, shard = _resolve_sizes(hsdp_config, world)
 
     named = list(ad.named_parameters(model))
-    param_dtype = _model_param_dtype(ad, model, hsdp_config.param_dtype)
+    param_dtype = model_param_dtype(ad, model, hsdp_config.param_dtype)
     policy = MixedPrecisionPolicy(
         param_dtype=param_dtype,
         reduce_dtype=hsdp_config.reduce_dtype,
@@ -430,7 +392,7 @@ def prepare_hsdp_shard_context(model: Any, hsdp_config: Any, target_device: Any 
         hsdp_shard_conditions=conditions,
         ignored_params=ignored,
         target_device=target_device,
-        keep_dtype_modules=_keep_modules(model),
+        keep_dtype_modules=keep_modules(model),
         prefetch_depth=hsdp_config.prefetch_depth,
         max_unsharded_bytes=hsdp_config.max_unsharded_bytes,
         wire_dtype=hsdp_config.wire_dtype,
@@ -461,7 +423,7 @@ def _default_context(
         reshard_after_forward=reshard_after_forward,
         hsdp_shard_conditions=conditions,
         ignored_params=ignored,
-        keep_dtype_modules=_keep_modules(model),
+        keep_dtype_modules=keep_modules(model),
     )
     ctx.whole_bytes.append(_C.WholeBytes(ad.held_nbytes(ignored)))
     return ctx

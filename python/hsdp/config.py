@@ -28,6 +28,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from . import built
+
 __all__ = ["DiffusionParallelConfig", "add_parallel_args"]
 
 HSDPMode = Literal["off", "standalone", "combined"]
@@ -41,19 +43,6 @@ _WORLD_FACTORS: tuple[tuple[str, str], ...] = (
     ("ring_degree", "ring"),
     ("cfg_parallel_size", "cfg"),
 )
-
-# Degrees the runtime does not execute yet, grouped by the feature that would execute them.
-# Ulysses, ring attention and CFG parallel run (hsdp.parallel, hsdp.ring, hsdp.parallel_torch).
-# A config may still declare them (the HSDP mesh over those ranks is valid), but a model run
-# with them would silently compute redundantly instead of in parallel, so callers that run the
-# model check ``require_supported()`` first.
-_UNSUPPORTED: tuple[tuple[str, str], ...] = (
-    ("tensor_parallel_size", "tensor parallelism"),
-    ("pipeline_parallel_size", "pipeline parallelism"),
-    ("data_parallel_size", "data parallelism"),
-    ("enable_expert_parallel", "expert parallelism"),
-)
-
 
 def _describe_value(value: Any) -> str:
     return f"{value!r} ({type(value).__name__})"
@@ -91,7 +80,7 @@ def _as_shard_size(value: Any) -> int:
     return as_int
 
 
-WIRE_DTYPES = ("float8_e4m3fn",)
+WIRE_DTYPES = tuple(built.WIRE_DTYPES)  # what hsdp.built lists as built
 
 
 def _as_wire_dtype(value: Any) -> str | None:
@@ -102,10 +91,8 @@ def _as_wire_dtype(value: Any) -> str | None:
     name = getattr(value, "name", None) or str(value).removeprefix("torch.")
     if name in WIRE_DTYPES:
         return name
-    if name == "float8_e5m2":
-        raise NotImplementedError(
-            "hsdp_wire_dtype='float8_e5m2' is not built: the block-scaled wire is float8_e4m3fn"
-        )
+    if name in built.WIRE_NOT_BUILT:
+        raise NotImplementedError(f"hsdp_wire_dtype={name!r} is not built: {built.WIRE_NOT_BUILT[name]}")
     raise ValueError(f"hsdp_wire_dtype must be None or one of {', '.join(WIRE_DTYPES)}, got {_describe_value(value)}")
 
 
@@ -247,36 +234,28 @@ class DiffusionParallelConfig:
             return
 
         self._check_hsdp_exclusions()
-        replicate = self.hsdp_replicate_size
-        if self.hsdp_shard_size == -1:
-            if other_world == 1:
+        if other_world == 1:
+            if self.hsdp_shard_size == -1:
                 raise ValueError(
                     "hsdp_shard_size=-1 (auto) sizes the shard group from the other parallel "
                     "degrees, but all of them are 1; standalone HSDP mode needs an explicit "
                     "hsdp_shard_size (e.g. hsdp_shard_size=4 to shard across 4 ranks)"
                 )
-            if other_world % replicate != 0:
-                raise ValueError(
-                    f"hsdp_replicate_size={replicate} does not divide the other-parallel world "
-                    f"{other_world} ({self._factors_text()}), so hsdp_shard_size=-1 (auto) "
-                    "cannot be resolved; choose a replicate size that divides it"
-                )
-            self.hsdp_shard_size = other_world // replicate
+            self.world_size = self.hsdp_replicate_size * self.hsdp_shard_size
+            return
+        # Combined: the mesh reuses the ranks of the other parallelism and adds none. The
+        # mesh-size rule (-1 resolved, R x S = world) is the C core's (mesh.c), asked here.
+        from hsdp._C import mesh_sizes  # lazy: importing this module needs no extension
 
-        shard = self.hsdp_shard_size
-        if other_world == 1:
-            self.world_size = replicate * shard
-        else:
-            # Combined: the mesh reuses the ranks of the other parallelism; HSDP adds none.
-            if replicate * shard != other_world:
-                raise ValueError(
-                    f"hsdp_replicate_size={replicate} x hsdp_shard_size={shard} = "
-                    f"{replicate * shard} does not equal the other-parallel world "
-                    f"{other_world} ({self._factors_text()}); "
-                    "HSDP adds no ranks, so R x S must cover exactly those ranks "
-                    "(or use hsdp_shard_size=-1 to derive it)"
-                )
-            self.world_size = other_world
+        try:
+            _, self.hsdp_shard_size = mesh_sizes(other_world, self.hsdp_replicate_size, self.hsdp_shard_size)
+        except ValueError as exc:
+            raise ValueError(
+                f"{exc}: here the world is the other-parallel world {other_world} "
+                f"({self._factors_text()}); HSDP adds no ranks, so R x S must cover exactly those "
+                "ranks (use hsdp_shard_size=-1 to derive S, with a replicate size that divides it)"
+            ) from None
+        self.world_size = other_world
 
     # ----------------------------------------------------------------- derived values
 
@@ -451,32 +430,17 @@ class DiffusionParallelConfig:
             )
 
     def unsupported_degrees(self) -> list[str]:
-        """The declared degrees the runtime does not execute yet, e.g. ``["ulysses_degree=4"]``."""
-        out = []
-        for name, _ in _UNSUPPORTED:
-            value = getattr(self, name)
-            if value is True:
-                out.append(f"{name}=True")
-            elif not isinstance(value, bool) and value is not None and value > 1:
-                out.append(f"{name}={value}")
-        return out
+        """The declared degrees the runtime does not execute yet, e.g. ``["ulysses_degree=4"]``
+        (what ``hsdp.built.PARALLEL_DEGREES`` lists as not built)."""
+        return [item for items in built.not_built_degrees(self).values() for item in items]
 
     def require_supported(self) -> None:
         """Raise NotImplementedError naming every declared degree the runtime cannot run."""
-        features: dict[str, list[str]] = {}
-        for name, feature in _UNSUPPORTED:
-            value = getattr(self, name)
-            if value is True or (not isinstance(value, bool) and value is not None and value > 1):
-                features.setdefault(feature, []).append(f"{name}={value}")
-        if not features:
-            return
-        parts = [f"{feature} ({', '.join(items)})" for feature, items in features.items()]
-        verb = "is" if len(parts) == 1 else "are"
         if self.use_hsdp:
             tail = "the HSDP mesh over these ranks works, but running the model with it does not"
         else:
             tail = "set these to 1 to run the model"
-        raise NotImplementedError(f"{' and '.join(parts)} {verb} not built yet; {tail}")
+        built.require_degrees_built(self, tail)
 
     # ----------------------------------------------------------------- command line
 

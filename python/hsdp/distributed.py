@@ -18,6 +18,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from . import _C, devices
+from .job import launch_info, launched_by_mpi  # launched_by_mpi: public here (docs/api.md)
 
 if TYPE_CHECKING:
     from .mesh import DeviceMesh
@@ -25,9 +26,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("hsdp")
 
 ProcessGroup = _C.ProcessGroup
-
-# Launcher variables that mean "this process is one rank of an MPI job".
-_MPI_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "PMI_RANK", "MPI_LOCALNRANKS")
 
 _world: ProcessGroup | None = None
 _meshes: dict[tuple[str, tuple[int, ...]], "DeviceMesh"] = {}
@@ -47,11 +45,6 @@ def _note_failure(hook):  # type: ignore[no-untyped-def]
 
     excepthook.__wrapped__ = hook  # type: ignore[attr-defined]
     return excepthook
-
-
-def launched_by_mpi() -> bool:
-    """Whether an MPI launcher started this process."""
-    return any(k in os.environ for k in _MPI_ENV)
 
 
 def backends() -> dict[str, str | None]:
@@ -79,14 +72,11 @@ def backend_reason(name: str) -> str | None:
     raise ValueError(f"unknown backend {name!r}")
 
 
-def _launched_by_torchrun() -> bool:
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
-
-
 def _auto_backend() -> str:
-    if launched_by_mpi():
+    via = launch_info().via  # the one reading of the launcher's variables (hsdp.job)
+    if via == "mpi":
         return "mpi"
-    if _launched_by_torchrun() and "torch" in sys.modules and sys.modules["torch"].cuda.is_available():
+    if via == "torchrun" and "torch" in sys.modules and sys.modules["torch"].cuda.is_available():
         return devices.world_backend("cuda")  # the backend whose device torch's CUDA tensors view: NCCL
     world_env = os.environ.get("WORLD_SIZE")
     if world_env and world_env.isdigit() and int(world_env) > 1:

@@ -21,14 +21,14 @@ import os
 import site
 import sys
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from . import _C
+from .job import Launch, launch_info  # launch_info: documented here too (hsdp.nccl.launch_info)
 
 ID_BYTES = 128
 
@@ -42,67 +42,6 @@ _WHEEL_LIBS = {
 }
 _LIB_PREFIX = {"nccl": "libnccl.so", "cudart": "libcudart.so"}
 _LIB_ENV = {"nccl": "HSDP_NCCL_LIBRARY", "cudart": "HSDP_CUDART_LIBRARY"}
-
-
-@dataclass(frozen=True)
-class Launch:
-    """Who this process is in the job, as its launcher says."""
-
-    via: str  # "torchrun", "mpi" or "single"
-    rank: int
-    size: int
-    local_rank: int
-    master_addr: str | None = None
-    master_port: int | None = None
-    agent_store: bool = False
-    restart: int = 0
-
-
-def _int_var(environ: Mapping[str, str], name: str, default: int | None = None) -> int:
-    text = environ.get(name)
-    if text is None:
-        if default is None:
-            raise ValueError(f"{name} is not set; torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT")
-        return default
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"{name} must be an integer, got {text!r}") from None
-
-
-def _mpi_local_rank(environ: Mapping[str, str]) -> int | None:
-    for name in ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMI_LOCAL_RANK", "PMIX_LOCAL_RANK"):
-        if name in environ:
-            return _int_var(environ, name)
-    return None
-
-
-def launch_info(environ: Mapping[str, str] | None = None) -> Launch:
-    """This process's place in the job: torchrun's variables first, then an MPI launcher's,
-    else a world of one. Bad or contradictory values are errors naming the variable."""
-    from .distributed import launched_by_mpi
-
-    env = os.environ if environ is None else environ
-    if "RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env:
-        rank, size = _int_var(env, "RANK"), _int_var(env, "WORLD_SIZE")
-        local = _int_var(env, "LOCAL_RANK", rank)
-        port = _int_var(env, "MASTER_PORT")
-        if size < 1 or not 0 <= rank < size:
-            raise ValueError(f"RANK={rank} is outside WORLD_SIZE={size}")
-        if local < 0:
-            raise ValueError(f"LOCAL_RANK must be >= 0, got {local}")
-        if not 0 < port < 65536:
-            raise ValueError(f"MASTER_PORT must be a TCP port (1-65535), got {port}")
-        return Launch(
-            "torchrun", rank, size, local, env["MASTER_ADDR"], port,
-            agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
-            restart=_int_var(env, "TORCHELASTIC_RESTART_COUNT", 0),
-        )
-    if launched_by_mpi():
-        # rank and size come from the MPI world itself when the id is exchanged
-        local = _mpi_local_rank(env)
-        return Launch("mpi", -1, -1, -1 if local is None else local)
-    return Launch("single", 0, 1, _int_var(env, "LOCAL_RANK", 0))
 
 
 # ---------------------------------------------------------------------------- libraries

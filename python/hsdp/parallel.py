@@ -27,9 +27,14 @@ from __future__ import annotations
 import dataclasses
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from .adapters import NUMPY
+
+if TYPE_CHECKING:
+    from .adapters import TensorAdapter
 
 
 def _idle_refs() -> int:
@@ -71,13 +76,13 @@ class TokenSplit:
         n = self.local_tokens(x.shape[1])
         return np.ascontiguousarray(x[:, self.rank * n : (self.rank + 1) * n])
 
-    def gather_tokens(self, x: np.ndarray) -> np.ndarray:
-        """Every rank's (B, n, C) -> the whole (B, degree * n, C), in rank order."""
-        send = np.ascontiguousarray(x)
-        recv = np.empty((self.degree, *send.shape), dtype=send.dtype)
-        self.group.all_gather(send, recv)
-        b, n, c = send.shape
-        return np.ascontiguousarray(recv.transpose(1, 0, 2, 3).reshape(b, self.degree * n, c))
+    def gather_tokens(self, x: Any, adapter: TensorAdapter | None = None) -> Any:
+        """Every rank's (B, n, ...) -> the whole (B, degree * n, ...), in rank order, in
+        ``adapter``'s tensors (None: NumPy arrays)."""
+        ad = adapter or NUMPY
+        recv = ad.all_gather(self.group, x)  # (degree, B, n, ...)
+        b, n, *rest = x.shape
+        return ad.permute(recv, (1, 0, *range(2, recv.ndim))).reshape(b, self.degree * n, *rest)
 
 
 class Ulysses(TokenSplit):
@@ -185,6 +190,27 @@ class Ulysses(TokenSplit):
         self.group.all_to_all_blocks(t, send_layout, recv, recv_layout)
         return recv.transpose(0, 2, 1, 3)
 
+    def heads(self, t: Any, adapter: TensorAdapter) -> Any:
+        """The exchange before attention, in ``adapter``'s tensors: this rank's tokens, every
+        head, (B, n, H, D) -> every token, this rank's H / degree heads, (B, H / degree, N, D).
+        Block j of the send is head group j of my tokens; block i of the recv is rank i's
+        tokens for my heads. (The NumPy model takes the zero-copy path of :meth:`attention`,
+        the same layout packed in the transfer.)"""
+        b, n, h, d = t.shape
+        p = self.degree
+        recv = adapter.all_to_all(self.group, adapter.permute(t.reshape(b, n, p, h // p, d), (2, 0, 1, 3, 4)))
+        return adapter.permute(recv, (1, 3, 0, 2, 4)).reshape(b, h // p, p * n, d)
+
+    def tokens(self, t: Any, adapter: TensorAdapter) -> Any:
+        """The exchange after attention, the reverse of :meth:`heads`: (B, H / degree, N, D)
+        -> this rank's tokens, every head, (B, n, H * D). Block j of the send is rank j's
+        tokens for my heads; block i of the recv is head group i of my tokens."""
+        b, hp, total, d = t.shape
+        p = self.degree
+        n = total // p
+        recv = adapter.all_to_all(self.group, adapter.permute(t.reshape(b, hp, p, n, d), (2, 0, 3, 1, 4)))
+        return adapter.permute(recv, (1, 2, 0, 3, 4)).reshape(b, n, p * hp * d)
+
     def attention(
         self, q: np.ndarray, k: np.ndarray, v: np.ndarray, sdpa: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
     ) -> np.ndarray:
@@ -246,11 +272,7 @@ def init_parallel_groups(config: Any, world: Any) -> ParallelGroups:
     config.check_world(world.size)  # ValueError naming both sizes and the launch command
     if sp * cfg == 1:  # standalone HSDP, or nothing parallel: no group to split off
         return SINGLE
-    if config.world_size != sp * cfg:
-        raise NotImplementedError(
-            f"only sequence and CFG parallelism run beside HSDP; the config's other degrees "
-            f"({config.describe()}) are not built"
-        )
+    config.require_supported()  # NotImplementedError naming each degree hsdp.built lists as not built
     u, c = world.rank % sp, world.rank // sp
     # Both splits on every rank, in this order: a split is a collective over the world.
     sp_group = world.split(color=c, key=u)
@@ -272,11 +294,7 @@ def _init_usp_groups(config: Any, world: Any) -> ParallelGroups:
     uly, ring, cfg = config.ulysses_degree, config.ring_degree, config.cfg_parallel_size
     sp = uly * ring
     config.check_world(world.size)
-    if config.world_size != sp * cfg:
-        raise NotImplementedError(
-            f"only sequence and CFG parallelism run beside HSDP; the config's other degrees "
-            f"({config.describe()}) are not built"
-        )
+    config.require_supported()  # NotImplementedError naming each degree hsdp.built lists as not built
     s, c = world.rank % sp, world.rank // sp
     u, r = s % uly, s // uly
     # Every split on every rank, in this order: each is a collective over the world.
@@ -320,18 +338,20 @@ def apply_sequence_parallel(model: Any, sp: Any) -> Any:
 
 
 def cfg_combine(
-    groups: ParallelGroups, branch: Callable[[int], np.ndarray], guidance_scale: float
-) -> np.ndarray:
-    """Classifier-free guidance, uncond + scale * (cond - uncond), the same on every rank.
+    groups: ParallelGroups, branch: Callable[[int], Any], guidance_scale: float, adapter: TensorAdapter | None = None
+) -> Any:
+    """Classifier-free guidance, uncond + scale * (cond - uncond) in float32, the same on
+    every rank, in ``adapter``'s tensors (None: NumPy arrays; ``hsdp.parallel_torch`` passes
+    the torch adapter).
 
     `branch(0)` computes the conditional prediction and `branch(1)` the unconditional one.
     With a CFG group each rank computes its own branch and the two are all-gathered; without
     one this rank computes both."""
+    ad = adapter or NUMPY
     if groups.cfg is None:
-        cond, uncond = branch(0), branch(1)
+        cond, uncond = ad.to_float32(branch(0)), ad.to_float32(branch(1))
     else:
-        mine = np.ascontiguousarray(branch(groups.cfg_rank), dtype=np.float32)
-        both = np.empty((groups.cfg_degree, *mine.shape), dtype=np.float32)
-        groups.cfg.all_gather(mine, both)
+        both = ad.all_gather(groups.cfg, ad.to_float32(branch(groups.cfg_rank)))
         cond, uncond = both[0], both[1]
-    return (uncond + np.float32(guidance_scale) * (cond - uncond)).astype(np.float32)
+    # a Python float: the product stays float32 in both frameworks
+    return ad.to_float32(uncond + float(guidance_scale) * (cond - uncond))

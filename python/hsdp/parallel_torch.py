@@ -21,56 +21,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import devices
-from .adapters.torch import _RAW_AS
+from .adapters.torch import TorchAdapter
 from .parallel import ParallelGroups, Ulysses
+from .parallel import cfg_combine as _cfg_combine
 
-
-def _np(t: torch.Tensor) -> np.ndarray:
-    """A contiguous tensor's bytes as a NumPy array, zero-copy (bfloat16 and float8 as
-    integers of their size, as the torch adapter hands them to the C unit)."""
-    raw = _RAW_AS.get(t.dtype)
-    return (t.view(raw) if raw is not None else t).numpy()
-
-
-def _stream(t: torch.Tensor) -> int | None:
-    """torch's current stream on t's device: a device collective runs after the work that
-    made its input there, and before the work that reads its output (None: a device viewed
-    as the CPU has no streams)."""
-    return int(torch.cuda.current_stream(t.device).cuda_stream) if t.is_cuda else None
-
-
-def _on_device(group: Any, t: torch.Tensor) -> bool:
-    """Whether t lives on the group's device (its backend's device table says which
-    framework device type that is): then the collective runs on the tensor itself."""
-    info = devices.of_group(group)
-    return info.on_device and t.device.type == info.framework
-
-
-def _all_to_all(sp: Ulysses, send: torch.Tensor) -> torch.Tensor:
-    send = send.contiguous()
-    recv = torch.empty_like(send)
-    if _on_device(sp.group, send):  # NCCL: on the tensors themselves, ordered on torch's current stream
-        sp.group.all_to_all_device(send.data_ptr(), recv.data_ptr(), send.numel() * send.element_size() // sp.degree,
-                                   _stream(send))
-    else:
-        sp.group.all_to_all(_np(send), _np(recv))
-    return recv
-
-
-def _all_gather_tokens(sp: Ulysses, x: torch.Tensor) -> torch.Tensor:
-    """Every rank's (B, n, C) -> (B, U * n, C) in rank order."""
-    x = x.contiguous()
-    recv = torch.empty((sp.degree, *x.shape), dtype=x.dtype, device=x.device)
-    if _on_device(sp.group, x):
-        sp.group.all_gather_device(x.data_ptr(), recv.data_ptr(), x.numel() * x.element_size(), _stream(x))
-    else:
-        sp.group.all_gather(_np(x), _np(recv))
-    return recv.transpose(0, 1).reshape(x.shape[0], sp.degree * x.shape[1], *x.shape[2:])
+_TORCH = TorchAdapter()  # the exchanges are hsdp.parallel's, run on torch tensors through it
 
 
 def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -97,7 +55,7 @@ class UlyssesWanAttnProcessor:
             return self.inner(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
         if attention_mask is not None:
             raise NotImplementedError("Ulysses self-attention with an attention mask is not built")
-        sp, p = self.sp, self.sp.degree
+        sp = self.sp
         if attn.fused_projections:
             q, k, v = attn.to_qkv(hidden_states).chunk(3, dim=-1)
         else:
@@ -108,19 +66,10 @@ class UlyssesWanAttnProcessor:
         q, k, v = (t.unflatten(2, (heads, -1)) for t in (q, k, v))  # (B, n, H, D)
         if rotary_emb is not None:
             q, k = _rotary(q, *rotary_emb), _rotary(k, *rotary_emb)
-        b, n, h, d = q.shape
-
-        def to_heads(t: torch.Tensor) -> torch.Tensor:
-            # block j of the send: head group j for my tokens; block i of the recv: rank i's
-            # tokens for my heads -> (B, H/U, N, D)
-            recv = _all_to_all(sp, t.reshape(b, n, p, h // p, d).permute(2, 0, 1, 3, 4))
-            return recv.permute(1, 3, 0, 2, 4).reshape(b, h // p, p * n, d)
-
-        out = F.scaled_dot_product_attention(to_heads(q), to_heads(k), to_heads(v), dropout_p=0.0, is_causal=False)
-        # back: block j of the send is rank j's tokens for my heads; block i of the recv is
-        # head group i for my tokens -> (B, n, H, D)
-        recv = _all_to_all(sp, out.reshape(b, h // p, p, n, d).permute(2, 0, 3, 1, 4))
-        hidden = recv.permute(1, 2, 0, 3, 4).reshape(b, n, h * d).type_as(q)
+        ad = _TORCH
+        out = F.scaled_dot_product_attention(sp.heads(q, ad), sp.heads(k, ad), sp.heads(v, ad),
+                                             dropout_p=0.0, is_causal=False)
+        hidden = sp.tokens(out, ad).type_as(q)
         hidden = attn.to_out[0](hidden)
         return attn.to_out[1](hidden)
 
@@ -156,25 +105,11 @@ def apply_sequence_parallel_torch(model: Any, sp: Any) -> Any:
     for block in model.blocks:
         block.register_forward_pre_hook(split)
         block.attn1.set_processor(processor(sp, block.attn1.processor))
-    model.proj_out.register_forward_hook(lambda module, args, out: _all_gather_tokens(sp, out))
+    model.proj_out.register_forward_hook(lambda module, args, out: sp.gather_tokens(out, _TORCH))
     return model
 
 
 def cfg_combine(groups: ParallelGroups, branch: Callable[[int], torch.Tensor], guidance_scale: float) -> torch.Tensor:
-    """Classifier-free guidance on torch tensors, as :func:`hsdp.parallel.cfg_combine` does on
-    arrays: uncond + scale * (cond - uncond) in float32, the same on every rank. With a CFG
-    group each rank computes its own branch (``branch(0)`` conditional, ``branch(1)``
-    unconditional) and the two are all-gathered (on the GPU through NCCL); without one this
-    rank computes both."""
-    if groups.cfg is None:
-        cond, uncond = branch(0).float(), branch(1).float()
-    else:
-        mine = branch(groups.cfg_rank).float().contiguous()
-        both = torch.empty((groups.cfg_degree, *mine.shape), dtype=torch.float32, device=mine.device)
-        if _on_device(groups.cfg, mine):
-            groups.cfg.all_gather_device(mine.data_ptr(), both.data_ptr(), mine.numel() * mine.element_size(),
-                                         _stream(mine))
-        else:
-            groups.cfg.all_gather(mine.numpy(), both.numpy())
-        cond, uncond = both[0], both[1]
-    return uncond + guidance_scale * (cond - uncond)
+    """:func:`hsdp.parallel.cfg_combine` on torch tensors (on the GPU through NCCL):
+    uncond + scale * (cond - uncond) in float32, the same on every rank."""
+    return _cfg_combine(groups, branch, guidance_scale, _TORCH)

@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from .parallel_torch import _all_to_all, _np, _rotary
+from .adapters.torch import as_numpy as _np
+from .parallel_torch import _TORCH, _rotary
 from .ring import USP, Ring
 
 
@@ -109,20 +110,15 @@ class USPWanAttnProcessor:
             q, k = _rotary(q, *rotary_emb), _rotary(k, *rotary_emb)
         b, n, h, d = q.shape
         uly = self.sp.ulysses
-        p = uly.degree if uly is not None else 1
 
         def to_heads(t: torch.Tensor) -> torch.Tensor:  # (B, n, H, D) -> (B, H/U, U*n, D), as Ulysses does
-            if uly is None:
-                return t.transpose(1, 2)
-            recv = _all_to_all(uly, t.reshape(b, n, p, h // p, d).permute(2, 0, 1, 3, 4))
-            return recv.permute(1, 3, 0, 2, 4).reshape(b, h // p, p * n, d)
+            return t.transpose(1, 2) if uly is None else uly.heads(t, _TORCH)
 
         assert self.sp.ring is not None
         out = ring_attention(self.sp.ring, to_heads(q), to_heads(k), to_heads(v)).to(q.dtype)
         if uly is None:
             hidden = out.transpose(1, 2).reshape(b, n, h * d)
         else:
-            recv = _all_to_all(uly, out.reshape(b, h // p, p, n, d).permute(2, 0, 3, 1, 4))
-            hidden = recv.permute(1, 2, 0, 3, 4).reshape(b, n, h * d)
+            hidden = uly.tokens(out, _TORCH)
         hidden = attn.to_out[0](hidden.type_as(q))
         return attn.to_out[1](hidden)

@@ -52,7 +52,7 @@ class UnitState:
         self.reshard_after_forward = reshard_after_forward
         self.policy = policy
         self.is_root = is_root
-        # what the pre-forward casts floating inputs to (None: no cast); see api._unit_input_dtype
+        # what the pre-forward casts floating inputs to (None: no cast); see policy.unit_input_dtype
         self._input_dtype = input_dtype
         self._output_dtype = policy.output_dtype if is_root else None
         # Set by an explicit hsdp.unshard() (or hsdp.resident): forwards then leave the

@@ -129,6 +129,21 @@ class TensorAdapter(Protocol):
     def cast_output(self, output: Any, dtype: DType) -> Any:
         """Floating tensors in a (nested) output cast to ``dtype``."""
 
+    # -- exchanges (hsdp.parallel writes each exchange once over these) ---------------------
+    def permute(self, t: Any, axes: tuple[int, ...]) -> Any:
+        """``t`` with its axes in the order ``axes`` (a view where the framework makes one)."""
+
+    def to_float32(self, t: Any) -> Any:
+        """``t`` as a contiguous float32 tensor (itself when it already is one)."""
+
+    def all_gather(self, group: Any, send: Any) -> Any:
+        """Every rank's ``send`` of the process group ``group``, stacked in rank order: a new
+        tensor ``(group.size, *send.shape)`` on ``send``'s device."""
+
+    def all_to_all(self, group: Any, send: Any) -> Any:
+        """Block ``j`` (along the first axis, ``group.size`` blocks) of ``send`` to rank ``j``;
+        block ``i`` of the result, a new tensor of ``send``'s shape, is what rank ``i`` sent."""
+
     # -- binding (only when bind_attr is None) -----------------------------------------------
     def bind(self, state: UnitState) -> None:
         """Points every parameter of a unit that has just unsharded at a zero-copy view."""

@@ -143,6 +143,25 @@ class NumpyAdapter:
         return _cast_tree(output, dtype.compute, narrow)
 
     # -- binding in Python (the C unit does this itself while bind_attr is set) -------------
+    # -- exchanges ---------------------------------------------------------------------------
+    def permute(self, t: np.ndarray, axes: tuple[int, ...]) -> np.ndarray:
+        return t.transpose(axes)
+
+    def to_float32(self, t: Any) -> np.ndarray:
+        return np.ascontiguousarray(t, dtype=np.float32)
+
+    def all_gather(self, group: Any, send: np.ndarray) -> np.ndarray:
+        send = np.ascontiguousarray(send)
+        recv = np.empty((group.size, *send.shape), dtype=send.dtype)
+        group.all_gather(send, recv)
+        return recv
+
+    def all_to_all(self, group: Any, send: np.ndarray) -> np.ndarray:
+        send = np.ascontiguousarray(send)
+        recv = np.empty_like(send)
+        group.all_to_all(send, recv)
+        return recv
+
     def bind(self, state: UnitState) -> None:
         bufs = state.unit.buffers()
         for p, (which, offset), dt in zip(state.params, state.unit.view_specs, state.unit.compute_dtypes):

@@ -44,6 +44,27 @@ _RAW_AS = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8, torch.
 _TORCH_DTYPES: dict[str, torch.dtype] = {}
 
 
+def as_numpy(t: torch.Tensor) -> Any:
+    """A contiguous CPU tensor's bytes as a NumPy array, zero-copy (bfloat16 and float8 as
+    integers of their size, as this adapter hands them to the C unit)."""
+    raw = _RAW_AS.get(t.dtype)
+    return (t.view(raw) if raw is not None else t).numpy()
+
+
+def _stream(t: torch.Tensor) -> int | None:
+    """torch's current stream on t's device: a device collective runs after the work that
+    made its input there, and before the work that reads its output (None: a device viewed
+    as the CPU has no streams)."""
+    return int(torch.cuda.current_stream(t.device).cuda_stream) if t.is_cuda else None
+
+
+def _on_device(group: Any, t: torch.Tensor) -> bool:
+    """Whether t lives on the group's device (its backend's device table says which framework
+    device type that is): then the collective runs on the tensor itself."""
+    info = devices.of_group(group)
+    return info.on_device and t.device.type == info.framework
+
+
 def _torch_dtype(d: DType) -> torch.dtype:
     dt = _TORCH_DTYPES.get(d)
     if dt is None:
@@ -297,6 +318,34 @@ class TorchAdapter:
     def compute_dtype(self, storage: DType) -> DType:
         return storage  # torch computes in bfloat16 and float8: no widening
 
+    # -- exchanges: on the group's device (its table names the framework device type: NCCL's
+    # "cuda") the device collectives run on the tensors themselves, ordered on torch's current
+    # stream; elsewhere the group reads their bytes zero-copy.
+    def permute(self, t: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
+        return t.permute(*axes)
+
+    def to_float32(self, t: torch.Tensor) -> torch.Tensor:
+        return t.float().contiguous()
+
+    def all_gather(self, group: Any, send: torch.Tensor) -> torch.Tensor:
+        send = send.contiguous()
+        recv = torch.empty((group.size, *send.shape), dtype=send.dtype, device=send.device)
+        if _on_device(group, send):
+            group.all_gather_device(send.data_ptr(), recv.data_ptr(), send.numel() * send.element_size(), _stream(send))
+        else:
+            group.all_gather(as_numpy(send), as_numpy(recv))
+        return recv
+
+    def all_to_all(self, group: Any, send: torch.Tensor) -> torch.Tensor:
+        send = send.contiguous()
+        recv = torch.empty_like(send)
+        if _on_device(group, send):
+            group.all_to_all_device(send.data_ptr(), recv.data_ptr(), send.numel() * send.element_size() // group.size,
+                                    _stream(send))
+        else:
+            group.all_to_all(as_numpy(send), as_numpy(recv))
+        return recv
+
     def _device(self, target_device: Any) -> torch.device:
         """target_device as a torch device of a type hsdp runs on; a ValueError naming the
         value otherwise (torch's own error would not say which argument it was)."""
@@ -450,28 +499,20 @@ def unsharded_reference(model: Any, param_dtype: Any = "bfloat16") -> Any:
       module whose parameters hsdp would all keep in float32 (``_keep_in_fp32_modules``)
       casts nothing, as its unit does not.
     """
-    from ..api import (
-        _conditions_list,
-        _keep_modules,
-        _kept,
-        _model_param_dtype,
-        _post_order,
-        _storage_dtype,
-        _unit_input_dtype,
-    )
-    from ..policy import MixedPrecisionPolicy
+    from ..api import _conditions_list, _post_order
+    from ..policy import MixedPrecisionPolicy, keep_modules, kept, model_param_dtype, storage_dtype, unit_input_dtype
 
     adapter = TorchAdapter()
-    policy = MixedPrecisionPolicy(param_dtype=_model_param_dtype(adapter, model, param_dtype))
+    policy = MixedPrecisionPolicy(param_dtype=model_param_dtype(adapter, model, param_dtype))
     if policy.param_dtype is None:
         return model
-    keep = _keep_modules(model)
+    keep = keep_modules(model)
     ignored = {id(p) for n in getattr(model, "_hsdp_ignored_modules", None) or ()
                for p in model.get_submodule(n).parameters()}
     storage = {}  # id -> the dtype hsdp stores the parameter in, for those it shards
     for name, p in model.named_parameters():
         if id(p) not in ignored and adapter.is_shardable(p):
-            storage[id(p)] = _storage_dtype(adapter, p, policy, _kept(keep, name))
+            storage[id(p)] = storage_dtype(adapter, p, policy, kept(keep, name))
             p.data = p.data.to(_torch_dtype(storage[id(p)]))
 
     def hook(dtype: DType | None) -> Callable[..., Any]:
@@ -489,5 +530,5 @@ def unsharded_reference(model: Any, param_dtype: Any = "bfloat16") -> Any:
             continue
         own = [storage[id(p)] for p in module.parameters() if id(p) in storage and id(p) not in claimed]
         claimed.update(id(p) for p in module.parameters())
-        module.register_forward_pre_hook(hook(_unit_input_dtype(policy, own)), with_kwargs=True)
+        module.register_forward_pre_hook(hook(unit_input_dtype(policy, own)), with_kwargs=True)
     return model

@@ -16,10 +16,10 @@ _ENTRY = Path(__file__).with_name("rank_entry.py")
 
 def inside_launched_job() -> bool:
     """Whether a launcher started this process as one rank of a job: the variables
-    hsdp.distributed reads to pick its backend (MPI's, or torchrun's)."""
-    from hsdp import distributed
+    hsdp.distributed reads to pick its backend (MPI's, or torchrun's): hsdp.job.launch_info."""
+    from hsdp.job import launch_info
 
-    return distributed.launched_by_mpi() or distributed._launched_by_torchrun()
+    return launch_info().via != "single"
 
 
 def launch_self(nproc: int, argv: Sequence[str]) -> int:

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from ..adapters.torch import TorchAdapter
 from ..parallel import ParallelGroups
 
 GuidanceProbe = Callable[[Any, dict[str, Any]], bool]
@@ -230,11 +231,7 @@ class CFGSplit:
         code = float(_DTYPES.index(mine.dtype))
         expect = float(_DTYPES.index(placeholder.dtype)) if g.cfg_rank == 1 else -1.0
         send = torch.cat([torch.tensor([code, expect], device=mine.device), mine.reshape(-1).float()])
-        both = torch.empty((2, send.numel()), dtype=torch.float32, device=mine.device)
-        if send.is_cuda:
-            g.cfg.all_gather_device(send.data_ptr(), both.data_ptr(), send.numel() * 4)
-        else:
-            g.cfg.all_gather(send.numpy(), both.numpy())
+        both = TorchAdapter().all_gather(g.cfg, send)  # the adapter's, as hsdp.parallel.cfg_combine's
         header = both[:, :2].cpu().tolist()
         cond_dtype, uncond_dtype = _DTYPES[int(header[0][0])], _DTYPES[int(header[1][0])]
         if cond_dtype != _DTYPES[int(header[1][1])]:
