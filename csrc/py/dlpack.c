@@ -1,9 +1,9 @@
 /* dlpack.c - _Buffer.__dlpack__ / __dlpack_device__: a gathered buffer exported zero-copy as
  * a 1-D uint8 tensor, so torch (torch.from_dlpack) and any other DLPack consumer views the
  * very bytes the gather wrote. The structs below follow the public DLPack ABI (1.x, and the
- * legacy unversioned form for consumers that ask for no version). The exported tensor holds
- * a strong reference to the buffer until the consumer's deleter runs, so the pool never
- * reuses a buffer something still views. */
+ * legacy unversioned form for consumers that ask for no version). Each export is a lease
+ * on the buffer, returned when the consumer's deleter runs, so the pool never reuses a
+ * buffer something still views ([Note: leases] in docs/design.md). */
 #include "pyhsdp.h" /* first: Python.h must precede system headers */
 #include <stdint.h>
 #include <stdlib.h>
@@ -58,7 +58,7 @@ static void release_owner(void *ctx) {
     /* The consumer may free its tensor on any thread, and after the interpreter is gone. */
     if (!ctx || !Py_IsInitialized()) return;
     PyGILState_STATE g = PyGILState_Ensure();
-    Py_DECREF((PyObject *)ctx);
+    hsdp_py_buffer_return((BufferObject *)ctx);
     PyGILState_Release(g);
 }
 
@@ -153,7 +153,7 @@ static PyObject *buffer_dlpack(BufferObject *self, PyObject *args, PyObject *kw)
                        .strides = blk->strides,
                        .byte_offset = 0};
     PyObject *cap;
-    Py_INCREF(self); /* released by the deleter */
+    hsdp_py_buffer_lease(self); /* returned by the deleter */
     if (major >= 1) {
         blk->t.v = (DLManagedTensorVersioned){.version = {1, 0},
                                               .manager_ctx = self,
@@ -166,7 +166,7 @@ static PyObject *buffer_dlpack(BufferObject *self, PyObject *args, PyObject *kw)
         cap = PyCapsule_New(&blk->t.legacy, "dltensor", capsule_legacy);
     }
     if (!cap) {
-        Py_DECREF(self);
+        hsdp_py_buffer_return(self);
         free(blk);
     }
     return cap;

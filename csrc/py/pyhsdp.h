@@ -80,12 +80,10 @@ typedef struct BufferObject {
     const hsdp_backend *backend; /* allocates device buffers; static tables, never freed */
     hsdp_stats *stats;
     PyObject *module; /* strong: keeps the stats alive */
-    /* strong, or NULL: what an adapter keeps with the buffer across reshards (torch: its
-     * views of it), holding kept_refs references to the buffer itself. The pool counts
-     * those as its own; every way out of the pool but reuse drops it (a cycle the GC cannot
-     * see: buffer -> views -> their storage -> buffer). */
-    PyObject *kept;
-    Py_ssize_t kept_refs;
+    /* Views of the bytes handed out and not yet returned (DLPack exports until their
+     * deleter runs, buffer-protocol exports until released): see [Note: leases] in
+     * docs/design.md. The pool reuses a buffer only while this is 0. GIL held. */
+    Py_ssize_t leases;
 } BufferObject;
 
 extern PyType_Spec hsdp_py_buffer_spec;
@@ -94,10 +92,14 @@ extern PyMethodDef hsdp_py_pool_functions[];
 /* A buffer of n bytes on device: an idle pooled one of that size and device first, else a
  * fresh one. New reference. */
 BufferObject *hsdp_py_buffer_take(modstate *ms, size_t n, const hsdp_backend *b, hsdp_device device);
-/* Gives a buffer back: to the pool when nothing else (no view a user kept) refers to it and
- * the pool has room, else it is released. Steals the reference; NULL is fine. */
+/* Gives a buffer back: to the pool when no lease on it is out and the pool has room, else it
+ * is released (a leased one lives on with its leases). Steals the reference; NULL is fine. */
 void hsdp_py_buffer_give(modstate *ms, BufferObject *b);
 void hsdp_py_pool_trim(modstate *ms, int keep);
+/* A lease on b's bytes: b stays alive and out of reuse until hsdp_py_buffer_return. */
+void hsdp_py_buffer_lease(BufferObject *b);
+/* Returns a lease taken by hsdp_py_buffer_lease (drops its reference: b may be freed). */
+void hsdp_py_buffer_return(BufferObject *b);
 
 /* ------------------------------------------------------------------ group_type.c */
 typedef struct {

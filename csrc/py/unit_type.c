@@ -329,17 +329,19 @@ static PyObject *unit_read(UnitObject *self, PyObject *args, PyObject *kw) {
     return PyLong_FromSize_t(nread);
 }
 
-static PyObject *unit_view(UnitObject *self, size_t i) {
+/* Parameter i's view; its base is leases[0] (the gathered buffer's export) or leases[1] (the
+ * converted one's). */
+static PyObject *unit_view(UnitObject *self, size_t i, PyObject *const *leases) {
     const hsdp_slot *p = &self->u.layout.slots[i];
     hsdp_dtype ct = self->u.compute[i];
-    BufferObject *base;
+    PyObject *base;
     char *ptr;
     if (self->u.widen_offset[i] != SIZE_MAX) {
-        base = self->widened;
-        ptr = (char *)base->p + self->u.widen_offset[i];
+        base = leases[1];
+        ptr = (char *)self->widened->p + self->u.widen_offset[i];
     } else {
-        base = self->full;
-        ptr = (char *)base->p + p->offset;
+        base = leases[0];
+        ptr = (char *)self->full->p + p->offset;
     }
     PyArray_Descr *descr = PyArray_DescrFromType(hsdp_py_npy_type(ct));
     if (!descr) return NULL;
@@ -348,24 +350,40 @@ static PyObject *unit_view(UnitObject *self, size_t i) {
     PyObject *arr = PyArray_NewFromDescr(&PyArray_Type, descr, self->ndims[i], self->dims + self->dim_off[i], NULL,
                                          ptr, NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED, NULL);
     if (!arr) return NULL;
-    if (PyArray_SetBaseObject((PyArrayObject *)arr, Py_NewRef((PyObject *)base)) < 0) {
+    if (PyArray_SetBaseObject((PyArrayObject *)arr, Py_NewRef(base)) < 0) {
         Py_DECREF(arr);
         return NULL;
     }
     return arr;
 }
 
-/* Sets every parameter's bind_attr (to a view, or to None); nothing when the adapter binds. */
+/* Sets every parameter's bind_attr (to a view, or to None); nothing when the adapter binds.
+ * The views of one buffer share one leased export of it (a memoryview), returned when the
+ * last of them dies: a view a user keeps past reshard keeps its buffer out of the pool. */
 static int unit_bind(UnitObject *self, int unsharded) {
     if (!self->bind_attr) return 0;
-    for (size_t i = 0; i < self->u.layout.nslots; i++) {
-        PyObject *v = unsharded ? unit_view(self, i) : Py_NewRef(Py_None);
-        if (!v) return -1;
-        int rc = PyObject_SetAttr(PyTuple_GET_ITEM(self->params, (Py_ssize_t)i), self->bind_attr, v);
-        Py_DECREF(v);
-        if (rc < 0) return -1;
+    PyObject *leases[2] = {NULL, NULL};
+    if (unsharded) {
+        leases[0] = PyMemoryView_FromObject((PyObject *)self->full);
+        if (!leases[0]) return -1;
+        if (self->widened && !(leases[1] = PyMemoryView_FromObject((PyObject *)self->widened))) {
+            Py_DECREF(leases[0]);
+            return -1;
+        }
     }
-    return 0;
+    int rc = 0;
+    for (size_t i = 0; i < self->u.layout.nslots && rc == 0; i++) {
+        PyObject *v = unsharded ? unit_view(self, i, leases) : Py_NewRef(Py_None);
+        if (!v) {
+            rc = -1;
+            break;
+        }
+        rc = PyObject_SetAttr(PyTuple_GET_ITEM(self->params, (Py_ssize_t)i), self->bind_attr, v);
+        Py_DECREF(v);
+    }
+    Py_XDECREF(leases[0]);
+    Py_XDECREF(leases[1]);
+    return rc;
 }
 
 /* The one place a unit takes and gives back its buffers, with the live-buffer counts. */
