@@ -14,7 +14,7 @@ static BufferObject *buffer_new(modstate *ms, size_t n, const hsdp_backend *b, h
         int unsupported = device != HSDP_DEVICE_HOST && (!b || !b->buffer_alloc);
         return (BufferObject *)hsdp_py_raise(unsupported ? HSDP_EUNSUPPORTED : HSDP_ENOMEM);
     }
-    BufferObject *buf = PyObject_New(BufferObject, ms->buffer_type);
+    BufferObject *buf = (BufferObject *)ms->buffer_type->tp_alloc(ms->buffer_type, 0); /* tracked by the GC */
     if (!buf) {
         hsdp_device_free(&ms->stats, b, device, p, n);
         return NULL;
@@ -104,11 +104,18 @@ void hsdp_py_pool_trim(modstate *ms, int keep) {
     while (ms->pool_n > keep) buffer_release(pool_remove(ms, 0, OUT_TO_FREE));
 }
 
+static int buffer_traverse(BufferObject *self, visitproc visit, void *arg) {
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(self->module);
+    return 0;
+}
+
 static void buffer_dealloc(BufferObject *self) {
     PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
     hsdp_device_free(self->stats, self->backend, self->device, self->p, self->n);
     Py_XDECREF(self->module);
-    PyObject_Free(self);
+    tp->tp_free(self);
     Py_DECREF(tp);
 }
 
@@ -161,6 +168,7 @@ static PyGetSetDef buffer_getset[] = {
 
 static PyType_Slot buffer_slots[] = {
     {Py_tp_dealloc, buffer_dealloc},
+    {Py_tp_traverse, buffer_traverse},
     {Py_bf_getbuffer, buffer_getbuffer},
     {Py_bf_releasebuffer, buffer_releasebuffer},
     {Py_tp_getset, buffer_getset},
@@ -169,7 +177,7 @@ static PyType_Slot buffer_slots[] = {
     {0, NULL},
 };
 
-PyType_Spec hsdp_py_buffer_spec = {"hsdp._C._Buffer", sizeof(BufferObject), 0, Py_TPFLAGS_DEFAULT, buffer_slots};
+PyType_Spec hsdp_py_buffer_spec = {"hsdp._C._Buffer", sizeof(BufferObject), 0, HSDP_PY_TYPE_FLAGS, buffer_slots};
 
 /* ------------------------------------------------------------------ pool functions */
 

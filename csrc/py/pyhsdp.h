@@ -50,6 +50,7 @@ typedef struct {
     int pool_n, pool_cap;
     long live_buffers, peak_live_buffers;
     struct BufferObject *empty; /* strong: the one 0-byte buffer units with no bytes share */
+    PyObject *oom_handler;      /* strong, or NULL: nccl_set_oom_handler's callable */
 } modstate;
 
 modstate *hsdp_py_state(PyTypeObject *t);
@@ -115,11 +116,17 @@ typedef struct {
 extern PyType_Spec hsdp_py_group_spec;
 extern PyMethodDef hsdp_py_backend_functions[];
 extern PyMethodDef hsdp_py_nccl_functions[]; /* nccl_functions.c */
+/* Unhooks and drops the module's out-of-memory handler (module teardown). */
+void hsdp_py_nccl_clear(modstate *ms);
 
 /* ------------------------------------------------------------------ the rest */
 extern PyType_Spec hsdp_py_unit_spec;
 extern PyType_Spec hsdp_py_config_spec;
 extern PyType_Spec hsdp_py_token_spec;
+
+/* The flags of every type hsdp._C defines whose objects hold Python references: immutable
+ * (no attribute of the type can be set) and tracked by the GC (tp_traverse, Py_TYPE too). */
+#define HSDP_PY_TYPE_FLAGS (Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_HAVE_GC)
 
 /* Runs `stmt` with the GIL released while `flag` (an object's busy field) is set, so the
  * object refuses re-entry from another Python thread meanwhile. */

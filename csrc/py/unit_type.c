@@ -40,8 +40,27 @@ static void unit_drain(UnitObject *self) {
     self->pending = 0;
 }
 
+static int unit_traverse(UnitObject *self, visitproc visit, void *arg) {
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(self->group);
+    Py_VISIT(self->params);
+    Py_VISIT(self->full);
+    Py_VISIT(self->widened);
+    Py_VISIT(self->wirebuf);
+    return 0;
+}
+
+/* Breaks a cycle through the parameters (parameter -> module -> its unit -> parameters): the
+ * only references that can close one. The group and the buffers stay until dealloc, which
+ * needs them (the C unit's group, a gather in flight); a unit cleared this way binds nothing. */
+static int unit_clear(UnitObject *self) {
+    Py_CLEAR(self->params);
+    return 0;
+}
+
 static void unit_dealloc(UnitObject *self) {
     PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
     unit_drain(self); /* the worker may still write into our buffers */
     unit_drop_buffers(self);
     if (self->initialised) hsdp_unit_free(&self->u);
@@ -361,7 +380,7 @@ static PyObject *unit_view(UnitObject *self, size_t i, PyObject *const *leases) 
  * The views of one buffer share one leased export of it (a memoryview), returned when the
  * last of them dies: a view a user keeps past reshard keeps its buffer out of the pool. */
 static int unit_bind(UnitObject *self, int unsharded) {
-    if (!self->bind_attr) return 0;
+    if (!self->bind_attr || !self->params) return 0; /* no params once the GC cleared them */
     PyObject *leases[2] = {NULL, NULL};
     if (unsharded) {
         leases[0] = PyMemoryView_FromObject((PyObject *)self->full);
@@ -856,6 +875,8 @@ static PyMethodDef unit_methods[] = {
 static PyType_Slot unit_slots[] = {
     {Py_tp_new, unit_new},
     {Py_tp_dealloc, unit_dealloc},
+    {Py_tp_traverse, unit_traverse},
+    {Py_tp_clear, unit_clear},
     {Py_tp_getset, unit_getset},
     {Py_tp_methods, unit_methods},
     {Py_tp_repr, unit_repr},
@@ -866,5 +887,5 @@ static PyType_Slot unit_slots[] = {
     {0, NULL},
 };
 
-PyType_Spec hsdp_py_unit_spec = {"hsdp._C.Unit", sizeof(UnitObject), 0, Py_TPFLAGS_DEFAULT, unit_slots};
+PyType_Spec hsdp_py_unit_spec = {"hsdp._C.Unit", sizeof(UnitObject), 0, HSDP_PY_TYPE_FLAGS, unit_slots};
 
