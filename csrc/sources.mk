@@ -2,5 +2,5 @@
 # CORE_SRC is the core (no Python; the C tests link it alone); WRAP_SRC the CPython wrapper.
 CORE_SRC := csrc/error.c csrc/dtype.c csrc/memory.c csrc/mesh.c csrc/layout.c csrc/unit.c csrc/checkpoint.c \
 	csrc/exec.c csrc/backend.c csrc/backend_single.c csrc/backend_mpi.c csrc/backend_nccl.c csrc/peer_status.c
-WRAP_SRC := csrc/py/module.c csrc/py/npy.c csrc/py/token_type.c csrc/py/buffer_type.c csrc/py/dlpack.c csrc/py/group_type.c csrc/py/nccl_functions.c \
+WRAP_SRC := csrc/py/module.c csrc/py/npy.c csrc/py/token_type.c csrc/py/buffer_type.c csrc/py/dlpack.c csrc/py/dlpack_views.c csrc/py/group_type.c csrc/py/nccl_functions.c \
 	csrc/py/unit_type.c csrc/py/config_type.c

@@ -350,6 +350,21 @@ def test_buffer_dlpack_export_is_zero_copy_and_leases_the_buffer():
     mv.release()
     del view
     assert full.leases == 0
+    # one export per parameter (what a torch bind imports): each view is a lease of its own
+    spec = np.array([64, 4, 16, 2, 3, 2, 2, 1, 0, 2, 32, 1, 2, 1], dtype=np.int64).tobytes()
+    a, b = (torch._C._from_dlpack(c) for c in _C.dlpack_views(full, spec, True))
+    assert a.dtype == torch.bfloat16 and a.shape == (3, 2) and a.data_ptr() == full.address + 64
+    assert torch.equal(a.float().flatten(), torch.arange(32.0, 38.0))
+    assert b.dtype == torch.float32 and b.shape == (2,) and full.leases == 2
+    del a
+    assert full.leases == 1
+    del b
+    assert full.leases == 0
+    with pytest.raises(ValueError, match="outside the 256-byte buffer"):
+        _C.dlpack_views(full, np.array([250, 2, 32, 1, 2, 1], dtype=np.int64).tobytes(), True)
+    with pytest.raises(ValueError, match="truncated"):
+        _C.dlpack_views(full, np.array([0, 2, 32, 2, 1], dtype=np.int64).tobytes(), True)
+    assert full.leases == 0
     assert full.__dlpack_device__() == (1, 0)
     with pytest.raises(BufferError, match="without a copy"):
         full.__dlpack__(copy=True)

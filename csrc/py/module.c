@@ -148,6 +148,7 @@ static int mod_exec(PyObject *m) {
         add_type(m, &hsdp_py_config_spec, &ms->config_type, "HSDPInferenceConfig") < 0 ||
         add_type(m, &hsdp_py_token_spec, &ms->token_type, "WholeBytes") < 0 ||
         PyModule_AddFunctions(m, hsdp_py_npy_functions) < 0 || PyModule_AddFunctions(m, hsdp_py_pool_functions) < 0 ||
+        PyModule_AddFunctions(m, hsdp_py_dlpack_view_functions) < 0 ||
         PyModule_AddFunctions(m, hsdp_py_backend_functions) < 0 ||
         PyModule_AddFunctions(m, hsdp_py_nccl_functions) < 0 ||
         PyModule_AddIntConstant(m, "ALIGN", HSDP_ALIGN) < 0 ||

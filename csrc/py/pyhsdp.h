@@ -7,6 +7,7 @@
  *   token_type.c   WholeBytes: accounting of parameters kept whole
  *   buffer_type.c  _Buffer (an unsharded buffer) and the pool of idle ones
  *   dlpack.c       _Buffer.__dlpack__: the buffer exported zero-copy to torch and others
+ *   dlpack_views.c dlpack_views: one export per parameter of a host buffer (torch binds)
  *   group_type.c   ProcessGroup over the backend registry
  *   nccl_functions.c  loading and bootstrapping the NCCL backend
  *   unit_type.c    Unit: one flat shard unit, its gathers and its parameter views
@@ -89,6 +90,7 @@ typedef struct BufferObject {
 
 extern PyType_Spec hsdp_py_buffer_spec;
 extern PyMethodDef hsdp_py_dlpack_methods[]; /* dlpack.c: __dlpack__, __dlpack_device__ */
+extern PyMethodDef hsdp_py_dlpack_view_functions[]; /* dlpack_views.c: one export per parameter */
 extern PyMethodDef hsdp_py_pool_functions[];
 /* A buffer of n bytes on device: an idle pooled one of that size and device first, else a
  * fresh one. New reference. */

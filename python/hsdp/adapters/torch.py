@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from .. import _C
 from ..dtypes import DType, as_dtype
 from ..nn.module import PARAM_WATCH
 
@@ -57,6 +58,12 @@ def _torch_dtype(d: DType) -> torch.dtype:
 # by the torch releases that can also make them (2.9 on); older ones take the legacy form.
 _capsule_to_tensor = getattr(torch._C, "_from_dlpack", None)
 _VERSIONED = hasattr(torch._C, "_to_dlpack_versioned")
+
+
+# DLPack's (type code, bits) of the dtypes a parameter is viewed in (kDLFloat 2, kDLBfloat 4,
+# kDLFloat8_e4m3fn 10, kDLFloat8_e5m2 12: DLPack 1.1)
+_DLPACK_TYPES = {torch.float32: (2, 32), torch.float16: (2, 16), torch.bfloat16: (4, 16), torch.float64: (2, 64),
+                 torch.float8_e4m3fn: (10, 8), torch.float8_e5m2: (12, 8)}
 
 
 def _from_dlpack(buf: Any) -> torch.Tensor:
@@ -131,7 +138,7 @@ class _UnitViews:
     """What a unit's views need, computed once: the typed bases to cut from its buffers and,
     per parameter, its base, shape, strides and element offset."""
 
-    __slots__ = ("bases", "slots", "params", "placeholders", "single")
+    __slots__ = ("bases", "slots", "params", "placeholders", "single", "spec")
 
     def __init__(self, state: UnitState, adapter: TorchAdapter) -> None:
         keys: dict[tuple[int, torch.dtype], int] = {}
@@ -145,6 +152,15 @@ class _UnitViews:
         # the common case, cut without lists: every parameter from the gathered buffer, in one dtype
         self.single = (self.bases[0][1], [(p, shape, strides, offset) for p, _b, shape, strides, offset, _dt in self.slots]
                        ) if len(self.bases) == 1 and self.bases[0][0] == 0 else None
+        # ... and, for _C.dlpack_views, each parameter as its own DLPack export (int64s: byte
+        # offset, type code, bits, ndim, shape, strides), when torch imports capsules directly
+        self.spec: bytes | None = None
+        if self.single is not None and _capsule_to_tensor is not None and self.single[0] in _DLPACK_TYPES:
+            code, bits = _DLPACK_TYPES[self.single[0]]
+            spec: list[int] = []
+            for _p, shape, strides, offset in self.single[1]:
+                spec += [offset * (bits // 8), code, bits, len(shape), *shape, *strides]
+            self.spec = np.array(spec, dtype=np.int64).tobytes()
         self.params = [slot[0] for slot in self.slots]
         device = state.unit.device
         self.placeholders = [adapter._placeholder(slot[5], device) for slot in self.slots]
@@ -379,7 +395,12 @@ class TorchAdapter:
         # DLPack import per bind); views kept across binds would hold it for good.
         single = views.single
         if single is not None and not torch.is_inference_mode_enabled():
-            typed = _from_dlpack(state.unit.buffers()[0]).view(single[0])  # a multiple of 64 bytes
+            buf = state.unit.buffers()[0]
+            if views.spec is not None and buf.device == "host":  # one import per parameter
+                for p, cap in zip(views.params, _C.dlpack_views(buf, views.spec, _VERSIONED)):
+                    p.data = _capsule_to_tensor(cap)
+                return
+            typed = _from_dlpack(buf).view(single[0])  # a multiple of 64 bytes
             as_strided = torch.as_strided
             for p, shape, strides, offset in single[1]:
                 p.data = as_strided(typed, shape, strides, offset)
