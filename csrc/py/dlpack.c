@@ -13,10 +13,7 @@
 /* One allocation per export, owned by the capsule until a consumer takes it, then by the
  * consumer until it calls the deleter. */
 typedef struct {
-    union {
-        DLManagedTensorVersioned v;
-        DLManagedTensor legacy;
-    } t;
+    hsdp_dlpack_managed t;
     int64_t shape[1], strides[1];
 } export_block;
 
@@ -118,22 +115,26 @@ static PyObject *buffer_dlpack(BufferObject *self, PyObject *args, PyObject *kw)
                        .shape = blk->shape,
                        .strides = blk->strides,
                        .byte_offset = 0};
+    return hsdp_py_dlpack_capsule(&blk->t, self, tensor, major >= 1);
+}
+
+PyObject *hsdp_py_dlpack_capsule(hsdp_dlpack_managed *t, BufferObject *buf, DLTensor tensor, int versioned) {
     PyObject *cap;
-    hsdp_py_buffer_lease(self); /* returned by the deleter */
-    if (major >= 1) {
-        blk->t.v = (DLManagedTensorVersioned){.version = {1, 0},
-                                              .manager_ctx = self,
-                                              .deleter = hsdp_py_dlpack_delete_versioned,
-                                              .flags = DLPACK_FLAG_READ_ONLY,
-                                              .dl_tensor = tensor};
-        cap = PyCapsule_New(&blk->t.v, "dltensor_versioned", hsdp_py_dlpack_capsule_versioned);
+    hsdp_py_buffer_lease(buf); /* returned by the deleter */
+    if (versioned) {
+        t->v = (DLManagedTensorVersioned){.version = {1, 0},
+                                          .manager_ctx = buf,
+                                          .deleter = hsdp_py_dlpack_delete_versioned,
+                                          .flags = DLPACK_FLAG_READ_ONLY,
+                                          .dl_tensor = tensor};
+        cap = PyCapsule_New(&t->v, "dltensor_versioned", hsdp_py_dlpack_capsule_versioned);
     } else {
-        blk->t.legacy = (DLManagedTensor){.dl_tensor = tensor, .manager_ctx = self, .deleter = hsdp_py_dlpack_delete_legacy};
-        cap = PyCapsule_New(&blk->t.legacy, "dltensor", hsdp_py_dlpack_capsule_legacy);
+        t->legacy = (DLManagedTensor){.dl_tensor = tensor, .manager_ctx = buf, .deleter = hsdp_py_dlpack_delete_legacy};
+        cap = PyCapsule_New(&t->legacy, "dltensor", hsdp_py_dlpack_capsule_legacy);
     }
     if (!cap) {
-        hsdp_py_buffer_return(self);
-        free(blk);
+        hsdp_py_buffer_return(buf);
+        free(t);
     }
     return cap;
 }

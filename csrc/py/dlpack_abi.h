@@ -43,6 +43,17 @@ typedef struct DLManagedTensorVersioned {
 
 #define DLPACK_FLAG_READ_ONLY 1u /* a write would be lost at reshard */
 
+/* The tensor an export starts with (so that freeing it frees the export): versioned or not. */
+typedef union {
+    DLManagedTensorVersioned v;
+    DLManagedTensor legacy;
+} hsdp_dlpack_managed;
+
+/* The capsule of one export: t (the first member of a calloc'ed export that also holds
+ * tensor's shape and strides) filled with tensor, a view of buf, and a lease on buf taken,
+ * returned by the deleter. On failure the export is freed (no lease taken) and NULL. */
+PyObject *hsdp_py_dlpack_capsule(hsdp_dlpack_managed *t, BufferObject *buf, DLTensor tensor, int versioned);
+
 /* The consumer's deleters: return the lease (taking the GIL: any thread, even after the
  * interpreter is gone) and free the export, whose first member the tensor must be. */
 void hsdp_py_dlpack_delete_versioned(DLManagedTensorVersioned *self);

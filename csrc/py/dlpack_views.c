@@ -13,10 +13,7 @@
 
 /* One allocation per export (owned as in dlpack.c): the tensor first, then its dims. */
 typedef struct {
-    union {
-        DLManagedTensorVersioned v;
-        DLManagedTensor legacy;
-    } t;
+    hsdp_dlpack_managed t;
     int64_t dims[]; /* shape[ndim], then strides[ndim] */
 } view_block;
 
@@ -49,25 +46,7 @@ static PyObject *view_capsule(BufferObject *buf, const int64_t *e, int versioned
                        .shape = blk->dims,
                        .strides = blk->dims + ndim,
                        .byte_offset = 0};
-    PyObject *cap;
-    hsdp_py_buffer_lease(buf); /* returned by the deleter */
-    if (versioned) {
-        blk->t.v = (DLManagedTensorVersioned){.version = {1, 0},
-                                              .manager_ctx = buf,
-                                              .deleter = hsdp_py_dlpack_delete_versioned,
-                                              .flags = DLPACK_FLAG_READ_ONLY,
-                                              .dl_tensor = tensor};
-        cap = PyCapsule_New(&blk->t.v, "dltensor_versioned", hsdp_py_dlpack_capsule_versioned);
-    } else {
-        blk->t.legacy = (DLManagedTensor){
-            .dl_tensor = tensor, .manager_ctx = buf, .deleter = hsdp_py_dlpack_delete_legacy};
-        cap = PyCapsule_New(&blk->t.legacy, "dltensor", hsdp_py_dlpack_capsule_legacy);
-    }
-    if (!cap) {
-        hsdp_py_buffer_return(buf);
-        free(blk);
-    }
-    return cap;
+    return hsdp_py_dlpack_capsule(&blk->t, buf, tensor, versioned);
 }
 
 /* dlpack_views(buffer, spec, versioned) -> list of capsules. spec: native int64s, each view
