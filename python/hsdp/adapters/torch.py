@@ -15,8 +15,10 @@ torch module), so ``import hsdp`` never pulls torch in.
   the NCCL backend, the views are CUDA tensors, and the placeholders are 0-element CUDA
   tensors (torch refuses ``p.data`` across device types). Shards are written on the host
   while loading and copied to the GPU by their first gather.
-- **Leases.** Each bind imports the gathered buffer once through DLPack: a lease on it, which
-  torch returns (the DLPack deleter) when the last tensor on that storage dies. Unbind drops
+- **Leases.** Each bind imports every parameter's view of the gathered buffer through
+  DLPack (``_C.dlpack_views``: one export per parameter, with its dtype, shape and strides;
+  a device buffer: one ``__dlpack__`` import cut by ``as_strided``). Each export is a lease,
+  which torch returns (the DLPack deleter) when the last tensor on its storage dies. Unbind drops
   the adapter's own tensors, so the lease comes back before the unit gives the buffer to the
   pool; a view a user keeps holds the lease, and the pool does not reuse that buffer (see
   ``[Note: leases]`` in docs/design.md).
