@@ -393,8 +393,8 @@ class TorchAdapter:
         views = state.adapter_data
         if views is None:
             views = state.adapter_data = _UnitViews(state, self)
-        # The parameters are the only holders of the new tensors, so they hold the lease (one
-        # DLPack import per bind); views kept across binds would hold it for good.
+        # The parameters are the only holders of the new tensors, so they hold the leases and
+        # unbind returns them; views kept across binds would hold them for good.
         single = views.single
         if single is not None and not torch.is_inference_mode_enabled():
             buf = state.unit.buffers()[0]
