@@ -4,5 +4,5 @@ CORE_SRC := csrc/error.c csrc/dtype.c csrc/memory.c csrc/mesh.c csrc/layout.c cs
 	csrc/exec.c csrc/backend.c csrc/backend_single.c csrc/backend_mpi.c csrc/mpi_worker.c csrc/mpi_watchdog.c \
 	csrc/mpi_direct.c csrc/mpi_agreement.c csrc/mpi_world.c csrc/peer_read.c csrc/agreement.c csrc/watchdog.c csrc/backend_nccl.c csrc/peer_status.c \
 	csrc/cuda_dequant.c csrc/device.c csrc/backend_fakedev.c
-WRAP_SRC := csrc/py/module.c csrc/py/npy.c csrc/py/token_type.c csrc/py/buffer_type.c csrc/py/dlpack.c csrc/py/group_type.c csrc/py/nccl_functions.c \
+WRAP_SRC := csrc/py/module.c csrc/py/npy.c csrc/py/token_type.c csrc/py/buffer_type.c csrc/py/dlpack.c csrc/py/dlpack_views.c csrc/py/group_type.c csrc/py/nccl_functions.c \
 	csrc/py/unit_type.c csrc/py/config_type.c

@@ -666,7 +666,10 @@ def test_numpy_path_binds_in_c(monkeypatch):
     hsdp.unshard(model.blocks[1])
     unit = model.blocks[1]._hsdp_unit
     check_bound(model, [unit])
-    assert all(buffer_behind(q._data) is q._data.base for q in unit.params)  # C views: the _Buffer is the base
+    # C views: their base is one leased export of the _Buffer (a memoryview), returned when they go
+    assert all(isinstance(q._data.base, memoryview) and buffer_behind(q._data) is q._data.base.obj
+               for q in unit.params)
+    assert all(q._data.base.obj.leases == 1 for q in unit.params)  # one export per buffer, shared
     hsdp.reshard(model.blocks[1])
     hsdp.unshard(model, recurse=True, async_op=True).wait()
     hsdp.reshard(model, recurse=True)

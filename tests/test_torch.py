@@ -329,11 +329,10 @@ def test_failed_load_leaves_the_model_as_it_was(tmp_path):
     assert not any(hasattr(m, "_hsdp_unit") for m in model.modules())
 
 
-def test_buffer_dlpack_export_is_zero_copy_and_keeps_the_buffer_alive():
-    """_Buffer.__dlpack__ (versioned and legacy) gives torch the gathered bytes themselves; the
-    tensor holds the buffer until it dies, so a viewed buffer is never pooled for reuse."""
-    import sys as _sys
-
+def test_buffer_dlpack_export_is_zero_copy_and_leases_the_buffer():
+    """_Buffer.__dlpack__ (versioned and legacy) gives torch the gathered bytes themselves; each
+    export is a lease, returned when torch's tensor dies (the DLPack deleter) or when an
+    unconsumed capsule goes, so a viewed buffer is never pooled for reuse."""
     import numpy as np
 
     from hsdp import _C
@@ -343,17 +342,38 @@ def test_buffer_dlpack_export_is_zero_copy_and_keeps_the_buffer_alive():
     u.write(0, np.arange(100, dtype=np.float32))
     u.unshard()
     full, _ = u.buffers()
-    base = _sys.getrefcount(full)
+    assert full.leases == 0
     t = torch.from_dlpack(full)  # versioned capsule
     assert t.dtype == torch.uint8 and t.numel() == full.nbytes and t.data_ptr() == full.address
     assert torch.equal(t[:200].view(torch.bfloat16)[:5].float(), torch.arange(5.0))
-    assert _sys.getrefcount(full) == base + 1
+    assert full.leases == 1
     legacy = torch.utils.dlpack.from_dlpack(full.__dlpack__())  # no max_version: the legacy capsule
-    assert legacy.data_ptr() == full.address and _sys.getrefcount(full) == base + 2
+    view = t[10:20]  # shares t's storage: no lease of its own
+    assert legacy.data_ptr() == full.address and full.leases == 2
     unused = full.__dlpack__(max_version=(1, 0))
+    assert full.leases == 3
     del t, legacy, unused
-    gc.collect()
-    assert _sys.getrefcount(full) == base
+    assert full.leases == 1  # the view still holds the first export's storage
+    mv = memoryview(full)  # the buffer protocol leases too, until released
+    assert full.leases == 2
+    mv.release()
+    del view
+    assert full.leases == 0
+    # one export per parameter (what a torch bind imports): each view is a lease of its own
+    spec = np.array([64, 4, 16, 2, 3, 2, 2, 1, 0, 2, 32, 1, 2, 1], dtype=np.int64).tobytes()
+    a, b = (torch._C._from_dlpack(c) for c in _C.dlpack_views(full, spec, True))
+    assert a.dtype == torch.bfloat16 and a.shape == (3, 2) and a.data_ptr() == full.address + 64
+    assert torch.equal(a.float().flatten(), torch.arange(32.0, 38.0))
+    assert b.dtype == torch.float32 and b.shape == (2,) and full.leases == 2
+    del a
+    assert full.leases == 1
+    del b
+    assert full.leases == 0
+    with pytest.raises(ValueError, match="outside the 256-byte buffer"):
+        _C.dlpack_views(full, np.array([250, 2, 32, 1, 2, 1], dtype=np.int64).tobytes(), True)
+    with pytest.raises(ValueError, match="truncated"):
+        _C.dlpack_views(full, np.array([0, 2, 32, 2, 1], dtype=np.int64).tobytes(), True)
+    assert full.leases == 0
     assert full.__dlpack_device__() == (1, 0)
     with pytest.raises(BufferError, match="without a copy"):
         full.__dlpack__(copy=True)
@@ -538,21 +558,18 @@ def test_persistent_buffers_stream_in_whole(tmp_path):
         assert torch.equal(empty(x), src(x))
 
 
-def test_steady_forwards_reuse_the_views_kept_with_each_buffer(monkeypatch):
-    """After warm-up a forward makes no new views: each pooled buffer keeps the views it was
-    bound through, and a unit of the same layout taking it reuses them."""
-    from hsdp.adapters import torch as adapter
-
+def test_steady_forwards_return_every_lease_and_allocate_nothing():
+    """After warm-up a forward allocates no buffer: each bind's DLPack import is a lease that
+    torch returns at unbind, so every buffer goes back to the pool ([Note: leases])."""
     model = sharded("wan", param_dtype="float32")
     expect = run(reference("wan", "float32"), "wan")
     for _ in range(3):
         assert torch.equal(run(model, "wan"), expect)
-    made = []
-    real = adapter._from_dlpack
-    monkeypatch.setattr(adapter, "_from_dlpack", lambda b: made.append(b) or real(b))
+    before = hsdp.memory_stats()["buffer_allocs"]
     for _ in range(2):
         assert torch.equal(run(model, "wan"), expect)
-    assert made == [], f"{len(made)} DLPack imports in a steady-state forward"
+    assert hsdp.memory_stats()["buffer_allocs"] == before
+    assert hsdp.memory_stats()["unsharded_bytes"] == 0  # every buffer is back: none out on a lease
 
 
 def test_a_view_a_user_keeps_keeps_its_bytes():
@@ -569,13 +586,14 @@ def test_a_view_a_user_keeps_keeps_its_bytes():
     for _ in range(2):
         run(model, "wan")
     assert torch.equal(kept[0], whole["blocks.0.attn1.to_q.weight"])
+    assert hsdp.memory_stats()["unsharded_bytes"] > 0  # out on the user's lease, not in the pool
     del kept
-    gc.collect()
+    assert hsdp.memory_stats()["unsharded_bytes"] == 0  # the lease came back: the buffer is freed
 
 
-def test_emptying_the_pool_frees_buffers_with_views_kept():
-    """What is kept with a pooled buffer (its views, which reference it) does not keep it
-    alive once the pool lets go: no buffer outlives the model and the pool."""
+def test_emptying_the_pool_frees_every_pooled_buffer():
+    """No view of a pooled buffer is left behind to keep it alive once the pool lets go: no
+    buffer outlives the model and the pool."""
     model = sharded("wan", param_dtype="float32")
     for _ in range(3):
         run(model, "wan")

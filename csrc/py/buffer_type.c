@@ -1,7 +1,8 @@
-/* buffer_type.c - _Buffer, one unsharded buffer, and the pool of idle ones. Views of
- * parameters hold the buffer as their base, so the memory lives exactly as long as the unit
- * or any view needs it, and the accounting follows. The pool keeps idle buffers (oldest
- * first) so that a steady-state forward allocates nothing. */
+/* buffer_type.c - _Buffer, one unsharded buffer, and the pool of idle ones. Every view of
+ * its bytes is a lease (DLPack export, buffer-protocol export), taken when the view is made
+ * and returned when its consumer lets go; the pool reuses a buffer only while no lease is
+ * out ([Note: leases] in docs/design.md), so nobody's view sees its bytes change. The pool
+ * keeps idle buffers (oldest first) so that a steady-state forward allocates nothing. */
 #include "pyhsdp.h"  /* first: Python.h must precede system headers */
 #include <stdatomic.h>
 #include <string.h>
@@ -13,7 +14,7 @@ static BufferObject *buffer_new(modstate *ms, size_t n, const hsdp_backend *b, h
         int unsupported = device != HSDP_DEVICE_HOST && !hsdp_backend_device(b);
         return (BufferObject *)hsdp_py_raise(unsupported ? HSDP_EUNSUPPORTED : HSDP_ENOMEM);
     }
-    BufferObject *buf = PyObject_New(BufferObject, ms->buffer_type);
+    BufferObject *buf = (BufferObject *)ms->buffer_type->tp_alloc(ms->buffer_type, 0); /* tracked by the GC */
     if (!buf) {
         hsdp_device_free(&ms->stats, b, device, p, n);
         return NULL;
@@ -24,8 +25,7 @@ static BufferObject *buffer_new(modstate *ms, size_t n, const hsdp_backend *b, h
     buf->backend = b;
     buf->stats = &ms->stats;
     buf->module = Py_NewRef(PyType_GetModule(ms->buffer_type));
-    buf->kept = NULL;
-    buf->kept_refs = 0;
+    buf->leases = 0;
     return buf;
 }
 
@@ -46,18 +46,18 @@ static void account_pooled(modstate *ms, size_t n, int how) {
         atomic_fetch_add(&ms->stats.unsharded_bytes, n);
 }
 
-/* Drops what an adapter kept with b; its references to b go with it (b must stay referenced
- * by the caller meanwhile). */
-static void buffer_drop_kept(BufferObject *b) {
-    b->kept_refs = 0;
-    Py_CLEAR(b->kept);
+void hsdp_py_buffer_lease(BufferObject *b) {
+    Py_INCREF(b);
+    b->leases++;
 }
 
-/* Frees an idle buffer: what was kept with it first, then the caller's (the pool's) reference. */
-static void buffer_release(BufferObject *b) {
-    buffer_drop_kept(b);
+void hsdp_py_buffer_return(BufferObject *b) {
+    b->leases--;
     Py_DECREF(b);
 }
+
+/* Drops the pool's reference to a buffer leaving it to be freed. */
+static void buffer_release(BufferObject *b) { Py_DECREF(b); }
 
 /* Takes pool slot i out of the pool; `how` says whether it is to be used or freed. */
 static BufferObject *pool_remove(modstate *ms, int i, int how) {
@@ -73,9 +73,10 @@ BufferObject *hsdp_py_buffer_take(modstate *ms, size_t n, const hsdp_backend *b,
         if (!ms->empty && !(ms->empty = buffer_new(ms, 0, NULL, HSDP_DEVICE_HOST))) return NULL;
         return (BufferObject *)Py_NewRef((PyObject *)ms->empty);
     }
-    /* The newest idle buffer of exactly this size first: units of one model repeat sizes. */
+    /* The newest idle buffer of exactly this size first: units of one model repeat sizes. A
+     * pooled buffer leased since (through a stale reference to it) is not reused under its view. */
     for (int i = ms->pool_n - 1; i >= 0; i--)
-        if (ms->pool[i]->n == n && ms->pool[i]->device == device &&
+        if (ms->pool[i]->n == n && ms->pool[i]->device == device && ms->pool[i]->leases == 0 &&
             (device == HSDP_DEVICE_HOST || ms->pool[i]->backend == b))
             return pool_remove(ms, i, OUT_TO_USE);
     return buffer_new(ms, n, b, device);
@@ -85,8 +86,9 @@ void hsdp_py_buffer_give(modstate *ms, BufferObject *b) {
     if (!b) return;
     /* the compute stream may still read a device buffer: later gathers into it wait */
     hsdp_buffers_released(b->backend, b->device);
-    /* idle: nobody but the caller and what an adapter kept with it holds it */
-    if (Py_REFCNT(b) == 1 + b->kept_refs && ms->pool_cap > 0 && b->n > 0) {
+    /* idle: every view of it was returned (a Python reference to the object alone reads no
+     * bytes: it must take a lease to) */
+    if (b->leases == 0 && ms->pool_cap > 0 && b->n > 0) {
         if (ms->pool_n >= ms->pool_cap || ms->pool_n >= HSDP_POOL_SLOTS) {
             /* full: the oldest idle buffer goes, the newest (likeliest to be reused) stays */
             buffer_release(pool_remove(ms, 0, OUT_TO_FREE));
@@ -95,7 +97,7 @@ void hsdp_py_buffer_give(modstate *ms, BufferObject *b) {
         account_pooled(ms, b->n, INTO_POOL);
         return;
     }
-    buffer_release(b); /* not pooled: the adapter's views go too, so that the memory can */
+    buffer_release(b); /* not pooled: a leased buffer lives on with its views, then is freed */
 }
 
 void hsdp_py_pool_trim(modstate *ms, int keep) {
@@ -103,17 +105,24 @@ void hsdp_py_pool_trim(modstate *ms, int keep) {
     while (ms->pool_n > keep) buffer_release(pool_remove(ms, 0, OUT_TO_FREE));
 }
 
+static int buffer_traverse(BufferObject *self, visitproc visit, void *arg) {
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(self->module);
+    return 0;
+}
+
 static void buffer_dealloc(BufferObject *self) {
     PyTypeObject *tp = Py_TYPE(self);
-    Py_CLEAR(self->kept); /* NULL by now in practice: what is kept holds the buffer */
+    PyObject_GC_UnTrack(self);
     hsdp_device_free(self->stats, self->backend, self->device, self->p, self->n);
     Py_XDECREF(self->module);
-    PyObject_Free(self);
+    tp->tp_free(self);
     Py_DECREF(tp);
 }
 
 /* Read-only bytes of a host buffer, for adapters that build their own views (memoryview,
- * numpy.frombuffer). A write would be lost at reshard, so none is allowed. */
+ * numpy.frombuffer), leased until the export is released. A write would be lost at
+ * reshard, so none is allowed. */
 static int buffer_getbuffer(BufferObject *self, Py_buffer *view, int flags) {
     if (self->device != HSDP_DEVICE_HOST) {
         PyErr_Format(PyExc_BufferError, "a %s buffer has no host bytes to export",
@@ -121,7 +130,14 @@ static int buffer_getbuffer(BufferObject *self, Py_buffer *view, int flags) {
         view->obj = NULL;
         return -1;
     }
-    return PyBuffer_FillInfo(view, (PyObject *)self, self->p, (Py_ssize_t)self->n, 1, flags);
+    if (PyBuffer_FillInfo(view, (PyObject *)self, self->p, (Py_ssize_t)self->n, 1, flags) < 0) return -1;
+    self->leases++; /* the export holds the object itself (view->obj) */
+    return 0;
+}
+
+static void buffer_releasebuffer(BufferObject *self, Py_buffer *view) {
+    (void)view;
+    self->leases--;
 }
 
 static PyObject *buffer_get_nbytes(BufferObject *self, void *c) {
@@ -137,45 +153,15 @@ static PyObject *buffer_get_address(BufferObject *self, void *c) {
     return PyLong_FromVoidPtr(self->p);
 }
 
-static PyObject *buffer_get_kept(BufferObject *self, void *c) {
+static PyObject *buffer_get_leases(BufferObject *self, void *c) {
     (void)c;
-    return Py_NewRef(self->kept ? self->kept : Py_None);
-}
-
-/* An adapter keeps obj with this buffer across reshards; None drops it (and kept_refs). */
-static int buffer_set_kept(BufferObject *self, PyObject *value, void *c) {
-    (void)c;
-    if (!value) value = Py_None;
-    PyObject *old = self->kept;
-    self->kept = value == Py_None ? NULL : Py_NewRef(value);
-    if (!self->kept) self->kept_refs = 0;
-    Py_XDECREF(old);
-    return 0;
-}
-
-static PyObject *buffer_get_kept_refs(BufferObject *self, void *c) {
-    (void)c;
-    return PyLong_FromSsize_t(self->kept_refs);
-}
-
-/* How many references to this buffer what is kept holds (the pool counts them as idle). */
-static int buffer_set_kept_refs(BufferObject *self, PyObject *value, void *c) {
-    (void)c;
-    Py_ssize_t n = value ? PyLong_AsSsize_t(value) : 0;
-    if (n == -1 && PyErr_Occurred()) return -1;
-    if (n < 0 || (n > 0 && !self->kept)) {
-        PyErr_Format(PyExc_ValueError, "kept_refs must be >= 0, and 0 while nothing is kept (got %zd)", n);
-        return -1;
-    }
-    self->kept_refs = n;
-    return 0;
+    return PyLong_FromSsize_t(self->leases);
 }
 
 static PyGetSetDef buffer_getset[] = {
-    {"kept", (getter)buffer_get_kept, (setter)buffer_set_kept,
-     "what an adapter keeps with this buffer across reshards (torch: its views), or None", NULL},
-    {"kept_refs", (getter)buffer_get_kept_refs, (setter)buffer_set_kept_refs,
-     "how many references to this buffer `kept` holds: the pool still counts the buffer idle", NULL},
+    {"leases", (getter)buffer_get_leases, NULL,
+     "views of the bytes handed out and not yet returned (DLPack, buffer protocol): the pool reuses the buffer "
+     "only at 0", NULL},
     {"nbytes", (getter)buffer_get_nbytes, NULL, "size in bytes", NULL},
     {"device", (getter)buffer_get_device, NULL, "'host', or the name of its backend's device ('cuda')", NULL},
     {"address", (getter)buffer_get_address, NULL, "the address of the first byte (64-byte aligned)", NULL},
@@ -184,14 +170,16 @@ static PyGetSetDef buffer_getset[] = {
 
 static PyType_Slot buffer_slots[] = {
     {Py_tp_dealloc, buffer_dealloc},
+    {Py_tp_traverse, buffer_traverse},
     {Py_bf_getbuffer, buffer_getbuffer},
+    {Py_bf_releasebuffer, buffer_releasebuffer},
     {Py_tp_getset, buffer_getset},
     {Py_tp_methods, hsdp_py_dlpack_methods},
     {Py_tp_doc, "An unsharded buffer (internal): read-only bytes through the buffer protocol and DLPack."},
     {0, NULL},
 };
 
-PyType_Spec hsdp_py_buffer_spec = {"hsdp._C._Buffer", sizeof(BufferObject), 0, Py_TPFLAGS_DEFAULT, buffer_slots};
+PyType_Spec hsdp_py_buffer_spec = {"hsdp._C._Buffer", sizeof(BufferObject), 0, HSDP_PY_TYPE_FLAGS, buffer_slots};
 
 /* ------------------------------------------------------------------ pool functions */
 
@@ -261,7 +249,7 @@ static PyObject *mod_pool_reserve(PyObject *m, PyObject *args) {
         }
         BufferObject *b = NULL;
         for (int k = 0; k < nidle; k++)
-            if (idle[k] && idle[k]->n == want && idle[k]->device == dev &&
+            if (idle[k] && idle[k]->n == want && idle[k]->device == dev && idle[k]->leases == 0 &&
                 (dev == HSDP_DEVICE_HOST || idle[k]->backend == owner)) {
                 b = idle[k];
                 idle[k] = NULL;

@@ -322,5 +322,6 @@ static PyType_Slot config_slots[] = {
 };
 
 PyType_Spec hsdp_py_config_spec = {"hsdp._C.HSDPInferenceConfig", sizeof(ConfigObject), 0,
-                                  Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE, config_slots};
+                                  Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_BASETYPE,
+                                  config_slots};
 

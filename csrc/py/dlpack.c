@@ -1,56 +1,19 @@
 /* dlpack.c - _Buffer.__dlpack__ / __dlpack_device__: a gathered buffer exported zero-copy as
  * a 1-D uint8 tensor, so torch (torch.from_dlpack) and any other DLPack consumer views the
- * very bytes the gather wrote. The structs below follow the public DLPack ABI (1.x, and the
- * legacy unversioned form for consumers that ask for no version). The exported tensor holds
- * a strong reference to the buffer until the consumer's deleter runs, so the pool never
- * reuses a buffer something still views. */
+ * very bytes the gather wrote, in the public DLPack ABI (dlpack_abi.h: 1.x, and the legacy
+ * unversioned form for consumers that ask for no version). Each export is a lease
+ * on the buffer, returned when the consumer's deleter runs, so the pool never reuses a
+ * buffer something still views ([Note: leases] in docs/design.md). */
 #include "pyhsdp.h" /* first: Python.h must precede system headers */
 #include <stdint.h>
 #include <stdlib.h>
 
-typedef struct {
-    uint32_t major, minor;
-} DLPackVersion;
-typedef struct {
-    int32_t device_type; /* kDLCPU = 1, kDLCUDA = 2: host buffers are kDLCPU, others as their device says */
-    int32_t device_id;
-} DLDevice;
-typedef struct {
-    uint8_t code; /* kDLUInt = 1 */
-    uint8_t bits;
-    uint16_t lanes;
-} DLDataType;
-typedef struct {
-    void *data;
-    DLDevice device;
-    int32_t ndim;
-    DLDataType dtype;
-    int64_t *shape;
-    int64_t *strides;
-    uint64_t byte_offset;
-} DLTensor;
-typedef struct DLManagedTensor {
-    DLTensor dl_tensor;
-    void *manager_ctx;
-    void (*deleter)(struct DLManagedTensor *self);
-} DLManagedTensor;
-typedef struct DLManagedTensorVersioned {
-    DLPackVersion version;
-    void *manager_ctx;
-    void (*deleter)(struct DLManagedTensorVersioned *self);
-    uint64_t flags;
-    DLTensor dl_tensor;
-} DLManagedTensorVersioned;
-
-#define DLPACK_FLAG_READ_ONLY 1u /* a write would be lost at reshard */
+#include "dlpack_abi.h"
 
 /* One allocation per export, owned by the capsule until a consumer takes it, then by the
  * consumer until it calls the deleter. */
 typedef struct {
-    union {
-        DLManagedTensorVersioned v;
-        DLManagedTensor legacy;
-    } t;
+    hsdp_dlpack_managed t;
     int64_t shape[1], strides[1];
 } export_block;
 
@@ -58,21 +21,21 @@ static void release_owner(void *ctx) {
     /* The consumer may free its tensor on any thread, and after the interpreter is gone. */
     if (!ctx || !Py_IsInitialized()) return;
     PyGILState_STATE g = PyGILState_Ensure();
-    Py_DECREF((PyObject *)ctx);
+    hsdp_py_buffer_return((BufferObject *)ctx);
     PyGILState_Release(g);
 }
 
-static void delete_versioned(DLManagedTensorVersioned *self) {
+void hsdp_py_dlpack_delete_versioned(DLManagedTensorVersioned *self) {
     release_owner(self->manager_ctx);
     free(self); /* the export_block: t is its first member */
 }
 
-static void delete_legacy(DLManagedTensor *self) {
+void hsdp_py_dlpack_delete_legacy(DLManagedTensor *self) {
     release_owner(self->manager_ctx);
     free(self);
 }
 
-static void capsule_versioned(PyObject *cap) {
+void hsdp_py_dlpack_capsule_versioned(PyObject *cap) {
     /* Still named "dltensor_versioned": nobody consumed it, so the export is ours to free. */
     if (PyCapsule_IsValid(cap, "dltensor_versioned")) {
         DLManagedTensorVersioned *t = PyCapsule_GetPointer(cap, "dltensor_versioned");
@@ -80,7 +43,7 @@ static void capsule_versioned(PyObject *cap) {
     }
 }
 
-static void capsule_legacy(PyObject *cap) {
+void hsdp_py_dlpack_capsule_legacy(PyObject *cap) {
     if (PyCapsule_IsValid(cap, "dltensor")) {
         DLManagedTensor *t = PyCapsule_GetPointer(cap, "dltensor");
         if (t && t->deleter) t->deleter(t);
@@ -152,22 +115,26 @@ static PyObject *buffer_dlpack(BufferObject *self, PyObject *args, PyObject *kw)
                        .shape = blk->shape,
                        .strides = blk->strides,
                        .byte_offset = 0};
+    return hsdp_py_dlpack_capsule(&blk->t, self, tensor, major >= 1);
+}
+
+PyObject *hsdp_py_dlpack_capsule(hsdp_dlpack_managed *t, BufferObject *buf, DLTensor tensor, int versioned) {
     PyObject *cap;
-    Py_INCREF(self); /* released by the deleter */
-    if (major >= 1) {
-        blk->t.v = (DLManagedTensorVersioned){.version = {1, 0},
-                                              .manager_ctx = self,
-                                              .deleter = delete_versioned,
-                                              .flags = DLPACK_FLAG_READ_ONLY,
-                                              .dl_tensor = tensor};
-        cap = PyCapsule_New(&blk->t.v, "dltensor_versioned", capsule_versioned);
+    hsdp_py_buffer_lease(buf); /* returned by the deleter */
+    if (versioned) {
+        t->v = (DLManagedTensorVersioned){.version = {1, 0},
+                                          .manager_ctx = buf,
+                                          .deleter = hsdp_py_dlpack_delete_versioned,
+                                          .flags = DLPACK_FLAG_READ_ONLY,
+                                          .dl_tensor = tensor};
+        cap = PyCapsule_New(&t->v, "dltensor_versioned", hsdp_py_dlpack_capsule_versioned);
     } else {
-        blk->t.legacy = (DLManagedTensor){.dl_tensor = tensor, .manager_ctx = self, .deleter = delete_legacy};
-        cap = PyCapsule_New(&blk->t.legacy, "dltensor", capsule_legacy);
+        t->legacy = (DLManagedTensor){.dl_tensor = tensor, .manager_ctx = buf, .deleter = hsdp_py_dlpack_delete_legacy};
+        cap = PyCapsule_New(&t->legacy, "dltensor", hsdp_py_dlpack_capsule_legacy);
     }
     if (!cap) {
-        Py_DECREF(self);
-        free(blk);
+        hsdp_py_buffer_return(buf);
+        free(t);
     }
     return cap;
 }

@@ -32,8 +32,18 @@ static PyObject *group_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     return group_wrap(type, g);
 }
 
+/* No tp_clear: the arrays of a sendrecv in flight must outlive it, and the module the group. */
+static int group_traverse(GroupObject *self, visitproc visit, void *arg) {
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(self->module);
+    Py_VISIT(self->p2p_send);
+    Py_VISIT(self->p2p_recv);
+    return 0;
+}
+
 static void group_dealloc(GroupObject *self) {
     PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
     if (self->p2p) {
         /* a started sendrecv still writes into its recv: end it before the arrays go */
         if (self->p2p->pending) {
@@ -455,6 +465,7 @@ static PyMethodDef group_methods[] = {
 static PyType_Slot group_slots[] = {
     {Py_tp_new, group_new},
     {Py_tp_dealloc, group_dealloc},
+    {Py_tp_traverse, group_traverse},
     {Py_tp_getset, group_getset},
     {Py_tp_methods, group_methods},
     {Py_tp_repr, group_repr},
@@ -463,7 +474,7 @@ static PyType_Slot group_slots[] = {
     {0, NULL},
 };
 
-PyType_Spec hsdp_py_group_spec = {"hsdp._C.ProcessGroup", sizeof(GroupObject), 0, Py_TPFLAGS_DEFAULT, group_slots};
+PyType_Spec hsdp_py_group_spec = {"hsdp._C.ProcessGroup", sizeof(GroupObject), 0, HSDP_PY_TYPE_FLAGS, group_slots};
 
 /* ------------------------------------------------------------------ registry functions */
 

@@ -1,13 +1,13 @@
 /* module.c - the CPython extension hsdp._C: module state, initialisation, the one mapper from
  * core statuses to exceptions, and the accounting and mesh functions. It follows CPython's
- * conventions for extensions (heap types bound to the module state, no global mutable
- * state). The types live one per file (see pyhsdp.h). */
+ * conventions for extensions (as Modules/_bz2module.c): multi-phase initialisation (PEP 489),
+ * immutable heap types made from specs and bound to the module state, GC support wherever
+ * an object holds Python references, and no global mutable Python state. The types live one
+ * per file (see pyhsdp.h). */
 #define HSDP_PY_MAIN
 #include "pyhsdp.h"  /* first: Python.h must precede system headers */
 #include <stdatomic.h>
 #include <string.h>
-
-static struct PyModuleDef hsdp_module;
 
 modstate *hsdp_py_state(PyTypeObject *t) { return (modstate *)PyType_GetModuleState(t); }
 
@@ -120,6 +120,7 @@ static int mod_traverse(PyObject *m, visitproc visit, void *arg) {
     Py_VISIT(ms->buffer_type);
     Py_VISIT(ms->config_type);
     Py_VISIT(ms->token_type);
+    Py_VISIT(ms->oom_handler);
     for (int i = 0; i < ms->pool_n; i++) Py_VISIT(ms->pool[i]);
     Py_VISIT(ms->empty);
     return 0;
@@ -130,6 +131,7 @@ static int mod_clear(PyObject *m) {
     if (!ms) return 0;
     ms->pool_cap = 0;
     hsdp_py_pool_trim(ms, 0);
+    hsdp_py_nccl_clear(ms);
     Py_CLEAR(ms->empty);
     Py_CLEAR(ms->group_type);
     Py_CLEAR(ms->unit_type);
@@ -139,23 +141,18 @@ static int mod_clear(PyObject *m) {
     return 0;
 }
 
-static struct PyModuleDef hsdp_module = {
-    PyModuleDef_HEAD_INIT, "hsdp._C", "The hsdp C core: process groups, units, dtype casts, accounting.",
-    sizeof(modstate), mod_methods, NULL, mod_traverse, mod_clear, NULL,
-};
-
 static int add_type(PyObject *m, PyType_Spec *spec, PyTypeObject **slot, const char *public_name) {
     *slot = (PyTypeObject *)PyType_FromModuleAndSpec(m, spec, NULL);
     if (!*slot) return -1;
     return public_name ? PyModule_AddObjectRef(m, public_name, (PyObject *)*slot) : 0;
 }
 
-PyMODINIT_FUNC PyInit__C(void) {
-    import_array();
-    PyObject *m = PyModule_Create(&hsdp_module);
-    if (!m) return NULL;
+static void mod_free(void *m) { (void)mod_clear((PyObject *)m); }
+
+/* Py_mod_exec: fills a new module object (its state is zeroed by CPython). */
+static int mod_exec(PyObject *m) {
+    if (_import_array() < 0) return -1; /* the NumPy C API (import_array without its return) */
     modstate *ms = PyModule_GetState(m);
-    memset(ms, 0, sizeof *ms);
     /* Idle buffers kept by default, so that explicit unshard/reshard (and resident) reuse
      * their memory instead of allocating and faulting it in every time; a forward's schedule
      * sizes the pool itself. hsdp.set_pool_capacity and hsdp.empty_pool trade it back. */
@@ -167,12 +164,31 @@ PyMODINIT_FUNC PyInit__C(void) {
         add_type(m, &hsdp_py_config_spec, &ms->config_type, "HSDPInferenceConfig") < 0 ||
         add_type(m, &hsdp_py_token_spec, &ms->token_type, "WholeBytes") < 0 ||
         PyModule_AddFunctions(m, hsdp_py_npy_functions) < 0 || PyModule_AddFunctions(m, hsdp_py_pool_functions) < 0 ||
+        PyModule_AddFunctions(m, hsdp_py_dlpack_view_functions) < 0 ||
         PyModule_AddFunctions(m, hsdp_py_backend_functions) < 0 ||
         PyModule_AddFunctions(m, hsdp_py_nccl_functions) < 0 ||
         PyModule_AddIntConstant(m, "ALIGN", HSDP_ALIGN) < 0 ||
-        PyModule_AddIntConstant(m, "POOL_SLOTS", HSDP_POOL_SLOTS) < 0) {
-        Py_DECREF(m);
-        return NULL;
-    }
-    return m;
+        PyModule_AddIntConstant(m, "POOL_SLOTS", HSDP_POOL_SLOTS) < 0)
+        return -1;
+    return 0;
 }
+
+static PyModuleDef_Slot mod_slots[] = {
+    {Py_mod_exec, mod_exec},
+#if PY_VERSION_HEX >= 0x030C0000
+    /* the core's state is per process (the backends' runtimes, the collective worker, the
+     * last error), and NumPy supports no subinterpreters: one interpreter only */
+    {Py_mod_multiple_interpreters, Py_MOD_MULTIPLE_INTERPRETERS_NOT_SUPPORTED},
+#endif
+#if PY_VERSION_HEX >= 0x030D0000
+    {Py_mod_gil, Py_MOD_GIL_USED}, /* the pool and the leases rely on the GIL */
+#endif
+    {0, NULL},
+};
+
+static struct PyModuleDef hsdp_module = {
+    PyModuleDef_HEAD_INIT, "hsdp._C", "The hsdp C core: process groups, units, dtype casts, accounting.",
+    sizeof(modstate), mod_methods, mod_slots, mod_traverse, mod_clear, mod_free,
+};
+
+PyMODINIT_FUNC PyInit__C(void) { return PyModuleDef_Init(&hsdp_module); }

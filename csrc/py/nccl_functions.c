@@ -65,15 +65,15 @@ static PyObject *mod_nccl_comm_stream(PyObject *m, PyObject *unused) {
 }
 
 /* The Python callable the backend calls when a cudaMalloc runs out of memory (torch's
- * empty_cache), owned here (one strong reference) until replaced. */
-static PyObject *oom_handler;
-
+ * empty_cache): the module state's oom_handler (one strong reference) until replaced; arg is
+ * that state. */
 static int call_oom_handler(void *arg) {
-    (void)arg;
     if (!Py_IsInitialized()) return 0;
     PyGILState_STATE g = PyGILState_Ensure(); /* the caller may hold the GIL or have let it go */
     int retry = 0;
+    PyObject *oom_handler = ((modstate *)arg)->oom_handler;
     if (oom_handler) {
+        Py_INCREF(oom_handler); /* the call may replace it */
         PyObject *r = PyObject_CallNoArgs(oom_handler);
         if (r) {
             retry = 1;
@@ -81,18 +81,27 @@ static int call_oom_handler(void *arg) {
         } else {
             PyErr_WriteUnraisable(oom_handler); /* the allocation then fails as it would have */
         }
+        Py_DECREF(oom_handler);
     }
     PyGILState_Release(g);
     return retry;
 }
 
+void hsdp_py_nccl_clear(modstate *ms) {
+    if (!ms->oom_handler) return;
+    hsdp_nccl_set_oom_handler(NULL, NULL);
+    Py_CLEAR(ms->oom_handler);
+}
+
 static PyObject *mod_nccl_set_oom_handler(PyObject *m, PyObject *fn) {
-    (void)m;
     if (fn != Py_None && !PyCallable_Check(fn))
         return PyErr_Format(PyExc_TypeError, "the out-of-memory handler must be callable or None, got %R", fn);
-    hsdp_nccl_set_oom_handler(NULL, NULL);
-    Py_XSETREF(oom_handler, fn == Py_None ? NULL : Py_NewRef(fn));
-    if (oom_handler) hsdp_nccl_set_oom_handler(call_oom_handler, NULL);
+    modstate *ms = PyModule_GetState(m);
+    hsdp_py_nccl_clear(ms);
+    if (fn != Py_None) {
+        ms->oom_handler = Py_NewRef(fn);
+        hsdp_nccl_set_oom_handler(call_oom_handler, ms);
+    }
     Py_RETURN_NONE;
 }
 

@@ -7,6 +7,7 @@
  *   token_type.c   WholeBytes: accounting of parameters kept whole
  *   buffer_type.c  _Buffer (an unsharded buffer) and the pool of idle ones
  *   dlpack.c       _Buffer.__dlpack__: the buffer exported zero-copy to torch and others
+ *   dlpack_views.c dlpack_views: one export per parameter of a host buffer (torch binds)
  *   group_type.c   ProcessGroup over the backend registry
  *   nccl_functions.c  loading and bootstrapping the NCCL backend
  *   unit_type.c    Unit: one flat shard unit, its gathers and its parameter views
@@ -50,6 +51,7 @@ typedef struct {
     int pool_n, pool_cap;
     long live_buffers, peak_live_buffers;
     struct BufferObject *empty; /* strong: the one 0-byte buffer units with no bytes share */
+    PyObject *oom_handler;      /* strong, or NULL: nccl_set_oom_handler's callable */
 } modstate;
 
 modstate *hsdp_py_state(PyTypeObject *t);
@@ -80,24 +82,27 @@ typedef struct BufferObject {
     const hsdp_backend *backend; /* allocates device buffers; static tables, never freed */
     hsdp_stats *stats;
     PyObject *module; /* strong: keeps the stats alive */
-    /* strong, or NULL: what an adapter keeps with the buffer across reshards (torch: its
-     * views of it), holding kept_refs references to the buffer itself. The pool counts
-     * those as its own; every way out of the pool but reuse drops it (a cycle the GC cannot
-     * see: buffer -> views -> their storage -> buffer). */
-    PyObject *kept;
-    Py_ssize_t kept_refs;
+    /* Views of the bytes handed out and not yet returned (DLPack exports until their
+     * deleter runs, buffer-protocol exports until released): see [Note: leases] in
+     * docs/design.md. The pool reuses a buffer only while this is 0. GIL held. */
+    Py_ssize_t leases;
 } BufferObject;
 
 extern PyType_Spec hsdp_py_buffer_spec;
 extern PyMethodDef hsdp_py_dlpack_methods[]; /* dlpack.c: __dlpack__, __dlpack_device__ */
+extern PyMethodDef hsdp_py_dlpack_view_functions[]; /* dlpack_views.c: one export per parameter */
 extern PyMethodDef hsdp_py_pool_functions[];
 /* A buffer of n bytes on device: an idle pooled one of that size and device first, else a
  * fresh one. New reference. */
 BufferObject *hsdp_py_buffer_take(modstate *ms, size_t n, const hsdp_backend *b, hsdp_device device);
-/* Gives a buffer back: to the pool when nothing else (no view a user kept) refers to it and
- * the pool has room, else it is released. Steals the reference; NULL is fine. */
+/* Gives a buffer back: to the pool when no lease on it is out and the pool has room, else it
+ * is released (a leased one lives on with its leases). Steals the reference; NULL is fine. */
 void hsdp_py_buffer_give(modstate *ms, BufferObject *b);
 void hsdp_py_pool_trim(modstate *ms, int keep);
+/* A lease on b's bytes: b stays alive and out of reuse until hsdp_py_buffer_return. */
+void hsdp_py_buffer_lease(BufferObject *b);
+/* Returns a lease taken by hsdp_py_buffer_lease (drops its reference: b may be freed). */
+void hsdp_py_buffer_return(BufferObject *b);
 
 /* ------------------------------------------------------------------ group_type.c */
 typedef struct {
@@ -113,11 +118,17 @@ typedef struct {
 extern PyType_Spec hsdp_py_group_spec;
 extern PyMethodDef hsdp_py_backend_functions[];
 extern PyMethodDef hsdp_py_nccl_functions[]; /* nccl_functions.c */
+/* Unhooks and drops the module's out-of-memory handler (module teardown). */
+void hsdp_py_nccl_clear(modstate *ms);
 
 /* ------------------------------------------------------------------ the rest */
 extern PyType_Spec hsdp_py_unit_spec;
 extern PyType_Spec hsdp_py_config_spec;
 extern PyType_Spec hsdp_py_token_spec;
+
+/* The flags of every type hsdp._C defines whose objects hold Python references: immutable
+ * (no attribute of the type can be set) and tracked by the GC (tp_traverse, Py_TYPE too). */
+#define HSDP_PY_TYPE_FLAGS (Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_HAVE_GC)
 
 /* Runs `stmt` with the GIL released while `flag` (an object's busy field) is set, so the
  * object refuses re-entry from another Python thread meanwhile. */

@@ -26,8 +26,15 @@ static PyObject *token_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     return (PyObject *)self;
 }
 
+static int token_traverse(TokenObject *self, visitproc visit, void *arg) {
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(self->module);
+    return 0;
+}
+
 static void token_dealloc(TokenObject *self) {
     PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
     atomic_fetch_sub(&self->stats->whole_bytes, self->n);
     Py_XDECREF(self->module);
     tp->tp_free(self);
@@ -42,9 +49,10 @@ static PyMemberDef token_members[] = {
 static PyType_Slot token_slots[] = {
     {Py_tp_new, token_new},
     {Py_tp_dealloc, token_dealloc},
+    {Py_tp_traverse, token_traverse},
     {Py_tp_members, token_members},
     {Py_tp_doc, "WholeBytes(nbytes): counts parameters kept whole while it lives."},
     {0, NULL},
 };
 
-PyType_Spec hsdp_py_token_spec = {"hsdp._C.WholeBytes", sizeof(TokenObject), 0, Py_TPFLAGS_DEFAULT, token_slots};
+PyType_Spec hsdp_py_token_spec = {"hsdp._C.WholeBytes", sizeof(TokenObject), 0, HSDP_PY_TYPE_FLAGS, token_slots};

@@ -42,8 +42,27 @@ static void unit_drain(UnitObject *self) {
     self->pending = 0;
 }
 
+static int unit_traverse(UnitObject *self, visitproc visit, void *arg) {
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(self->group);
+    Py_VISIT(self->params);
+    Py_VISIT(self->full);
+    Py_VISIT(self->widened);
+    Py_VISIT(self->wirebuf);
+    return 0;
+}
+
+/* Breaks a cycle through the parameters (parameter -> module -> its unit -> parameters): the
+ * only references that can close one. The group and the buffers stay until dealloc, which
+ * needs them (the C unit's group, a gather in flight); a unit cleared this way binds nothing. */
+static int unit_clear(UnitObject *self) {
+    Py_CLEAR(self->params);
+    return 0;
+}
+
 static void unit_dealloc(UnitObject *self) {
     PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
     unit_drain(self); /* the worker may still write into our buffers */
     unit_drop_buffers(self);
     if (self->initialised) hsdp_unit_free(&self->u);
@@ -348,17 +367,19 @@ static PyObject *unit_read(UnitObject *self, PyObject *args, PyObject *kw) {
     return PyLong_FromSize_t(nread);
 }
 
-static PyObject *unit_view(UnitObject *self, size_t i) {
+/* Parameter i's view; its base is leases[0] (the gathered buffer's export) or leases[1] (the
+ * converted one's). */
+static PyObject *unit_view(UnitObject *self, size_t i, PyObject *const *leases) {
     const hsdp_slot *p = &self->u.layout.slots[i];
     hsdp_dtype ct = self->u.compute[i];
-    BufferObject *base;
+    PyObject *base;
     char *ptr;
     if (self->u.widen_offset[i] != SIZE_MAX) {
-        base = self->widened;
-        ptr = (char *)base->p + self->u.widen_offset[i];
+        base = leases[1];
+        ptr = (char *)self->widened->p + self->u.widen_offset[i];
     } else {
-        base = self->full;
-        ptr = (char *)base->p + p->offset;
+        base = leases[0];
+        ptr = (char *)self->full->p + p->offset;
     }
     PyArray_Descr *descr = PyArray_DescrFromType(hsdp_py_npy_type(ct));
     if (!descr) return NULL;
@@ -367,24 +388,40 @@ static PyObject *unit_view(UnitObject *self, size_t i) {
     PyObject *arr = PyArray_NewFromDescr(&PyArray_Type, descr, self->ndims[i], self->dims + self->dim_off[i], NULL,
                                          ptr, NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED, NULL);
     if (!arr) return NULL;
-    if (PyArray_SetBaseObject((PyArrayObject *)arr, Py_NewRef((PyObject *)base)) < 0) {
+    if (PyArray_SetBaseObject((PyArrayObject *)arr, Py_NewRef(base)) < 0) {
         Py_DECREF(arr);
         return NULL;
     }
     return arr;
 }
 
-/* Sets every parameter's bind_attr (to a view, or to None); nothing when the adapter binds. */
+/* Sets every parameter's bind_attr (to a view, or to None); nothing when the adapter binds.
+ * The views of one buffer share one leased export of it (a memoryview), returned when the
+ * last of them dies: a view a user keeps past reshard keeps its buffer out of the pool. */
 static int unit_bind(UnitObject *self, int unsharded) {
-    if (!self->bind_attr) return 0;
-    for (size_t i = 0; i < self->u.layout.nslots; i++) {
-        PyObject *v = unsharded ? unit_view(self, i) : Py_NewRef(Py_None);
-        if (!v) return -1;
-        int rc = PyObject_SetAttr(PyTuple_GET_ITEM(self->params, (Py_ssize_t)i), self->bind_attr, v);
-        Py_DECREF(v);
-        if (rc < 0) return -1;
+    if (!self->bind_attr || !self->params) return 0; /* no params once the GC cleared them */
+    PyObject *leases[2] = {NULL, NULL};
+    if (unsharded) {
+        leases[0] = PyMemoryView_FromObject((PyObject *)self->full);
+        if (!leases[0]) return -1;
+        if (self->widened && !(leases[1] = PyMemoryView_FromObject((PyObject *)self->widened))) {
+            Py_DECREF(leases[0]);
+            return -1;
+        }
     }
-    return 0;
+    int rc = 0;
+    for (size_t i = 0; i < self->u.layout.nslots && rc == 0; i++) {
+        PyObject *v = unsharded ? unit_view(self, i, leases) : Py_NewRef(Py_None);
+        if (!v) {
+            rc = -1;
+            break;
+        }
+        rc = PyObject_SetAttr(PyTuple_GET_ITEM(self->params, (Py_ssize_t)i), self->bind_attr, v);
+        Py_DECREF(v);
+    }
+    Py_XDECREF(leases[0]);
+    Py_XDECREF(leases[1]);
+    return rc;
 }
 
 /* The one place a unit takes and gives back its buffers, with the live-buffer counts. */
@@ -857,6 +894,8 @@ static PyMethodDef unit_methods[] = {
 static PyType_Slot unit_slots[] = {
     {Py_tp_new, unit_new},
     {Py_tp_dealloc, unit_dealloc},
+    {Py_tp_traverse, unit_traverse},
+    {Py_tp_clear, unit_clear},
     {Py_tp_getset, unit_getset},
     {Py_tp_methods, unit_methods},
     {Py_tp_repr, unit_repr},
@@ -867,5 +906,5 @@ static PyType_Slot unit_slots[] = {
     {0, NULL},
 };
 
-PyType_Spec hsdp_py_unit_spec = {"hsdp._C.Unit", sizeof(UnitObject), 0, Py_TPFLAGS_DEFAULT, unit_slots};
+PyType_Spec hsdp_py_unit_spec = {"hsdp._C.Unit", sizeof(UnitObject), 0, HSDP_PY_TYPE_FLAGS, unit_slots};
 

@@ -25,7 +25,6 @@ Rank layout (HSDP adds no ranks; it shards over these same ones, see docs/launch
 from __future__ import annotations
 
 import dataclasses
-import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -37,17 +36,33 @@ if TYPE_CHECKING:
     from .adapters import TensorAdapter
 
 
-def _idle_refs() -> int:
-    """What sys.getrefcount reports for a kept buffer nothing else refers to, measured with
-    the same code shape as Ulysses._buffer's loop: the count's extra references (the loop's
-    name, the call's argument) differ between CPython versions (3.14 borrows locals)."""
-    kept = [np.empty(0)]
-    for buf in kept:
-        return sys.getrefcount(buf)
-    raise AssertionError("unreachable")
+class _Kept:
+    """An exchange buffer Ulysses keeps for reuse, and whether a lease on it is out."""
+
+    __slots__ = ("array", "leased")
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array = array
+        self.leased = False
 
 
-_IDLE_REFS = _idle_refs()
+class _Lease:
+    """One hand-out of a kept buffer ([Note: leases] in docs/design.md): the base of the array
+    made from it, so of every view of that array, so it lives exactly as long as any of them
+    does; its end returns the buffer. No reference count is read."""
+
+    __slots__ = ("_kept",)
+
+    def __init__(self, kept: _Kept) -> None:
+        self._kept = kept
+        kept.leased = True
+
+    @property
+    def __array_interface__(self) -> dict[str, Any]:
+        return self._kept.array.__array_interface__
+
+    def __del__(self) -> None:
+        self._kept.leased = False
 
 
 class TokenSplit:
@@ -98,7 +113,7 @@ class Ulysses(TokenSplit):
         self.group = group
         self.degree = int(group.size)
         self.rank = int(group.rank)
-        self._buffers: dict[tuple[Any, ...], list[np.ndarray]] = {}
+        self._buffers: dict[tuple[Any, ...], list[_Kept]] = {}
 
     def __repr__(self) -> str:
         return f"Ulysses(degree={self.degree}, rank={self.rank})"
@@ -111,18 +126,19 @@ class Ulysses(TokenSplit):
             )
 
     def _buffer(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        """A send or receive buffer of this shape, reused once nothing else refers to it (a
-        result still in use keeps its buffer through its views' .base): a fresh array per
-        exchange would be allocated and faulted in each time, costing more than the transfer."""
+        """A send or receive buffer of this shape, leased: reused once every view of the last
+        hand-out of it is gone (a result still in use holds its lease through its views'
+        .base). A fresh array per exchange would be allocated and faulted in each time,
+        costing more than the transfer."""
         key = (shape, np.dtype(dtype).str)
         kept = self._buffers.setdefault(key, [])
-        for buf in kept:
-            if sys.getrefcount(buf) == _IDLE_REFS:  # the list's reference alone: no view is alive
-                return buf
-        buf = np.empty(shape, dtype)
+        for k in kept:
+            if not k.leased:
+                return np.asarray(_Lease(k))
+        k = _Kept(np.empty(shape, dtype))
         if len(kept) < 4:
-            kept.append(buf)
-        return buf
+            kept.append(k)
+        return np.asarray(_Lease(k))
 
     def _to_heads(self, t: np.ndarray) -> np.ndarray:
         # (B, H, n, D), my tokens -> (B, H / degree, N, D), my heads. The model's q, k and v

@@ -15,9 +15,13 @@ torch module), so ``import hsdp`` never pulls torch in.
   the NCCL backend, the views are CUDA tensors, and the placeholders are 0-element CUDA
   tensors (torch refuses ``p.data`` across device types). Shards are written on the host
   while loading and copied to the GPU by their first gather.
-- **Kept views.** A unit's views are kept with its pooled buffer (``_Buffer.kept``) and reused
-  by the next unit of the same layout to take it, unless a user still holds a view at
-  reshard (see docs/design.md, "Buffers owned by Python objects").
+- **Leases.** Each bind imports every parameter's view of the gathered buffer through
+  DLPack (``_C.dlpack_views``: one export per parameter, with its dtype, shape and strides;
+  a device buffer: one ``__dlpack__`` import cut by ``as_strided``). Each export is a lease,
+  which torch returns (the DLPack deleter) when the last tensor on its storage dies. Unbind drops
+  the adapter's own tensors, so the lease comes back before the unit gives the buffer to the
+  pool; a view a user keeps holds the lease, and the pool does not reuse that buffer (see
+  ``[Note: leases]`` in docs/design.md).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from .. import devices
+from .. import _C, devices
 from ..dtypes import DType, as_dtype
 from ..nn.module import PARAM_WATCH
 
@@ -77,6 +81,12 @@ def _torch_dtype(d: DType) -> torch.dtype:
 # by the torch releases that can also make them (2.9 on); older ones take the legacy form.
 _capsule_to_tensor = getattr(torch._C, "_from_dlpack", None)
 _VERSIONED = hasattr(torch._C, "_to_dlpack_versioned")
+
+
+# DLPack's (type code, bits) of the dtypes a parameter is viewed in (kDLFloat 2, kDLBfloat 4,
+# kDLFloat8_e4m3fn 10, kDLFloat8_e5m2 12: DLPack 1.1)
+_DLPACK_TYPES = {torch.float32: (2, 32), torch.float16: (2, 16), torch.bfloat16: (4, 16), torch.float64: (2, 64),
+                 torch.float8_e4m3fn: (10, 8), torch.float8_e5m2: (12, 8)}
 
 
 def _from_dlpack(buf: Any) -> torch.Tensor:
@@ -147,17 +157,11 @@ def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-# Interned view layouts: units with the same layout (a transformer's identical blocks) share
-# one object, so a buffer's kept views are reused by whichever of them takes the buffer next.
-_LAYOUTS: dict[tuple[Any, ...], tuple[Any, ...]] = {}
-
-
 class _UnitViews:
-    """What a unit's views need, computed once: the typed bases to cut from its buffers, per
-    parameter its base, shape, strides and element offset, and the interned layout of it all
-    (``layout``), by which views kept with a buffer are recognised."""
+    """What a unit's views need, computed once: the typed bases to cut from its buffers and,
+    per parameter, its base, shape, strides and element offset."""
 
-    __slots__ = ("bases", "slots", "layout", "params", "placeholders", "bound")
+    __slots__ = ("bases", "slots", "params", "placeholders", "single", "spec")
 
     def __init__(self, state: UnitState, adapter: TorchAdapter) -> None:
         keys: dict[tuple[int, torch.dtype], int] = {}
@@ -168,12 +172,21 @@ class _UnitViews:
             base = keys.setdefault((which, dt), len(keys))
             self.slots.append((p, base, shape, _strides(shape), offset // dt.itemsize, dt))
         self.bases = list(keys)  # (buffer index, dtype)
-        layout = (tuple(self.bases), tuple(slot[1:] for slot in self.slots))
-        self.layout = _LAYOUTS.setdefault(layout, layout)
+        # the common case, cut without lists: every parameter from the gathered buffer, in one dtype
+        self.single = (self.bases[0][1], [(p, shape, strides, offset) for p, _b, shape, strides, offset, _dt in self.slots]
+                       ) if len(self.bases) == 1 and self.bases[0][0] == 0 else None
+        # ... and, for _C.dlpack_views, each parameter as its own DLPack export (int64s: byte
+        # offset, type code, bits, ndim, shape, strides), when torch imports capsules directly
+        self.spec: bytes | None = None
+        if self.single is not None and _capsule_to_tensor is not None and self.single[0] in _DLPACK_TYPES:
+            code, bits = _DLPACK_TYPES[self.single[0]]
+            spec: list[int] = []
+            for _p, shape, strides, offset in self.single[1]:
+                spec += [offset * (bits // 8), code, bits, len(shape), *shape, *strides]
+            self.spec = np.array(spec, dtype=np.int64).tobytes()
         self.params = [slot[0] for slot in self.slots]
         device = state.unit.device
         self.placeholders = [adapter._placeholder(slot[5], device) for slot in self.slots]
-        self.bound: tuple[Any, Any] | None = None  # (buffer, what is kept with it) while bound
 
 
 class TorchAdapter:
@@ -429,36 +442,27 @@ class TorchAdapter:
         views = state.adapter_data
         if views is None:
             views = state.adapter_data = _UnitViews(state, self)
-        self._bind(views, state)
-
-    def _bind(self, views: _UnitViews, state: UnitState) -> None:
-        bufs = state.unit.buffers()
-        if bufs[0] is not None and not any(bufs[1:]):
-            # One buffer (torch never widens): its views are made once and kept with it
-            # across reshards, so a steady-state forward only swaps each p.data. They are
-            # reused by any unit of the same layout that takes the buffer next.
-            buf = bufs[0]
-            kept = buf.kept
-            if kept is None or kept[0] is not views.layout:
-                tensors = self._views(views, bufs)
-                storage = tensors[0].untyped_storage() if tensors else None
-                # what unbind must find again, to know no user still holds a view
-                uses = torch._C._storage_Use_Count(storage._cdata) if storage is not None else 0
-                buf.kept = kept = (views.layout, tensors, storage, uses)
-                buf.kept_refs = 1 if tensors else 0  # the one DLPack import behind them all
-            for p, t in zip(views.params, kept[1]):
-                p.data = t
-            if kept[2] is not None:
-                views.bound = (buf, kept)
+        # The parameters are the only holders of the new tensors, so they hold the leases and
+        # unbind returns them; views kept across binds would hold them for good.
+        single = views.single
+        if single is not None and not torch.is_inference_mode_enabled():
+            buf = state.unit.buffers()[0]
+            if views.spec is not None and buf.device == "host":  # one import per parameter
+                for p, cap in zip(views.params, _C.dlpack_views(buf, views.spec, _VERSIONED)):
+                    p.data = _capsule_to_tensor(cap)
+                return
+            typed = _from_dlpack(buf).view(single[0])  # a multiple of 64 bytes
+            as_strided = torch.as_strided
+            for p, shape, strides, offset in single[1]:
+                p.data = as_strided(typed, shape, strides, offset)
             return
-        for p, t in zip(views.params, self._views(views, bufs)):
+        for p, t in zip(views.params, self._views(views, state.unit.buffers())):
             p.data = t
 
     def _views(self, views: _UnitViews, bufs: tuple[Any, ...]) -> list[torch.Tensor]:
         if torch.is_inference_mode_enabled():
             # views made in inference mode would leave the parameters inference tensors for
             # as long as the unit stays unsharded (resident, say): make them normal ones.
-            # Only here: a steady bind reuses kept views and changes no mode.
             with torch.inference_mode(False):
                 return self._views(views, bufs)
         raw = [_from_dlpack(b) if b is not None else None for b in bufs]
@@ -474,16 +478,10 @@ class TorchAdapter:
         views = state.adapter_data
         if views is None:  # a bind that failed before its layout existed bound nothing
             return
+        # the last tensor on the bind's storage goes: torch returns the lease, unless a user
+        # still holds a view of a parameter (then the buffer stays out of the pool)
         for p, ph in zip(views.params, views.placeholders):
             p.data = ph
-        bound = views.bound
-        if bound is not None:
-            views.bound = None
-            buf, kept = bound
-            # Anyone else holding the storage (a view a user kept from the forward) must keep
-            # these bytes: the kept views go, and the buffer leaves the pool with the user.
-            if torch._C._storage_Use_Count(kept[2]._cdata) != kept[3] and buf.kept is kept:
-                buf.kept = None
 
 
 def unsharded_reference(model: Any, param_dtype: Any = "bfloat16") -> Any:
