@@ -81,7 +81,7 @@ def worker(strategy: str, ckpt: str, preset: str, replicate: int, every_replica:
     import hsdp
     import hsdp.checkpoint as hc
     from hsdp import models, nn
-    from hsdp.distributed import init_process_group
+    from hsdp.world.distributed import init_process_group
 
     world = init_process_group()
     world.barrier()

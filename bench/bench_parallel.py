@@ -90,7 +90,7 @@ def rank_ring_exchange() -> None:
     import numpy as np
 
     import hsdp
-    from hsdp.ring import Ring
+    from hsdp.parallel.ring import Ring
 
     world = hsdp.distributed.init_process_group()
     ring = Ring(world)
@@ -125,7 +125,7 @@ def rank_ring_time() -> None:
     import numpy as np
 
     import hsdp
-    from hsdp.ring import Ring, block_attention
+    from hsdp.parallel.ring import Ring, block_attention
 
     world = hsdp.distributed.init_process_group()
     b, h, n, d = RING_SEQ.values()
@@ -157,7 +157,7 @@ def rank_forward(mode: str) -> None:
     world = hsdp.distributed.init_process_group()
     sp = parallel.Ulysses(world) if world.size > 1 else None
     if "--ring-memory" in sys.argv and world.size > 1:  # ring attention over every rank
-        from hsdp.ring import USP, Ring
+        from hsdp.parallel.ring import USP, Ring
 
         sp = USP(world, None, Ring(world))
     model = parallel.apply_sequence_parallel(models.make_model("small", seed=0), sp)

@@ -88,7 +88,7 @@ def worker(mode: str, folder: str, dtype_name: str, ranks: int, steps: int, fram
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel  # noqa: F401
     from transformers import PreTrainedTokenizerFast, UMT5EncoderModel  # noqa: F401
 
-    from hsdp.distributed import init_process_group
+    from hsdp.world.distributed import init_process_group
 
     world = init_process_group()
     dtype = getattr(torch, dtype_name)
@@ -101,7 +101,7 @@ def worker(mode: str, folder: str, dtype_name: str, ranks: int, steps: int, fram
         pipe = DiffusionPipeline.from_pretrained(folder, torch_dtype=dtype)
         held, replicated, block = 0, 0, 0
     else:
-        from hsdp.config import DiffusionParallelConfig
+        from hsdp.engine.config import DiffusionParallelConfig
         from hsdp.pipelines import load_pipeline, pipeline_state
 
         config = DiffusionParallelConfig(use_hsdp=True, hsdp_shard_size=ranks)

@@ -361,7 +361,7 @@ def step_start_unshard_us(env: Env) -> dict:
 def step_overlap(env: Env) -> dict:
     if env.dry:
         raise NeedsGPU("CUDA events on real streams")
-    from hsdp import nccl
+    from hsdp.world import nccl
 
     torch = env.torch
     model = _sharded_wan(env)
@@ -464,7 +464,8 @@ def step_wire_fp8(env: Env) -> dict:
     """The float8 wire on NCCL: a device unit's gathered fp8 + scales, dequantized by the kernel
     on the gather stream, equal the host decode of the same weights byte for byte; on a GPU, a
     stock Wan with wire_dtype within a relative L2 error of 0.05 of the bf16 sharded output."""
-    from hsdp import _C, nccl
+    from hsdp import _C
+    from hsdp.world import nccl
 
     if env.dry:
         _C.wire_cuda_load(env.fake_path, env.fake_path)  # the fake's NVRTC and driver run the kernel's text
@@ -544,7 +545,7 @@ def setup(dry: bool, fake: Path) -> Env:
         return Env(dry=True, torch=torch, world=_C.ProcessGroup("nccl"), device=0, cudart=lib, fake=lib,
                    fake_path=str(fake.resolve()))
     import hsdp
-    from hsdp import nccl
+    from hsdp.world import nccl
 
     world = hsdp.distributed.init_process_group("nccl")
     lib = ctypes.CDLL(nccl.library_paths()[1])

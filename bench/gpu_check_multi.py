@@ -392,7 +392,8 @@ def gpu_worker(step: str, out_dir: Path) -> None:
     import torch
 
     import hsdp
-    from hsdp import _C, nccl
+    from hsdp import _C
+    from hsdp.world import nccl
 
     rank = int(os.environ["RANK"])
     fn = next(f for name, f, _, _ in STEPS if name == step)

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from hsdp.launch import plain_mpiexec_env
+from hsdp.world.launch import plain_mpiexec_env
 
 ROOT = Path(__file__).resolve().parent.parent
 # The environment hsdp.launch gives ranks (root, oversubscription, no binding, idle yield,

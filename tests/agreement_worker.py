@@ -13,7 +13,7 @@ import numpy as np
 
 import hsdp
 from hsdp import models
-from hsdp.distributed import init_process_group
+from hsdp.world.distributed import init_process_group
 
 
 def sharded(seed: int = 0):

@@ -29,7 +29,7 @@ from hsdp.checkpoint import (
     open_checkpoint,
     stream,
 )
-from hsdp.distributed import init_process_group
+from hsdp.world.distributed import init_process_group
 
 
 def meta(preset: str, variant: str):

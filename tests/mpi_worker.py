@@ -17,7 +17,7 @@ import numpy as np
 
 import hsdp
 from hsdp import models
-from hsdp.distributed import init_process_group
+from hsdp.world.distributed import init_process_group
 
 F32 = hsdp.HSDPInferenceConfig  # noqa: N816 (a short alias keeps the scenarios readable)
 

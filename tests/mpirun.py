@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from hsdp.launch import JOB_DIR_PREFIX, job_base, plain_mpiexec_env
+from hsdp.world.launch import JOB_DIR_PREFIX, job_base, plain_mpiexec_env
 
 ROOT = Path(__file__).resolve().parent.parent
 

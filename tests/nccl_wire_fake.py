@@ -12,7 +12,9 @@ import sys
 
 import numpy as np
 
-from hsdp import _C, nccl
+from hsdp import _C
+
+from hsdp.world import nccl
 
 
 def _unit(group: object, device: str) -> object:

@@ -8,7 +8,7 @@ import hashlib
 import os
 import sys
 
-from hsdp import nccl
+from hsdp.world import nccl
 
 
 def main() -> None:

@@ -10,12 +10,12 @@ from typing import Any
 import torch
 
 import hsdp
-from hsdp.parallel_torch import apply_sequence_parallel_torch, cfg_combine
+from hsdp.parallel.ulysses_wan import apply_sequence_parallel_torch, cfg_combine
 from torch_models import is_wan_block, make_wan, wan_inputs
 
 
 def check_wan(groups: Any) -> None:
-    from hsdp.ring_torch import USPWanAttnProcessor
+    from hsdp.parallel.ring_wan import USPWanAttnProcessor
 
     args, kwargs = wan_inputs()  # 32 tokens
     x, t, ctx = args

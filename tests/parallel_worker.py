@@ -12,8 +12,8 @@ import sys
 import numpy as np
 
 from hsdp import parallel
-from hsdp.config import DiffusionParallelConfig
-from hsdp.distributed import init_process_group
+from hsdp.engine.config import DiffusionParallelConfig
+from hsdp.world.distributed import init_process_group
 from hsdp.nn import functional as F
 
 

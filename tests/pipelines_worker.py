@@ -18,7 +18,7 @@ import torch
 
 import hsdp
 import hsdp.pipelines as hp
-from hsdp.config import DiffusionParallelConfig
+from hsdp.engine.config import DiffusionParallelConfig
 
 torch.set_num_threads(1)
 STEPS = 4

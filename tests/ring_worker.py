@@ -15,8 +15,8 @@ import sys
 import numpy as np
 
 from hsdp import models, parallel
-from hsdp.config import DiffusionParallelConfig
-from hsdp.distributed import init_process_group
+from hsdp.engine.config import DiffusionParallelConfig
+from hsdp.world.distributed import init_process_group
 from hsdp.nn import functional as F
 
 RTOL = 1e-5

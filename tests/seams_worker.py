@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 import hsdp
-from hsdp.distributed import init_process_group
+from hsdp.world.distributed import init_process_group
 
 K = 3  # elements per block
 

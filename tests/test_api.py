@@ -12,7 +12,7 @@ import pytest
 
 import hsdp
 from hsdp import models, nn
-from hsdp.distributed import init_process_group
+from hsdp.world.distributed import init_process_group
 
 init_process_group("single")
 

@@ -86,7 +86,8 @@ echo "HIDDEN $#"
 "$PY" -m pip install -q --no-deps --no-index --target "$TARGET" "$DIST"/hsdp-*.whl
 cd "$DIST" && PYTHONPATH="$TARGET" "$PY" - <<'PYEOF'
 import hsdp
-from hsdp import _C, nccl
+from hsdp import _C
+from hsdp.world import nccl
 print("FROM", _C.__file__)
 print("BUILT", _C.nccl_built(), [name for name, _, _ in _C.backends()])
 import torch

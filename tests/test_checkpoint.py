@@ -29,7 +29,7 @@ from hsdp.checkpoint import (
     open_checkpoint,
     save_checkpoint,
 )
-from hsdp.distributed import init_process_group
+from hsdp.world.distributed import init_process_group
 
 init_process_group("single")
 

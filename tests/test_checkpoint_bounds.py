@@ -29,7 +29,7 @@ from hsdp.checkpoint import (
 )
 from hsdp.checkpoint import format as fmt
 from hsdp.checkpoint.errors import MAX_MESSAGE_CHARS, MAX_SHOWN_CHARS
-from hsdp.distributed import init_process_group
+from hsdp.world.distributed import init_process_group
 
 init_process_group("single")
 ROOT = Path(__file__).resolve().parent.parent

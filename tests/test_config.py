@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from hsdp.config import DiffusionParallelConfig, add_parallel_args
+from hsdp.engine.config import DiffusionParallelConfig, add_parallel_args
 
 C = DiffusionParallelConfig
 
@@ -575,9 +575,9 @@ def test_check_world_bad_value(value: object) -> None:
 
 def test_check_world_uses_world_group(monkeypatch: pytest.MonkeyPatch) -> None:
     # Stand in for hsdp.distributed so this test needs no launched job.
-    fake = types.ModuleType("hsdp.distributed")
+    fake = types.ModuleType("hsdp.world.distributed")
     fake.get_world_group = lambda: types.SimpleNamespace(size=2)  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "hsdp.distributed", fake)
+    monkeypatch.setitem(sys.modules, "hsdp.world.distributed", fake)
     C(cfg_parallel_size=2).check_world()
     with pytest.raises(ValueError, match="launched with 2"):
         C(use_hsdp=True, ulysses_degree=4).check_world()

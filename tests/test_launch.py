@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from hsdp import launch
+from hsdp.world import launch
 from mpirun import ROOT, assert_nothing_left, mpiexec, run_watched
 
 EXAMPLE = "examples/offline_inference/text_to_video.py"  # relative: jobs run with cwd=ROOT
@@ -188,7 +188,7 @@ def test_failing_rank_ends_the_job_instead_of_hanging(tmp_path) -> None:
     # it would wait forever. A healthy run ends in a few seconds; the asserted bound is well
     # under the subprocess timeout, so a job that hangs for a while (or for good) fails here.
     script = write(tmp_path / "raise1.py", """
-        from hsdp.distributed import init_process_group
+        from hsdp.world.distributed import init_process_group
         group = init_process_group()
         if group.rank == 1:
             raise RuntimeError("rank 1 fails on purpose")
@@ -205,7 +205,7 @@ def test_failing_rank_ends_the_job_instead_of_hanging(tmp_path) -> None:
 def test_sigint_is_forwarded(tmp_path) -> None:
     script = write(tmp_path / "sleepy.py", """
         import time
-        from hsdp.distributed import init_process_group
+        from hsdp.world.distributed import init_process_group
         print(f"ready{init_process_group().rank}", flush=True)  # one write: lines may interleave
         while True:
             time.sleep(0.1)

@@ -8,7 +8,7 @@ import weakref
 import numpy as np
 import pytest
 
-from hsdp import dtypes
+from hsdp.engine import dtypes
 from hsdp import nn
 from hsdp.models import (
     PRESETS,

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 import hsdp
-from hsdp import _C, nccl
+from hsdp import _C
+from hsdp.world import nccl
 from mpirun import MPI_ENV, mpiexec
 
 ROOT = Path(__file__).resolve().parent.parent

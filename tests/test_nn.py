@@ -10,7 +10,7 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 
-from hsdp import dtypes
+from hsdp.engine import dtypes
 from hsdp import nn
 from hsdp.nn import functional as F
 

@@ -12,7 +12,7 @@ import pytest
 
 import hsdp
 from hsdp import models
-from hsdp.distributed import init_process_group
+from hsdp.world.distributed import init_process_group
 
 init_process_group("single")
 TINY = models.DiTConfig.preset("tiny")
@@ -221,7 +221,7 @@ def test_empty_root_unit_allocates_nothing():
 def test_oversized_pool_need_warns_instead_of_failing(caplog):
     model = sharded(prefetch_depth=300, reshard_after_forward=True)
     sched = model._hsdp_context.schedule
-    from hsdp import schedule
+    from hsdp.engine import schedule
 
     saved = schedule._POOL_SLOTS
     schedule._POOL_SLOTS = 2  # a model needing more buffers than the pool keeps
@@ -317,7 +317,7 @@ def test_residency_budget_ends_zero_and_whole_model():
 
 
 def test_residency_auto_is_positive_and_below_mem_available():
-    from hsdp import residency
+    from hsdp.engine import residency
 
     model = sharded(resident_bytes="auto")
     model(*models.make_inputs(TINY, seed=0))
@@ -326,7 +326,7 @@ def test_residency_auto_is_positive_and_below_mem_available():
 
 
 def test_residency_auto_margin_and_ranks_per_host(monkeypatch):
-    from hsdp import residency
+    from hsdp.engine import residency
 
     gib = 1 << 30
     for avail, ranks, want in [(10 * gib, "1", 8 * gib), (20 * gib, "2", 8 * gib), (2 * gib, "1", gib),
@@ -337,7 +337,7 @@ def test_residency_auto_margin_and_ranks_per_host(monkeypatch):
 
 
 def test_residency_rule_prefers_exposed_then_small_units():
-    from hsdp.residency import choose
+    from hsdp.engine.residency import choose
 
     class U:
         def __init__(self, name: str, n: int) -> None:
@@ -382,7 +382,7 @@ def test_residency_shows_in_the_trace(tmp_path):
 
 
 def test_residency_auto_that_cannot_read_memory_refuses_every_forward(monkeypatch):
-    from hsdp import residency
+    from hsdp.engine import residency
 
     def unreadable() -> int:
         raise RuntimeError("/proc/meminfo has no MemAvailable line")

@@ -9,8 +9,8 @@ import pytest
 from mpirun import run_ranks
 
 from hsdp import models, parallel
-from hsdp.config import DiffusionParallelConfig
-from hsdp.distributed import init_process_group
+from hsdp.engine.config import DiffusionParallelConfig
+from hsdp.world.distributed import init_process_group
 
 
 @pytest.mark.parametrize("sp,cfg", [(2, 1), (1, 2), (2, 2), (4, 1)])

@@ -11,8 +11,8 @@ from mpirun import FAKEDEV, run_ranks  # noqa: E402
 from torch_models import make_flux, make_wan  # noqa: E402
 
 from hsdp import parallel  # noqa: E402
-from hsdp.distributed import init_process_group  # noqa: E402
-from hsdp.parallel_torch import apply_sequence_parallel_torch  # noqa: E402
+from hsdp.world.distributed import init_process_group  # noqa: E402
+from hsdp.parallel.ulysses_wan import apply_sequence_parallel_torch  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

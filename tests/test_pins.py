@@ -15,8 +15,9 @@ import pytest
 
 import hsdp
 import hsdp._C
-from hsdp import launch, models, nn
-from hsdp.distributed import init_process_group
+from hsdp.world import launch
+from hsdp import models, nn
+from hsdp.world.distributed import init_process_group
 
 init_process_group("single")
 TINY = models.DiTConfig.preset("tiny")

@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 from mpirun import run_ranks  # noqa: E402
 
 import hsdp.pipelines as hp  # noqa: E402
-from hsdp.config import DiffusionParallelConfig  # noqa: E402
+from hsdp.engine.config import DiffusionParallelConfig  # noqa: E402
 from hsdp.testing.tiny_pipeline import make_tiny_pipeline  # noqa: E402
 
 

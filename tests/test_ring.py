@@ -10,8 +10,8 @@ import pytest
 
 from mpirun import run_ranks
 
-from hsdp import ring
-from hsdp.distributed import init_process_group
+from hsdp.parallel import ring
+from hsdp.world.distributed import init_process_group
 from hsdp.nn import functional as F
 
 

@@ -19,7 +19,7 @@ import pytest
 import hsdp
 from hsdp import _C, adapters, models, nn
 from hsdp.adapters import NumpyAdapter, TensorAdapter
-from hsdp.distributed import init_process_group
+from hsdp.world.distributed import init_process_group
 from hsdp.models.quant import VideoDiTQuantized
 
 from mpirun import ROOT, run_ranks

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import hsdp
-from hsdp.distributed import init_process_group
+from hsdp.world.distributed import init_process_group
 from mpirun import FAKEDEV, run_ranks
 from torch_models import MODELS, is_linear, is_time_embedder, is_wan_block, make_wan, reference, run, wan_inputs
 

@@ -15,8 +15,8 @@ import pytest
 
 import hsdp
 from hsdp import _C
-from hsdp.config import DiffusionParallelConfig, add_parallel_args
-from hsdp.distributed import init_process_group
+from hsdp.engine.config import DiffusionParallelConfig, add_parallel_args
+from hsdp.world.distributed import init_process_group
 
 WORLD = init_process_group("single")
 

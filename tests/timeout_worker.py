@@ -18,7 +18,7 @@ import signal
 import sys
 import time
 
-from hsdp.distributed import init_process_group
+from hsdp.world.distributed import init_process_group
 
 
 def mapped_segments() -> list[str]:

@@ -25,7 +25,7 @@ def target_device(world: Any) -> str | None:
     None (host buffers), as the C core's device_info says."""
     import hsdp
 
-    info = hsdp.devices.of_group(world)
+    info = hsdp.world.devices.of_group(world)
     return info.framework if info.on_device else None
 
 
@@ -33,7 +33,7 @@ def check_on_device(world: Any, model: Any) -> None:
     """On a backend with a device, every unit's buffers are that device's."""
     import hsdp
 
-    info = hsdp.devices.of_group(world)
+    info = hsdp.world.devices.of_group(world)
     if info.on_device:
         got = {u.unit.device for u in hsdp.get_units(model)}
         assert got == {info.device}, (got, info)

@@ -8,9 +8,10 @@ nothing: MPI starts on the first process-group use.
 
 from __future__ import annotations
 
-from . import _C, adapters, dtypes, trace
-from .dtypes import DType, bfloat16, float16, float32, float64, float8_e4m3fn, float8_e5m2
-from .api import (
+from . import _C, adapters
+from .engine import dtypes, trace
+from .engine.dtypes import DType, bfloat16, float16, float32, float64, float8_e4m3fn, float8_e5m2
+from .engine.api import (
     HSDPInferenceConfig,
     HSDPShardContext,
     apply_hsdp_to_model,
@@ -28,9 +29,9 @@ from .api import (
     shard_model,
     unshard,
 )
-from .mesh import DeviceMesh, init_device_mesh
-from .policy import MixedPrecisionPolicy
-from .wire import WireError, wire_error
+from .world.mesh import DeviceMesh, init_device_mesh
+from .engine.policy import MixedPrecisionPolicy
+from .engine.wire import WireError, wire_error
 
 __version__ = "0.1.0"
 
@@ -42,7 +43,7 @@ def __getattr__(name: str) -> object:
 
         return importlib.import_module(f".{name}", __name__)
     if name == "DiffusionParallelConfig":
-        from .config import DiffusionParallelConfig
+        from .engine.config import DiffusionParallelConfig
 
         return DiffusionParallelConfig
     if name in ("load_model_sharded", "save_checkpoint", "load_checkpoint"):

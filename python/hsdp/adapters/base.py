@@ -18,10 +18,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ..dtypes import DType
+from ..engine.dtypes import DType
 
 if TYPE_CHECKING:
-    from ..units import UnitState
+    from ..engine.units import UnitState
 
 
 class TensorAdapter(Protocol):
@@ -117,7 +117,7 @@ class TensorAdapter(Protocol):
     def device_type(self, target_device: Any) -> str | None:
         """The framework device type views for ``target_device`` have ('cpu', 'cuda'; None
         when this framework binds host memory only): the process group's device decides from
-        it where unsharded buffers live (hsdp.devices.buffer_device). Called before anything
+        it where unsharded buffers live (hsdp.world.devices.buffer_device). Called before anything
         else uses ``target_device``: raises ValueError naming a value that is no device (the
         rest of :meth:`check_device` may need the process group first)."""
 

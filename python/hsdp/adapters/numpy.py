@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import _C
-from ..dtypes import DType, as_dtype
+from ..engine.dtypes import DType, as_dtype
 
 if TYPE_CHECKING:
-    from ..units import UnitState
+    from ..engine.units import UnitState
 
 
 def _cast_tree(obj: Any, dtype: np.dtype, round_to: str | None = None) -> Any:

@@ -34,12 +34,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from .. import _C, devices
-from ..dtypes import DType, as_dtype
+from .. import _C
+from ..world import devices
+from ..engine.dtypes import DType, as_dtype
 from ..nn.module import PARAM_WATCH
 
 if TYPE_CHECKING:
-    from ..units import UnitState
+    from ..engine.units import UnitState
 
 # torch dtypes NumPy has no type for: their raw bits go to the C unit as integers of their size
 _RAW_AS = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8}
@@ -113,7 +114,7 @@ def _set_data(p: Any, t: torch.Tensor) -> None:
 
 def _on_parameter_registered(module: Any, name: str, param: Any) -> None:
     # torch's global parameter-registration hook: the unit of a replaced sharded parameter
-    # is told (hsdp.units.UnitState._watch_replacements); any other module pays one lookup
+    # is told (hsdp.engine.units.UnitState._watch_replacements); any other module pays one lookup
     watch = module.__dict__.get(PARAM_WATCH)
     if watch is not None and name in watch:
         watch[name](param)
@@ -497,8 +498,8 @@ def unsharded_reference(model: Any, param_dtype: Any = "bfloat16") -> Any:
       module whose parameters hsdp would all keep in float32 (``_keep_in_fp32_modules``)
       casts nothing, as its unit does not.
     """
-    from ..api import _conditions_list, _post_order
-    from ..policy import MixedPrecisionPolicy, keep_modules, kept, model_param_dtype, storage_dtype, unit_input_dtype
+    from ..engine.api import _conditions_list, _post_order
+    from ..engine.policy import MixedPrecisionPolicy, keep_modules, kept, model_param_dtype, storage_dtype, unit_input_dtype
 
     adapter = TorchAdapter()
     policy = MixedPrecisionPolicy(param_dtype=model_param_dtype(adapter, model, param_dtype))

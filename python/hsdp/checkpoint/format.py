@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from ..dtypes import DType, as_dtype
+from ..engine.dtypes import DType, as_dtype
 from .errors import CheckpointError, cut, describe_file, shown, shown_value
 
 # The reference implementation's limit; a larger "header" is a corrupt or hostile file.

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .. import distributed
+from ..world import distributed
 
 log = logging.getLogger("hsdp")
 

@@ -21,10 +21,10 @@ from typing import Any
 
 import numpy as np
 
-from .. import distributed
+from ..world import distributed
 from ..adapters import adapter_for
-from ..api import _check_config, _select, finalize_hsdp_root, prepare_hsdp_shard_context, shard_hsdp_module
-from ..units import UnitState
+from ..engine.api import _check_config, _select, finalize_hsdp_root, prepare_hsdp_shard_context, shard_hsdp_module
+from ..engine.units import UnitState
 from .errors import in_context, shown
 from .index import Checkpoint, CheckpointPath, open_checkpoint
 from .plan import KeyMap, LoadPlan, plan_load

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from .. import _C
-from ..dtypes import DType, as_dtype, from_numpy
+from ..engine.dtypes import DType, as_dtype, from_numpy
 from .format import MAX_HEADER_BYTES, dtype_to_safetensors
 
 TensorLike = Any  # np.ndarray | Parameter | tuple[array, dtype]

@@ -37,7 +37,7 @@ from hsdp.cli.folder import FolderError, PipelineFolder, read_folder
 from hsdp.cli.media import SUFFIXES, check_suffix, write_output
 from hsdp.cli.ranks import command_main, launch_self, usage_error
 from hsdp.cli.verify import reference_pipeline
-from hsdp.config import DiffusionParallelConfig, add_parallel_args
+from hsdp.engine.config import DiffusionParallelConfig, add_parallel_args
 
 __all__ = ["build_parser", "main"]
 
@@ -294,7 +294,7 @@ def _verify(args: argparse.Namespace, folder: PipelineFolder, pipe: Any, kwargs:
 
 
 def run(args: argparse.Namespace, folder: PipelineFolder, config: DiffusionParallelConfig) -> int:
-    from hsdp import devices, distributed
+    from hsdp.world import devices, distributed
 
     device_type = (args.device or devices.host_framework()).split(":")[0]
     on_gpu = device_type != devices.host_framework()

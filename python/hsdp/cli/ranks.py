@@ -16,15 +16,15 @@ _ENTRY = Path(__file__).with_name("rank_entry.py")
 
 def inside_launched_job() -> bool:
     """Whether a launcher started this process as one rank of a job: the variables
-    hsdp.distributed reads to pick its backend (MPI's, or torchrun's): hsdp.job.launch_info."""
-    from hsdp.job import launch_info
+    hsdp.distributed reads to pick its backend (MPI's, or torchrun's): hsdp.world.job.launch_info."""
+    from hsdp.world.job import launch_info
 
     return launch_info().via != "single"
 
 
 def launch_self(nproc: int, argv: Sequence[str]) -> int:
     """Runs ``python -m hsdp ARGV`` on ``nproc`` ranks through hsdp.launch; its exit status."""
-    from hsdp import launch
+    from hsdp.world import launch
 
     return launch.main(["-n", str(nproc), "--", str(_ENTRY), *argv])
 
@@ -33,7 +33,7 @@ def usage_error(prog: str, message: str, status: int = 2) -> int:
     """Says a usage error on stderr, prefixed with this rank's label inside a job: every rank
     reaches the same verdict from the same flags and each says it, so a rank whose view
     differs (a folder missing on one host) does not fail silently. Returns `status`."""
-    from hsdp._rank import rank_label
+    from hsdp.world._rank import rank_label
 
     label = rank_label()
     prefix = "" if label == "rank ?" else f"[{label}] "

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from ..dtypes import DType, as_dtype, float32
+from ..engine.dtypes import DType, as_dtype, float32
 from ..nn import functional as F
 from ..nn.init import is_meta_init
 from ..nn.layers import GELU, LayerNorm, Linear, RMSNorm, SiLU

@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from ..dtypes import float32, int8
+from ..engine.dtypes import float32, int8
 from ..nn.module import Module
 from ..nn.parameter import Parameter
 from .dit import VideoDiT

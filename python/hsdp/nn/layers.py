@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ..dtypes import as_dtype, float32
+from ..engine.dtypes import as_dtype, float32
 from . import functional as F
 from .module import Module
 from .parameter import Parameter

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..dtypes import DType, as_dtype
+from ..engine.dtypes import DType, as_dtype
 from .parameter import Parameter
 
 _hook_ids = itertools.count()
@@ -62,7 +62,7 @@ _HookRecord = tuple[Callable[..., Any], bool, bool]
 
 
 # What a sharded module keeps in its __dict__: leaf name -> callback taking the Parameter
-# that replaces it (hsdp.units.UnitState.commit installs it).
+# that replaces it (hsdp.engine.units.UnitState.commit installs it).
 PARAM_WATCH = "_hsdp_param_watch"
 
 class Module:
@@ -171,7 +171,7 @@ class Module:
         self._parameters[name] = param
         watch = self.__dict__.get(PARAM_WATCH)
         if watch is not None and name in watch:
-            watch[name](param)  # a sharded parameter replaced: its unit is told (hsdp.units)
+            watch[name](param)  # a sharded parameter replaced: its unit is told (hsdp.engine.units)
 
     def add_module(self, name: str, module: "Module | None") -> None:
         if "_modules" not in self.__dict__:

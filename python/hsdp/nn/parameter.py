@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ..dtypes import DType, as_dtype, float32, from_numpy
+from ..engine.dtypes import DType, as_dtype, float32, from_numpy
 from .init import is_meta_init
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import distributed
+from ..world import distributed
 
 
 def _count(value: Any) -> int | None:

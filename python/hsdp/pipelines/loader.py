@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .. import distributed
+from ..world import distributed
 from ..parallel import SINGLE, ParallelGroups, init_parallel_groups
 from .cfg import CFGSplit, guidance_probe, record_calls
 from .components import Component, pipeline_class, read_components, read_model_index
@@ -161,10 +161,10 @@ def load_pipeline(
     Every rank checks the folder and the config first and they agree, so a bad input raises
     the same clear error on every rank before any weight is read.
     """
-    from ..config import DiffusionParallelConfig
+    from ..engine.config import DiffusionParallelConfig
 
     folder = Path(os.fspath(path))
-    from ..devices import world_backend
+    from ..world.devices import world_backend
 
     world = distributed.init_process_group(world_backend(torch.device(device).type if device is not None else None))
 
@@ -214,7 +214,7 @@ def load_pipeline(
     # a transformer passed in kwargs runs with the same parallel modes as the loaded ones
     transformers = [(n, m) for n, m in pipe.components.items() if _is_transformer(n, m)]
     if groups.sp is not None:
-        from ..parallel_torch import apply_sequence_parallel_torch
+        from ..parallel.ulysses_wan import apply_sequence_parallel_torch
 
         for _, model in transformers:
             apply_sequence_parallel_torch(model, groups.sp)

@@ -33,7 +33,7 @@ from types import FrameType
 from typing import Any
 
 from hsdp.cli.folder import FolderError, PipelineFolder, read_folder
-from hsdp.config import DiffusionParallelConfig, add_parallel_args
+from hsdp.engine.config import DiffusionParallelConfig, add_parallel_args
 
 __all__ = ["CONTROL_ENV", "build_parser", "main"]
 
@@ -124,7 +124,7 @@ def _die_with_parent() -> None:
 
 def launch_ranks(nproc: int, argv: Sequence[str]) -> int:
     """Runs ``python -m hsdp serve ARGV`` on ``nproc`` ranks under mpiexec; its exit status."""
-    from hsdp import launch
+    from hsdp.world import launch
     from hsdp.cli import ranks
 
     mpiexec = launch.find_mpiexec(None)
@@ -227,7 +227,7 @@ def _bound_port(server: Any) -> int:
 
 
 def run(args: argparse.Namespace, folder: PipelineFolder, config: DiffusionParallelConfig) -> int:
-    from hsdp import distributed
+    from hsdp.world import distributed
 
     if not distributed.launched_by_mpi():
         import torch  # noqa: F401 - under torchrun, the NCCL backend is chosen only once torch is in

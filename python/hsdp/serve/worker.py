@@ -38,7 +38,7 @@ class InjectedFault(RuntimeError):
 def heartbeat_seconds() -> float:
     """How often an idle rank 0 tells the others it is alive: well inside ``HSDP_TIMEOUT``, so
     that ranks waiting for the next job are not ended for waiting."""
-    from hsdp import distributed
+    from hsdp.world import distributed
 
     timeout = distributed.get_timeout()
     return 5.0 if timeout <= 0 else max(0.05, min(5.0, timeout / 4))

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from . import _C, devices, distributed
+from .. import _C
+from . import devices, distributed
 
 
 def device_backends() -> dict[str, list[str]]:

@@ -25,7 +25,8 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
-from . import _C, residency, trace
+from .. import _C
+from . import residency, trace
 
 if TYPE_CHECKING:
     from .units import UnitState

@@ -25,7 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from .parallel import TokenSplit, Ulysses
+from .split import TokenSplit
+from .ulysses import Ulysses
 
 
 def block_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> tuple[np.ndarray, np.ndarray]:

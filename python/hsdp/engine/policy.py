@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from .dtypes import DType, as_dtype, float8_e4m3fn, float8_e5m2, float32
 
 if TYPE_CHECKING:
-    from .adapters.base import TensorAdapter
+    from ..adapters.base import TensorAdapter
 
 FP8 = (float8_e4m3fn, float8_e5m2)
 

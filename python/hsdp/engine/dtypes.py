@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _C
+from .. import _C
 
 
 class DType(str):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from . import _C
+from .. import _C
 
 HOST = "host"
 
@@ -25,7 +25,7 @@ HOST = "host"
 # around) before the C world can start: their module, which provides built(),
 # unusable_reason(), error_type(reason) and init_world(), and load_wire_kernel() when its
 # device decodes the float8 wire itself.
-_LOADERS: dict[str, str] = {"nccl": "hsdp.nccl"}
+_LOADERS: dict[str, str] = {"nccl": "hsdp.world.nccl"}
 
 
 @dataclass(frozen=True)

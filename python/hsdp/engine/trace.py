@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import _C
+from .. import _C
 
 if TYPE_CHECKING:
     from .schedule import Schedule
@@ -34,7 +34,7 @@ _PY, _WORKER = 0, 1
 def _rank() -> int:
     global _rank_seen
     if _rank_seen is None:
-        from . import distributed
+        from ..world import distributed
 
         if not distributed.is_initialized():
             return 0

@@ -80,7 +80,7 @@ def _as_shard_size(value: Any) -> int:
     return as_int
 
 
-WIRE_DTYPES = tuple(built.WIRE_DTYPES)  # what hsdp.built lists as built
+WIRE_DTYPES = tuple(built.WIRE_DTYPES)  # what hsdp.engine.built lists as built
 
 
 def _as_wire_dtype(value: Any) -> str | None:
@@ -417,7 +417,7 @@ class DiffusionParallelConfig:
     def check_world(self, world_size: int | None = None) -> None:
         """Fail early, with the fix, when the job was launched with the wrong number of ranks."""
         if world_size is None:
-            from hsdp.distributed import get_world_group  # lazy: needs a launched process group
+            from hsdp.world.distributed import get_world_group  # lazy: needs a launched process group
 
             world_size = get_world_group().size
         launched = _as_positive_int("world_size", world_size)
@@ -431,7 +431,7 @@ class DiffusionParallelConfig:
 
     def unsupported_degrees(self) -> list[str]:
         """The declared degrees the runtime does not execute yet, e.g. ``["ulysses_degree=4"]``
-        (what ``hsdp.built.PARALLEL_DEGREES`` lists as not built)."""
+        (what ``hsdp.engine.built.PARALLEL_DEGREES`` lists as not built)."""
         return [item for items in built.not_built_degrees(self).values() for item in items]
 
     def require_supported(self) -> None:

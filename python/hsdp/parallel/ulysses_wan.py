@@ -24,9 +24,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .adapters.torch import TorchAdapter
-from .parallel import ParallelGroups, Ulysses
-from .parallel import cfg_combine as _cfg_combine
+from ..adapters.torch import TorchAdapter
+from .groups import ParallelGroups
+from .ulysses import Ulysses
+from .cfg import cfg_combine as _cfg_combine
 
 _TORCH = TorchAdapter()  # the exchanges are hsdp.parallel's, run on torch tensors through it
 
@@ -101,7 +102,7 @@ def apply_sequence_parallel_torch(model: Any, sp: Any) -> Any:
 
     processor: Any = UlyssesWanAttnProcessor
     if not isinstance(sp, Ulysses):  # a hsdp.ring.USP (ring_degree > 1): Ulysses x ring attention
-        from .ring_torch import USPWanAttnProcessor as processor
+        from .ring_wan import USPWanAttnProcessor as processor
     for block in model.blocks:
         block.register_forward_pre_hook(split)
         block.attn1.set_processor(processor(sp, block.attn1.processor))

@@ -74,7 +74,7 @@ def free_bytes(device: str) -> int:
     on a GPU its framework's free bytes (torch.cuda.mem_get_info: cudaMemGetInfo), else the
     host's MemAvailable divided among the ranks on this host (a device viewed as the CPU,
     such as the test-only fakedev, is host memory)."""
-    from . import devices
+    from ..world import devices
 
     framework = devices.framework_of(device)
     if framework != devices.host_framework():

@@ -12,14 +12,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from . import _C, trace
+from .. import _C
+from . import trace
 from .dtypes import DType
-from .nn.module import PARAM_WATCH
+from ..nn.module import PARAM_WATCH
 from .policy import MixedPrecisionPolicy
 from .schedule import Schedule
 
 if TYPE_CHECKING:
-    from .adapters import TensorAdapter
+    from ..adapters import TensorAdapter
 
 
 class UnitState:

@@ -1,39 +1,18 @@
-"""Sequence (Ulysses) and CFG parallelism, over the ranks ``DiffusionParallelConfig`` lays out.
-
-Rank layout (HSDP adds no ranks; it shards over these same ones, see docs/launching.md):
-
-    world = cfg x ring x ulysses, ulysses innermost:  rank = c * (ring * ulysses) + r * ulysses + u
-    sequence-parallel group of a rank: the ranks with its c   (consecutive ranks; s = r * ulysses + u)
-    Ulysses group:                     the ranks with its c, r (consecutive ranks)
-    ring group:                        the ranks with its c, u (strided by ulysses: yunchang's layout)
-    CFG group of a rank:               the ranks with its s   (one per branch)
-
-- **Ulysses.** Each rank of a sequence-parallel group holds 1/ulysses of the tokens. Before
-  self-attention an all-to-all turns (my tokens, all heads) into (all tokens, my heads);
-  attention runs over the whole sequence for those heads; a second all-to-all turns the
-  result back. Everything else in a block is token-wise and runs on the local tokens.
-  Cross-attention needs no exchange: its keys are the text, whole on every rank.
-- **CFG.** The two halves of a CFG group compute the conditional and the unconditional
-  branch; the noise predictions are all-gathered, so every rank applies the same guidance.
-- **Ring** (``ring_degree > 1``, :mod:`hsdp.ring`): each rank of a ring group keeps its
-  queries; the key/value blocks pass around the ring by send/recv and the partial results
-  merge through the softmax log-sum-exp. With Ulysses too (USP) the all-to-all runs first,
-  ring attention inside, then the reverse all-to-all. ``ParallelGroups.sp`` is then a
-  :class:`hsdp.ring.USP`, with the interface of :class:`Ulysses` the reference model uses.
-"""
+"""The Ulysses exchange: (my tokens, every head) <-> (every token, my heads) by
+all-to-all around self-attention (the layout: docs/design.md)."""
 
 from __future__ import annotations
 
-import dataclasses
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .adapters import NUMPY
+from .split import TokenSplit
 
 if TYPE_CHECKING:
-    from .adapters import TensorAdapter
+    from ..adapters import TensorAdapter
 
 
 class _Kept:
@@ -63,41 +42,6 @@ class _Lease:
 
     def __del__(self) -> None:
         self._kept.leased = False
-
-
-class TokenSplit:
-    """Tokens split evenly over a sequence-parallel group (``group``, ``degree``, ``rank``),
-    shared by :class:`Ulysses` and :class:`hsdp.ring.USP`; ``_split_name`` names the split
-    in errors."""
-
-    group: Any
-    degree: int
-    rank: int
-    _split_name = "sequence parallel"
-    _degree_label = ""  # before the degree in errors
-
-    def local_tokens(self, total: int) -> int:
-        """Tokens per rank for a sequence of `total` tokens (ValueError when it does not divide)."""
-        if total % self.degree:
-            raise ValueError(
-                f"{self._split_name} gives each of its {self.degree} ranks an equal share of the tokens: {total} "
-                f"tokens are not divisible by {self._degree_label}{self.degree}; change the frames, height or width so that the "
-                f"number of patches is a multiple of {self.degree}"
-            )
-        return total // self.degree
-
-    def split_tokens(self, x: np.ndarray) -> np.ndarray:
-        """(B, N, C) -> this rank's (B, N / degree, C): tokens [rank * n, (rank + 1) * n)."""
-        n = self.local_tokens(x.shape[1])
-        return np.ascontiguousarray(x[:, self.rank * n : (self.rank + 1) * n])
-
-    def gather_tokens(self, x: Any, adapter: TensorAdapter | None = None) -> Any:
-        """Every rank's (B, n, ...) -> the whole (B, degree * n, ...), in rank order, in
-        ``adapter``'s tensors (None: NumPy arrays)."""
-        ad = adapter or NUMPY
-        recv = ad.all_gather(self.group, x)  # (degree, B, n, ...)
-        b, n, *rest = x.shape
-        return ad.permute(recv, (1, 0, *range(2, recv.ndim))).reshape(b, self.degree * n, *rest)
 
 
 class Ulysses(TokenSplit):
@@ -244,130 +188,3 @@ class Ulysses(TokenSplit):
         path): the same result, as (B, H, n, D), with no packing before the exchange."""
         heads = [self._to_heads_grouped(t, head_dim) for t in (q, k, v)]
         return self._to_tokens(sdpa(*heads))
-
-
-@dataclasses.dataclass(frozen=True)
-class ParallelGroups:
-    """The sequence-parallel and CFG groups of this rank (None where the degree is 1)."""
-
-    ulysses_degree: int
-    cfg_degree: int
-    ulysses_rank: int
-    cfg_rank: int
-    sp: Any | None  # Ulysses, or hsdp.ring.USP when ring_degree > 1
-    cfg: Any | None
-    ring_degree: int = 1
-    ring_rank: int = 0
-
-    @property
-    def combined(self) -> bool:
-        return self.ulysses_degree > 1 or self.cfg_degree > 1 or self.ring_degree > 1
-
-    def describe(self) -> str:
-        parts = []
-        if self.ulysses_degree > 1:
-            parts.append(f"ulysses {self.ulysses_rank}/{self.ulysses_degree}")
-        if self.ring_degree > 1:
-            parts.append(f"ring {self.ring_rank}/{self.ring_degree}")
-        if self.cfg_degree > 1:
-            parts.append(f"cfg branch {self.cfg_rank}/{self.cfg_degree}")
-        return ", ".join(parts) or "no sequence or CFG parallelism"
-
-
-SINGLE = ParallelGroups(ulysses_degree=1, cfg_degree=1, ulysses_rank=0, cfg_rank=0, sp=None, cfg=None)
-"""One rank computing everything: no sequence split, both CFG branches here."""
-
-
-def init_parallel_groups(config: Any, world: Any) -> ParallelGroups:
-    """Split `world` into the sequence-parallel and CFG groups `config` (a
-    ``DiffusionParallelConfig``) declares. Collective: every rank calls it."""
-    ring = config.ring_degree
-    if ring > 1:
-        return _init_usp_groups(config, world)
-    sp, cfg = config.ulysses_degree, config.cfg_parallel_size
-    config.check_world(world.size)  # ValueError naming both sizes and the launch command
-    if sp * cfg == 1:  # standalone HSDP, or nothing parallel: no group to split off
-        return SINGLE
-    config.require_supported()  # NotImplementedError naming each degree hsdp.built lists as not built
-    u, c = world.rank % sp, world.rank // sp
-    # Both splits on every rank, in this order: a split is a collective over the world.
-    sp_group = world.split(color=c, key=u)
-    cfg_group = world.split(color=u, key=c)
-    return ParallelGroups(
-        ulysses_degree=sp,
-        cfg_degree=cfg,
-        ulysses_rank=u,
-        cfg_rank=c,
-        sp=Ulysses(sp_group) if sp > 1 else None,
-        cfg=cfg_group if cfg > 1 else None,
-    )
-
-
-def _init_usp_groups(config: Any, world: Any) -> ParallelGroups:
-    """The groups of ring_degree > 1, alone or with Ulysses and CFG (the layout above)."""
-    from .ring import USP, Ring
-
-    uly, ring, cfg = config.ulysses_degree, config.ring_degree, config.cfg_parallel_size
-    sp = uly * ring
-    config.check_world(world.size)
-    config.require_supported()  # NotImplementedError naming each degree hsdp.built lists as not built
-    s, c = world.rank % sp, world.rank // sp
-    u, r = s % uly, s // uly
-    # Every split on every rank, in this order: each is a collective over the world.
-    sp_group = world.split(color=c, key=s)
-    uly_group = world.split(color=c * ring + r, key=u)
-    ring_group = world.split(color=c * uly + u, key=r)
-    cfg_group = world.split(color=s, key=c)
-    usp = USP(sp_group, Ulysses(uly_group) if uly > 1 else None, Ring(ring_group))
-    return ParallelGroups(
-        ulysses_degree=uly,
-        cfg_degree=cfg,
-        ulysses_rank=u,
-        cfg_rank=c,
-        sp=usp,
-        cfg=cfg_group if cfg > 1 else None,
-        ring_degree=ring,
-        ring_rank=r,
-    )
-
-
-def apply_sequence_parallel(model: Any, sp: Any) -> Any:
-    """Make a reference :class:`~hsdp.models.VideoDiT` run its tokens split over `sp` (a
-    :class:`Ulysses`, or a :class:`hsdp.ring.USP` for ring attention): the
-    model splits them after the patch embedding, every self-attention exchanges them, and
-    the output is gathered whole on every rank. ``None`` turns it off. Returns the model."""
-    from .models.dit import Attention, VideoDiT
-
-    if not isinstance(model, VideoDiT):
-        raise TypeError(
-            f"apply_sequence_parallel takes a reference hsdp.models.VideoDiT, got {type(model).__name__}; "
-            "for a diffusers Wan transformer use hsdp.parallel_torch.apply_sequence_parallel_torch"
-        )
-    if sp is not None:
-        sp.check_heads(model.config.num_heads)
-    object.__setattr__(model, "_hsdp_ulysses", sp)
-    for block in model.blocks:
-        attn = block.self_attn
-        assert isinstance(attn, Attention)
-        object.__setattr__(attn, "_hsdp_ulysses", sp)
-    return model
-
-
-def cfg_combine(
-    groups: ParallelGroups, branch: Callable[[int], Any], guidance_scale: float, adapter: TensorAdapter | None = None
-) -> Any:
-    """Classifier-free guidance, uncond + scale * (cond - uncond) in float32, the same on
-    every rank, in ``adapter``'s tensors (None: NumPy arrays; ``hsdp.parallel_torch`` passes
-    the torch adapter).
-
-    `branch(0)` computes the conditional prediction and `branch(1)` the unconditional one.
-    With a CFG group each rank computes its own branch and the two are all-gathered; without
-    one this rank computes both."""
-    ad = adapter or NUMPY
-    if groups.cfg is None:
-        cond, uncond = ad.to_float32(branch(0)), ad.to_float32(branch(1))
-    else:
-        both = ad.all_gather(groups.cfg, ad.to_float32(branch(groups.cfg_rank)))
-        cond, uncond = both[0], both[1]
-    # a Python float: the product stays float32 in both frameworks
-    return ad.to_float32(uncond + float(guidance_scale) * (cond - uncond))

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from .adapters.torch import as_numpy as _np
-from .parallel_torch import _TORCH, _rotary
+from ..adapters.torch import as_numpy as _np
+from .ulysses_wan import _TORCH, _rotary
 from .ring import USP, Ring
 
 

@@ -17,7 +17,8 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from . import _C, devices
+from .. import _C
+from . import devices
 from .job import launch_info, launched_by_mpi  # launched_by_mpi: public here (docs/api.md)
 
 if TYPE_CHECKING:
@@ -73,7 +74,7 @@ def backend_reason(name: str) -> str | None:
 
 
 def _auto_backend() -> str:
-    via = launch_info().via  # the one reading of the launcher's variables (hsdp.job)
+    via = launch_info().via  # the one reading of the launcher's variables (hsdp.world.job)
     if via == "mpi":
         return "mpi"
     if via == "torchrun" and "torch" in sys.modules and sys.modules["torch"].cuda.is_available():

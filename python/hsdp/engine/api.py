@@ -19,11 +19,12 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _C, devices, distributed
-from .adapters import TensorAdapter, adapter_for
+from .. import _C
+from ..world import devices, distributed
+from ..adapters import TensorAdapter, adapter_for
 from .built import check_wire_dtype
 from .dtypes import DType
-from .mesh import DeviceMesh, device_type_of, init_device_mesh
+from ..world.mesh import DeviceMesh, device_type_of, init_device_mesh
 from .policy import MixedPrecisionPolicy, keep_modules, kept, model_param_dtype, storage_dtype, unit_input_dtype
 from .schedule import Schedule, _budgeted
 from .units import ShardCondition, UnitShardHandle, UnitState
@@ -58,7 +59,7 @@ class HSDPShardContext:
     finalized: bool = False
     prefetch_depth: int = 1
     max_unsharded_bytes: int | None = None
-    resident_bytes: int | str | None = None  # the residency budget (hsdp.residency)
+    resident_bytes: int | str | None = None  # the residency budget (hsdp.engine.residency)
     schedule: Schedule | None = None
     # "float8_e4m3fn": shards held and gathered block-scaled (HSDPInferenceConfig.wire_dtype)
     wire_dtype: str | None = None

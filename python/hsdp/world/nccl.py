@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _C
+from .. import _C
 from .job import Launch, launch_info  # launch_info: documented here too (hsdp.nccl.launch_info)
 
 ID_BYTES = 128
