@@ -8,7 +8,7 @@ nothing: MPI starts on the first process-group use.
 
 from __future__ import annotations
 
-from . import _C, adapters
+from . import _C, _public, adapters
 from .engine import dtypes, trace
 from .engine.dtypes import DType, bfloat16, float16, float32, float64, float8_e4m3fn, float8_e5m2
 from .engine.api import (
@@ -35,10 +35,13 @@ from .engine.wire import WireError, wire_error
 
 __version__ = "0.1.0"
 
+_public.install()  # hsdp.distributed, hsdp.config, python -m hsdp.launch, ...: their homes (hsdp._public)
+
 
 def __getattr__(name: str) -> object:
     # Submodules that pull in more than the core are loaded on first use.
-    if name in ("nn", "models", "config", "distributed", "checkpoint", "launch", "pipelines", "testing"):
+    if name in ("nn", "models", "config", "distributed", "nccl", "checkpoint", "launch", "pipelines", "testing",
+                "parallel", "ring", "parallel_torch", "ring_torch"):
         import importlib
 
         return importlib.import_module(f".{name}", __name__)

@@ -1,7 +1,8 @@
 """Tensor adapters: how hsdp reaches a framework's modules and parameters.
 
 :func:`adapter_for` finds the adapter that owns a module; :func:`register_adapter` adds
-one (tried before the built-in ones). The protocol is :class:`TensorAdapter` in ``base``.
+one (tried before the built-in ones); both are the engine's registry (``hsdp.engine.registry``),
+which the built-in adapters join here. The protocol is :class:`TensorAdapter` in ``base``.
 Built in: ``numpy`` (``hsdp.nn``) and ``torch`` (``torch.nn.Module``); the torch adapter is
 imported and registered only once torch itself has been imported by the program, so
 ``import hsdp`` never imports torch.
@@ -10,13 +11,14 @@ imported and registered only once torch itself has been imported by the program,
 from __future__ import annotations
 
 import sys
-from typing import Any
 
+from ..engine import registry
+from ..engine.registry import adapter_for, register_adapter
 from .base import TensorAdapter
 from .numpy import NumpyAdapter
 
 NUMPY = NumpyAdapter()
-_adapters: list[TensorAdapter] = [NUMPY]
+registry.register_adapter(NUMPY, last=True)
 _torch_registered = False
 
 
@@ -27,32 +29,17 @@ def _register_torch() -> None:
         return
     from .torch import TorchAdapter
 
-    _adapters.append(TorchAdapter())
+    registry.register_adapter(TorchAdapter(), last=True)
     _torch_registered = True
 
 
-def register_adapter(adapter: TensorAdapter) -> None:
-    """Make ``adapter`` the first one asked whether it owns a module."""
-    if adapter in _adapters:
-        _adapters.remove(adapter)
-    _adapters.insert(0, adapter)
+registry.on_lookup(_register_torch)
 
 
 def unregister_adapter(adapter: TensorAdapter) -> None:
     if adapter is NUMPY:
         raise ValueError("the built-in NumPy adapter cannot be removed")
-    _adapters.remove(adapter)
-
-
-def adapter_for(module: Any, what: str = "model") -> TensorAdapter:
-    """The adapter that owns ``module``; a clear error naming its class when none does."""
-    _register_torch()
-    for adapter in _adapters:
-        if adapter.owns(module):
-            return adapter
-    raise TypeError(
-        f"{what} must be a torch.nn.Module or an hsdp.nn.Module, got {type(module).__module__}.{type(module).__name__}"
-    )
+    registry.remove_adapter(adapter)
 
 
 __all__ = ["NUMPY", "NumpyAdapter", "TensorAdapter", "adapter_for", "register_adapter", "unregister_adapter"]

@@ -37,7 +37,7 @@ import torch
 from .. import _C
 from ..world import devices
 from ..engine.dtypes import DType, as_dtype
-from ..nn.module import PARAM_WATCH
+from ..engine.units import PARAM_WATCH
 
 if TYPE_CHECKING:
     from ..engine.units import UnitState

@@ -17,17 +17,20 @@ import logging
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import _C
 from ..world import devices, distributed
-from ..adapters import TensorAdapter, adapter_for
+from .registry import adapter_for
 from .built import check_wire_dtype
 from .dtypes import DType
 from ..world.mesh import DeviceMesh, device_type_of, init_device_mesh
 from .policy import MixedPrecisionPolicy, keep_modules, kept, model_param_dtype, storage_dtype, unit_input_dtype
 from .schedule import Schedule, _budgeted
 from .units import ShardCondition, UnitShardHandle, UnitState
+
+if TYPE_CHECKING:
+    from ..adapters import TensorAdapter
 
 log = logging.getLogger("hsdp")
 

@@ -15,12 +15,15 @@ from typing import TYPE_CHECKING, Any
 from .. import _C
 from . import trace
 from .dtypes import DType
-from ..nn.module import PARAM_WATCH
 from .policy import MixedPrecisionPolicy
 from .schedule import Schedule
 
 if TYPE_CHECKING:
     from ..adapters import TensorAdapter
+
+# What a sharded module keeps in its __dict__: leaf name -> callback taking the Parameter
+# that replaces it (UnitState.commit installs it; hsdp.nn.Module and the torch adapter call it).
+PARAM_WATCH = "_hsdp_param_watch"
 
 
 class UnitState:

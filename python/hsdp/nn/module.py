@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..engine.dtypes import DType, as_dtype
+from ..engine.units import PARAM_WATCH
 from .parameter import Parameter
 
 _hook_ids = itertools.count()
@@ -61,9 +62,6 @@ class StateDictError(KeyError, ValueError):
 _HookRecord = tuple[Callable[..., Any], bool, bool]
 
 
-# What a sharded module keeps in its __dict__: leaf name -> callback taking the Parameter
-# that replaces it (hsdp.engine.units.UnitState.commit installs it).
-PARAM_WATCH = "_hsdp_param_watch"
 
 class Module:
     """Base class of every layer and model; subclasses call ``super().__init__()`` first."""
