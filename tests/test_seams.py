@@ -19,6 +19,7 @@ import pytest
 import hsdp
 from hsdp import _C, adapters, models, nn
 from hsdp.adapters import NumpyAdapter, TensorAdapter
+from hsdp.engine import registry
 from hsdp.world.distributed import init_process_group
 from hsdp.models.quant import VideoDiTQuantized
 
@@ -544,6 +545,21 @@ def scenario_load(rec, tmp_path):
     assert rec.calls["restore"] == 0
 
 
+def scenario_exchanges(rec):
+    """hsdp.parallel's exchanges, written once over the adapter, on a one-rank group: the
+    Ulysses pair is the identity there and the token gather returns the tokens."""
+    from hsdp.parallel import SINGLE, Ulysses, cfg_combine
+
+    sp = Ulysses(_C.ProcessGroup("single"))
+    x = np.arange(2 * 3 * 4 * 5, dtype=np.float32).reshape(2, 3, 4, 5)  # (B, n, H, D)
+    heads = sp.heads(x, rec)
+    assert heads.shape == (2, 4, 3, 5) and np.array_equal(heads, x.transpose(0, 2, 1, 3))
+    assert np.array_equal(sp.tokens(heads, rec), x.reshape(2, 3, 20))
+    assert np.array_equal(sp.gather_tokens(x, rec), x)
+    guided = cfg_combine(SINGLE, lambda b: np.full(3, (2.0, 1.0)[b]), 3.0, rec)
+    assert guided.dtype == np.float32 and guided.tolist() == [4.0] * 3  # 1 + 3 * (2 - 1)
+
+
 def scenario_failed_load(rec, tmp_path):
     src = models.make_model("tiny", variant="quantized", seed=0)
     path = tmp_path / "cut.safetensors"
@@ -622,6 +638,7 @@ def test_whole_api_through_adapter_covers_the_protocol(rec, tmp_path):
         "is_sharded", "shard_source", "values", "assign", "restore", "held_nbytes", "mark_sharded",
         "compute_dtype", "check_device", "device_type", "cast_inputs", "cast_output", "bind", "unbind",
         "copy_state_dict", "unloaded", "named_buffers", "has_forward",
+        "permute", "to_float32", "all_gather", "all_to_all",
     }
     scenario_forwards(rec, "bfloat16", 1)
     scenario_output_dtype(rec)
@@ -630,6 +647,7 @@ def test_whole_api_through_adapter_covers_the_protocol(rec, tmp_path):
     scenario_ignored(rec)
     scenario_load(rec, tmp_path)
     scenario_failed_load(rec, tmp_path)
+    scenario_exchanges(rec)
     missing = PROTOCOL - set(rec.calls)
     assert not missing, f"protocol methods the API never called: {sorted(missing)}"
 
@@ -643,7 +661,7 @@ def test_adapter_registry_order_and_removal():
     try:
         assert adapters.adapter_for(m) is a and adapters.adapter_for(p) is adapters.NUMPY
         adapters.register_adapter(a)  # again: still once, still first
-        assert adapters._adapters.count(a) == 1 and adapters._adapters[0] is a
+        assert registry._adapters.count(a) == 1 and registry._adapters[0] is a
     finally:
         adapters.unregister_adapter(a)
     assert adapters.adapter_for(m) is adapters.NUMPY

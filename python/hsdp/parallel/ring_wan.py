@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ..adapters.torch import as_numpy as _np
-from .ulysses_wan import _TORCH, _rotary
+from .ulysses_wan import _TORCH, WanSelfAttnProcessor
 from .ring import USP, Ring
 
 
@@ -83,31 +83,13 @@ def ring_attention(ring: Ring, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return out
 
 
-class USPWanAttnProcessor:
+class USPWanAttnProcessor(WanSelfAttnProcessor):
     """Self-attention over the whole sequence, the tokens split over a USP group's ranks
     (Ulysses x ring); cross-attention keeps the stock processor (its keys are the text)."""
 
-    def __init__(self, sp: USP, inner: Any) -> None:
-        self.sp = sp
-        self.inner = inner
+    _what = "ring attention"
 
-    def __call__(self, attn: Any, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
-                 attention_mask: torch.Tensor | None = None,
-                 rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        if encoder_hidden_states is not None:
-            return self.inner(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
-        if attention_mask is not None:
-            raise NotImplementedError("ring attention with an attention mask is not built")
-        if attn.fused_projections:
-            q, k, v = attn.to_qkv(hidden_states).chunk(3, dim=-1)
-        else:
-            q, k, v = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
-        q, k = attn.norm_q(q), attn.norm_k(k)
-        heads = attn.heads
-        self.sp.check_heads(heads)
-        q, k, v = (t.unflatten(2, (heads, -1)) for t in (q, k, v))  # (B, n, H, D)
-        if rotary_emb is not None:
-            q, k = _rotary(q, *rotary_emb), _rotary(k, *rotary_emb)
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         b, n, h, d = q.shape
         uly = self.sp.ulysses
 
@@ -117,8 +99,5 @@ class USPWanAttnProcessor:
         assert self.sp.ring is not None
         out = ring_attention(self.sp.ring, to_heads(q), to_heads(k), to_heads(v)).to(q.dtype)
         if uly is None:
-            hidden = out.transpose(1, 2).reshape(b, n, h * d)
-        else:
-            hidden = uly.tokens(out, _TORCH)
-        hidden = attn.to_out[0](hidden.type_as(q))
-        return attn.to_out[1](hidden)
+            return out.transpose(1, 2).reshape(b, n, h * d)
+        return uly.tokens(out, _TORCH)

@@ -42,12 +42,33 @@ def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return out.type_as(x)
 
 
-class UlyssesWanAttnProcessor:
-    """Self-attention over the whole sequence, the tokens split across ``sp``'s ranks."""
+def local_qkv(attn: Any, hidden_states: torch.Tensor, rotary_emb: tuple[torch.Tensor, torch.Tensor] | None,
+              sp: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This rank's tokens' q, k, v, (B, n, H, D), as diffusers' WanAttnProcessor makes them
+    (projections, q/k norms, rotary embedding): all of it per token, so local tokens suffice."""
+    if attn.fused_projections:
+        q, k, v = attn.to_qkv(hidden_states).chunk(3, dim=-1)
+    else:
+        q, k, v = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
+    q, k = attn.norm_q(q), attn.norm_k(k)  # across heads, per token
+    heads = attn.heads
+    sp.check_heads(heads)
+    q, k, v = (t.unflatten(2, (heads, -1)) for t in (q, k, v))
+    if rotary_emb is not None:
+        q, k = _rotary(q, *rotary_emb), _rotary(k, *rotary_emb)
+    return q, k, v
 
-    def __init__(self, sp: Ulysses, inner: Any) -> None:
+
+class WanSelfAttnProcessor:
+    """A drop-in for diffusers' WanAttnProcessor whose self-attention runs over the whole
+    sequence, the tokens split across ``sp``'s ranks; cross-attention keeps the stock
+    processor ``inner`` (its keys are the text, whole). Subclasses say how (:meth:`attend`)."""
+
+    _what = "sequence parallel self-attention"
+
+    def __init__(self, sp: Any, inner: Any) -> None:
         self.sp = sp
-        self.inner = inner  # the stock processor, for cross-attention
+        self.inner = inner
 
     def __call__(self, attn: Any, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None,
@@ -55,24 +76,26 @@ class UlyssesWanAttnProcessor:
         if encoder_hidden_states is not None:
             return self.inner(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
         if attention_mask is not None:
-            raise NotImplementedError("Ulysses self-attention with an attention mask is not built")
-        sp = self.sp
-        if attn.fused_projections:
-            q, k, v = attn.to_qkv(hidden_states).chunk(3, dim=-1)
-        else:
-            q, k, v = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
-        q, k = attn.norm_q(q), attn.norm_k(k)  # across heads, per token: local tokens suffice
-        heads = attn.heads
-        sp.check_heads(heads)
-        q, k, v = (t.unflatten(2, (heads, -1)) for t in (q, k, v))  # (B, n, H, D)
-        if rotary_emb is not None:
-            q, k = _rotary(q, *rotary_emb), _rotary(k, *rotary_emb)
-        ad = _TORCH
+            raise NotImplementedError(f"{self._what} with an attention mask is not built")
+        q, k, v = local_qkv(attn, hidden_states, rotary_emb, self.sp)
+        hidden = attn.to_out[0](self.attend(q, k, v).type_as(q))
+        return attn.to_out[1](hidden)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens' (B, n, H, D) q, k, v -> its tokens' attention output (B, n, H * D)."""
+        raise NotImplementedError
+
+
+class UlyssesWanAttnProcessor(WanSelfAttnProcessor):
+    """Self-attention over the whole sequence for 1/U of the heads, between two all-to-alls."""
+
+    _what = "Ulysses self-attention"
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        sp, ad = self.sp, _TORCH
         out = F.scaled_dot_product_attention(sp.heads(q, ad), sp.heads(k, ad), sp.heads(v, ad),
                                              dropout_p=0.0, is_causal=False)
-        hidden = sp.tokens(out, ad).type_as(q)
-        hidden = attn.to_out[0](hidden)
-        return attn.to_out[1](hidden)
+        return sp.tokens(out, ad)
 
 
 def apply_sequence_parallel_torch(model: Any, sp: Any) -> Any:
