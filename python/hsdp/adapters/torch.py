@@ -498,7 +498,7 @@ def unsharded_reference(model: Any, param_dtype: Any = "bfloat16") -> Any:
       module whose parameters hsdp would all keep in float32 (``_keep_in_fp32_modules``)
       casts nothing, as its unit does not.
     """
-    from ..engine.api import _conditions_list, _post_order
+    from ..engine.api import conditions_list, post_order
     from ..engine.policy import MixedPrecisionPolicy, keep_modules, kept, model_param_dtype, storage_dtype, unit_input_dtype
 
     adapter = TorchAdapter()
@@ -521,10 +521,10 @@ def unsharded_reference(model: Any, param_dtype: Any = "bfloat16") -> Any:
         return pre
 
     # each selected module, children first, holds what no inner one holds (as _build_unit)
-    conditions = _conditions_list(getattr(model, "_hsdp_shard_conditions", None),
+    conditions = conditions_list(getattr(model, "_hsdp_shard_conditions", None),
                                   f"{type(model).__name__}._hsdp_shard_conditions")
     claimed: set[int] = set()
-    for name, module in _post_order(model):
+    for name, module in post_order(model):
         if name and not any(c(name, module) for c in conditions):
             continue
         own = [storage[id(p)] for p in module.parameters() if id(p) in storage and id(p) not in claimed]

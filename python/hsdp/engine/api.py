@@ -88,7 +88,7 @@ def _resolve_sizes(config: Any, world: Any) -> tuple[int, int]:
     return coords["replicate"], coords["shard"]
 
 
-def _conditions_list(conditions: Any, what: str) -> list[ShardCondition]:
+def conditions_list(conditions: Any, what: str) -> list[ShardCondition]:
     """The conditions as a list (None: empty), each one a callable; `what` names where they
     came from (the model attribute, or shard_model's argument) in the errors."""
     if conditions is None:
@@ -108,7 +108,7 @@ def _conditions_list(conditions: Any, what: str) -> list[ShardCondition]:
 
 
 def _check_conditions(conditions: Any, model: Any, what: str) -> list[ShardCondition]:
-    conds = _conditions_list(conditions, what)
+    conds = conditions_list(conditions, what)
     if not conds:
         raise ValueError(
             f"{type(model).__name__} declares no _hsdp_shard_conditions; HSDP needs at least one "
@@ -144,7 +144,7 @@ def _select(model: Any, conditions: list[ShardCondition], ad: TensorAdapter) -> 
             f"an HSDP shard condition selects the root module ({type(model).__name__}) itself; "
             "conditions must select submodules (the root always becomes the last unit)"
         )
-    selected = [(n, m) for n, m in _post_order(model) if n and any(c(n, m) for c in conditions)]
+    selected = [(n, m) for n, m in post_order(model) if n and any(c(n, m) for c in conditions)]
     if not selected:
         raise ValueError(
             f"no submodule of {type(model).__name__} matched the HSDP shard conditions; nothing "
@@ -259,7 +259,7 @@ def _commit(ctx: HSDPShardContext, states: Iterable[UnitState | None], claimed: 
     ctx.owned = claimed
 
 
-def _post_order(model: Any) -> list[tuple[str, Any]]:
+def post_order(model: Any) -> list[tuple[str, Any]]:
     """(name, module) with every module after its descendants and siblings in order, so inner
     units claim their parameters first and units are numbered as a loader streams them."""
     out: list[tuple[str, Any]] = []
