@@ -179,6 +179,8 @@ class _Doubler(torch.nn.Module):
 class _PeerIsRankZero:
     """CFG group of 2 seen from rank 1: rank 0's row is a float32 'cond' of sevens."""
 
+    size, rank = 2, 1
+
     def all_gather(self, send, recv):
         recv[1] = send
         recv[0, :2] = (0.0, -1.0)  # float32 result, no placeholder
