@@ -11,9 +11,7 @@ bfloat16 unit's gather with the float8 wire against the same unit without it.
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,17 +22,8 @@ from harness import machine, table  # noqa: E402
 
 
 def main() -> None:
-    why = netns.unavailable()
-    if why:
-        raise SystemExit(f"bench_tcp: two network namespaces are not available here: {why}")
-    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-           "OMPI_MCA_mpi_yield_when_idle": "1"}
-    with netns.two_hosts() as prefix:
-        proc = subprocess.run([*prefix, "--wdir", str(HERE.parent), sys.executable, "tests/netns_worker.py", "--bench"],
-                              cwd=HERE.parent, env=env, capture_output=True, text=True, timeout=600)
-    if proc.returncode:
-        raise SystemExit(proc.stdout + proc.stderr)
-    rows = sorted((json.loads(m) for m in re.findall(r"RESULT (\{[^{}]*\})", proc.stdout)), key=lambda r: r["rank"])
+    out = netns.run_on_two_hosts(["tests/netns_worker.py", "--bench"], HERE.parent, "bench_tcp")
+    rows = sorted((json.loads(m) for m in re.findall(r"RESULT (\{[^{}]*\})", out)), key=lambda r: r["rank"])
     print(f"16 MiB unit gather vs raw MPI_Allgather, 2 ranks in 2 network namespaces over TCP (veth), {machine()}; "
           "median ms")
     print(table(["rank", "host", "sharded == unsharded", "gather path", "raw ms", "hsdp ms", "hsdp, check off ms",

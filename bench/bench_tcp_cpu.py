@@ -17,7 +17,6 @@ import json
 import os
 import re
 import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -83,22 +82,11 @@ def rank() -> None:
 def main() -> None:
     import netns
 
-    why = netns.unavailable()
-    if why:
-        raise SystemExit(f"bench_tcp_cpu: two network namespaces are not available here: {why}")
-    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-           "OMPI_MCA_mpi_yield_when_idle": "1"}
-    with netns.two_hosts() as prefix:
-        # a checkout run with PYTHONPATH (no install) passes it on to the ranks
-        fwd = ["-x", "PYTHONPATH"] if os.environ.get("PYTHONPATH") else []
-        proc = subprocess.run([*prefix, *fwd, "--wdir", str(HERE.parent), sys.executable, __file__, "--rank"],
-                              cwd=HERE.parent, env=env, capture_output=True, text=True, timeout=600)
-    if proc.returncode:
-        raise SystemExit(proc.stdout + proc.stderr)
+    out = netns.run_on_two_hosts([__file__, "--rank"], HERE.parent, "bench_tcp_cpu")
     with open("/proc/loadavg") as f:
         load = f.read().split()[0]
     print(f"2 ranks over TCP (veth); load average {load} on {os.cpu_count()} cores at the end")
-    for r in sorted((json.loads(m) for m in re.findall(r"RESULT (\{.*\})", proc.stdout)), key=lambda r: r["rank"]):
+    for r in sorted((json.loads(m) for m in re.findall(r"RESULT (\{.*\})", out)), key=lambda r: r["rank"]):
         print(f"rank {r['rank']}: median ms " + ", ".join(f"{k} {v}" for k, v in r["ms"].items()))
         for k in r["ms"]:
             print(f"  {k}: {r[k]['cores']} cores busy, {r[k]['cpu_ms']} CPU ms each, "

@@ -3,7 +3,7 @@ starting the second rank inside the other namespace (and another UTS namespace, 
 another host name) through its rsh agent, over TCP only (no shared memory). Needs root and
 `ip netns`; `unavailable()` says why not, for a skip.
 
-Used by tests/test_netns.py and bench/bench_tcp.py.
+Used by tests/test_netns.py, bench/bench_tcp.py and bench/bench_tcp_cpu.py.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import contextlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -75,3 +76,21 @@ def two_hosts() -> Iterator[list[str]]:
         for ns in (a, b):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def run_on_two_hosts(argv: list[str], cwd: Path, what: str, timeout: float = 600) -> str:
+    """Runs ``python argv...`` as 2 ranks in two namespaces (``two_hosts``) and returns their
+    stdout; SystemExit naming ``what`` when namespaces are not available or a rank fails. A
+    checkout run with PYTHONPATH (no install) passes it on to the ranks."""
+    why = unavailable()
+    if why:
+        raise SystemExit(f"{what}: two network namespaces are not available here: {why}")
+    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+           "OMPI_MCA_mpi_yield_when_idle": "1"}
+    fwd = ["-x", "PYTHONPATH"] if os.environ.get("PYTHONPATH") else []
+    with two_hosts() as prefix:
+        proc = subprocess.run([*prefix, *fwd, "--wdir", str(cwd), sys.executable, *argv], cwd=cwd, env=env,
+                              capture_output=True, text=True, timeout=timeout)
+    if proc.returncode:
+        raise SystemExit(proc.stdout + proc.stderr)
+    return proc.stdout
