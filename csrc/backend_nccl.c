@@ -946,7 +946,8 @@ static hsdp_status gather_fixed_as(hsdp_group *g, void **share, const void *send
     if (st == HSDP_OK) st = enqueue_unit(g, slot, src, recv, nbytes);
     hsdp_cudaEvent_t ev = NULL;
     if (st == HSDP_OK) st = track(what, recv, nbytes * (size_t)g->size, &ev);
-    if (st == HSDP_OK) {
+    if (st == HSDP_OK && api.host_reads) st = host_wait(ev, what); /* a CPU view: the host reads next */
+    if (st == HSDP_OK && !api.host_reads) {
         hsdp_cudaError_t e = CUDA(cudaStreamWaitEvent, S.compute, ev, 0);
         if (e != hsdp_cudaSuccess) st = cuda_fail(e, "ordering the compute stream after a gather");
     }

@@ -339,8 +339,10 @@ def test_torch_through_nccl_against_the_fake():
     code, with a CPU-only torch (tests/nccl_torch_fake.py, 2 ranks forked over the fake's
     shared world): under FAKE_HOST_VIEW=1 the fake says its device memory is host memory, the
     backend views its buffers as the CPU, and every unit's buffers are NCCL's device buffers.
-    The stock Wan in float32 and bfloat16 equals the unsharded reference bit for bit over
-    three forwards (and its gathered state dict), and HSDP x Ulysses matches within 1e-5."""
+    The stock Wan in float32 (with the agreement tickets) and bfloat16 (without: only the
+    gather's own wait orders torch's reads after the fake's stream) equals the unsharded
+    reference bit for bit over three forwards (and its gathered state dict), and HSDP x
+    Ulysses matches within 1e-5."""
     built = subprocess.run(["make", "-s", "csrc/tests/bin/fake_cuda_nccl.so"], cwd=ROOT, capture_output=True,
                            text=True, timeout=120)
     assert built.returncode == 0, built.stdout + built.stderr
