@@ -12,6 +12,8 @@
  *   overlaps                    whether started gathers really progress in the background
  *   device                      the device its unsharded buffers live on (device.h; NCCL:
  *                               CUDA); NULL: host memory only
+ *   device_now                  the device table in effect, when the loaded runtime decides
+ *                               it (NCCL over the test fake's host-readable memory: the CPU)
  *   gather_fixed / gather_unit / share_free
  *                               an all-gather of a chunk that never changes after its first
  *                               gather (a unit's shard): from the second gather on the
@@ -78,6 +80,10 @@ struct hsdp_backend {
     void (*gather_wait)(hsdp_req *r);
     int (*overlaps)(const hsdp_group *g);
     const hsdp_device_i *device;
+    /* The device table in effect now, when it depends on the runtime the backend loaded (NCCL
+     * over a CUDA runtime whose device memory the host reads: the test fake's, viewed as the
+     * CPU); NULL: `device` always. Read through hsdp_backend_device. */
+    const hsdp_device_i *(*device_now)(void);
     hsdp_status (*finalize)(void);
 
     /* All-gathers a chunk that stays the same from this call on. *share starts NULL and is

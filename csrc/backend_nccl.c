@@ -103,6 +103,7 @@ const hsdp_backend hsdp_backend_nccl = {.name = "nccl", .usable = nccl_usable, .
 static struct {
     void *nccl, *cudart; /* dlopen handles, owned here (kept open for the process) */
     int loaded, version;
+    int host_reads; /* the runtime's device memory is host memory the host reads (the test fake) */
     NCCL_REQUIRED(DECLARE)
     NCCL_OPTIONAL(DECLARE)
     CUDA_REQUIRED(DECLARE)
@@ -180,6 +181,15 @@ hsdp_status hsdp_nccl_load(const char *nccl_path, const char *cudart_path) {
     if (api.version < 22803) api.ncclAlltoAll = NULL;
     if (api.version < 21800) api.ncclCommSplit = NULL;
     if (api.version < 21400) api.ncclCommInitRankConfig = NULL;
+    /* A CUDA runtime whose device memory is host memory the host reads may say so: by
+     * exporting int hsdp_cuda_device_memory_is_host(void) and returning 1 from it (the test
+     * fake, csrc/tests/fake_cuda_nccl.c, under FAKE_HOST_VIEW=1; no real runtime has it).
+     * Its buffers are then viewed as the CPU (nccl_host_device), so a CPU-only torch runs
+     * the real NCCL code paths against the fake. */
+    {
+        int (*host_memory)(void) = NULL;
+        api.host_reads = resolve(api.cudart, "hsdp_cuda_device_memory_is_host", &host_memory) && host_memory() == 1;
+    }
     api.loaded = 1;
     return HSDP_OK;
 fail:
@@ -654,7 +664,8 @@ static hsdp_status run_sync(hsdp_group *g, op_kind op, const void *send, void *r
     if (st == HSDP_OK) st = enqueue(c, op, g->size, s, r, nbytes, root);
     hsdp_cudaEvent_t ev = NULL;
     if (st == HSDP_OK) st = track(what, direct ? recv : NULL, recv_n, &ev);
-    if (st == HSDP_OK && direct) {
+    if (st == HSDP_OK && direct && api.host_reads) st = host_wait(ev, what); /* a CPU view: the host reads next */
+    if (st == HSDP_OK && direct && !api.host_reads) {
         hsdp_cudaError_t e = CUDA(cudaStreamWaitEvent, order, ev, 0);
         if (e != hsdp_cudaSuccess) st = cuda_fail(e, "ordering the compute stream after a collective");
     }
@@ -935,7 +946,8 @@ static hsdp_status gather_fixed_as(hsdp_group *g, void **share, const void *send
     if (st == HSDP_OK) st = enqueue_unit(g, slot, src, recv, nbytes);
     hsdp_cudaEvent_t ev = NULL;
     if (st == HSDP_OK) st = track(what, recv, nbytes * (size_t)g->size, &ev);
-    if (st == HSDP_OK) {
+    if (st == HSDP_OK && api.host_reads) st = host_wait(ev, what); /* a CPU view: the host reads next */
+    if (st == HSDP_OK && !api.host_reads) {
         hsdp_cudaError_t e = CUDA(cudaStreamWaitEvent, S.compute, ev, 0);
         if (e != hsdp_cudaSuccess) st = cuda_fail(e, "ordering the compute stream after a gather");
     }
@@ -1074,6 +1086,9 @@ static void nccl_gather_wait(hsdp_req *r) {
     hsdp_status st = HSDP_OK;
     if (atomic_load(&S.failed)) {
         st = failed_status();
+    } else if (t->ev && api.host_reads) {
+        /* the consumer is the host (a CPU view of the device memory): it has no stream */
+        st = host_wait(t->ev, t->what);
     } else if (t->ev) {
         /* the compute stream waits; the host does not */
         hsdp_cudaError_t e = CUDA(cudaStreamWaitEvent, S.compute, t->ev, 0);
@@ -1190,6 +1205,25 @@ static const hsdp_device_i nccl_device = {
     .call_stream = nccl_call_stream,
     .wire_missing = nccl_wire_missing,
 };
+
+/* The same device memory over a runtime whose device memory the host reads (api.host_reads:
+ * the test fake): views of it are CPU tensors (kDLCPU), so a CPU-only torch computes on them.
+ * The consumer is the host, which has no stream: every wait on a collective writing device
+ * memory blocks the host (nccl_gather_wait, run_sync), so a buffer's bytes have landed when
+ * its gather's wait returns, as device.h says of a device without consumer_wait. */
+static int nccl_host_id(void) { return 0; } /* kDLCPU has one device */
+static const hsdp_device_i nccl_host_device = {
+    .name = "cuda",
+    .framework = "cpu",
+    .dlpack_type = 1, /* kDLCPU */
+    .dlpack_id = nccl_host_id,
+    .alloc = nccl_buffer_alloc,
+    .free = nccl_buffer_free,
+    .released = nccl_buffers_released,
+    .wire_missing = nccl_wire_missing,
+};
+
+static const hsdp_device_i *nccl_device_now(void) { return api.host_reads ? &nccl_host_device : &nccl_device; }
 
 /* ---------------------------------------------------------------- communicators */
 static hsdp_status comm_wrap(hsdp_ncclComm_t comm, int rank, int size, hsdp_group **out) {
@@ -1501,6 +1535,7 @@ const hsdp_backend hsdp_backend_nccl = {
     .gather_wait = nccl_gather_wait,
     .overlaps = nccl_overlaps,
     .device = &nccl_device,
+    .device_now = nccl_device_now,
     .finalize = nccl_finalize,
     .gather_fixed = nccl_gather_fixed,
     .gather_unit = nccl_gather_unit,

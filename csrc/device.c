@@ -5,11 +5,14 @@
 
 #include "backend.h"
 
-const hsdp_device_i *hsdp_backend_device(const hsdp_backend *b) { return b ? b->device : NULL; }
+const hsdp_device_i *hsdp_backend_device(const hsdp_backend *b) {
+    if (!b) return NULL;
+    return b->device_now ? b->device_now() : b->device;
+}
 
 const hsdp_backend *hsdp_device_backend(const char *name) {
     for (size_t i = 0; name && i < hsdp_backend_count(); i++) {
-        const hsdp_device_i *d = hsdp_backend_at(i)->device;
+        const hsdp_device_i *d = hsdp_backend_device(hsdp_backend_at(i));
         if (d && strcmp(d->name, name) == 0) return hsdp_backend_at(i);
     }
     return NULL;
@@ -25,7 +28,7 @@ int hsdp_device_parse(const char *name, hsdp_device *out, const char **label) {
         const hsdp_backend *b = hsdp_device_backend(name);
         if (!b) return -1;
         *out = HSDP_DEVICE_BACKEND;
-        found = b->device->name;
+        found = hsdp_backend_device(b)->name;
     }
     if (label) *label = found;
     return 0;
@@ -34,7 +37,7 @@ int hsdp_device_parse(const char *name, hsdp_device *out, const char **label) {
 const char *hsdp_device_choices(char *buf, size_t size) {
     size_t used = (size_t)snprintf(buf, size, "'host'");
     for (size_t i = 0; i < hsdp_backend_count() && used < size; i++) {
-        const hsdp_device_i *d = hsdp_backend_at(i)->device;
+        const hsdp_device_i *d = hsdp_backend_device(hsdp_backend_at(i));
         if (d) used += (size_t)snprintf(buf + used, size - used, ", '%s'", d->name);
     }
     return buf;
@@ -42,7 +45,8 @@ const char *hsdp_device_choices(char *buf, size_t size) {
 
 const char *hsdp_device_label(const hsdp_backend *b, hsdp_device device) {
     if (device == HSDP_DEVICE_HOST) return "host";
-    return b && b->device ? b->device->name : "device";
+    const hsdp_device_i *d = hsdp_backend_device(b);
+    return d ? d->name : "device";
 }
 
 void *hsdp_device_alloc(hsdp_stats *st, const hsdp_backend *b, hsdp_device device, size_t nbytes) {

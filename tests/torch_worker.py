@@ -20,7 +20,7 @@ from torch_models import MODELS, check_on_device, reference, run, target_device,
 
 def main(kind: str, param_dtype: str, r: int, s: int) -> None:
     world = worker_world()
-    assert world.backend in ("mpi", "fakedev") and world.size == r * s, (world.backend, world.size)
+    assert world.backend in ("mpi", "fakedev", "nccl") and world.size == r * s, (world.backend, world.size)
     make, _, cond = MODELS[kind]
     model = make(0)
     model._hsdp_shard_conditions = [cond]  # on the instance: a stock model needs no subclass

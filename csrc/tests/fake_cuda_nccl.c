@@ -24,7 +24,9 @@
  * A world of one rank, or of several forked processes (see "worlds of ranks"), on
  * FAKE_DEVICES devices (default 2) whose memory is host memory.
  *
- * Controls, by environment: FAKE_NCCL_VERSION (default 23007); FAKE_STALL=1 makes every
+ * Controls, by environment: FAKE_HOST_VIEW=1 makes hsdp_cuda_device_memory_is_host() say 1,
+ * so the backend views its device buffers as the CPU and a CPU-only torch runs on them
+ * (tests/nccl_torch_fake.py); FAKE_NCCL_VERSION (default 23007); FAKE_STALL=1 makes every
  * event recorded from then on never complete (a peer that never arrives); FAKE_REFUSE_PTX=1
  * makes cuModuleLoadData refuse the PTX (a driver older than the NVRTC). By the fake_*
  * functions at the end (test_nccl finds them with dlsym): holding a stream, failing the
@@ -404,6 +406,13 @@ hsdp_cudaError_t cudaEventQuery(hsdp_cudaEvent_t h) {
 }
 const char *cudaGetErrorString(hsdp_cudaError_t e) { return e == hsdp_cudaSuccess ? "no error" : "fake CUDA error"; }
 
+/* The backend's question (backend_nccl.c, hsdp_nccl_load): is device memory host memory the
+ * host reads? Always so here; said only under FAKE_HOST_VIEW=1, so the other tests see a GPU. */
+int hsdp_cuda_device_memory_is_host(void) {
+    const char *s = getenv("FAKE_HOST_VIEW");
+    return s && strcmp(s, "1") == 0;
+}
+
 /* ---------------------------------------------------------------- worlds of ranks
  * A world of one needs nothing shared. A world of several: ranks are processes forked from
  * the one that made the unique id, which maps (MAP_SHARED) a region they all inherit and
@@ -412,11 +421,14 @@ const char *cudaGetErrorString(hsdp_cudaError_t e) { return e == hsdp_cudaSucces
  * waits for every rank's (a peer that never arrives keeps it waiting, so the events behind
  * it never complete), computes its result, and waits for every rank to have read before the
  * slots are reused. An abort of the communicator releases it. */
-enum { MAX_RANKS = 8, MAX_CHANNELS = 8, SLOT_BYTES = 1 << 16 };
+/* 512 MiB of address space (MAP_NORESERVE), touched only as used: a torch model's shards fit */
+enum { MAX_RANKS = 8, MAX_CHANNELS = 64, SLOT_BYTES = 1 << 20 };
 typedef struct {
     pthread_mutex_t mu; /* process-shared */
     pthread_cond_t cv;
     uint64_t arrived[MAX_CHANNELS][MAX_RANKS], left[MAX_CHANNELS][MAX_RANKS];
+    int nchannels;                   /* channels given to communicators so far (the world's: 0) */
+    int split_base[MAX_CHANNELS];    /* a split of the channel's communicator: its first new channel */
     unsigned char slot[MAX_CHANNELS][MAX_RANKS][SLOT_BYTES];
 } shared_world;
 
@@ -426,7 +438,6 @@ typedef struct {
     shared_world *world; /* NULL in a world of one */
     int channel;         /* its part of the shared world */
     uint64_t seq;        /* collectives enqueued on it (under G) */
-    int splits;          /* communicators split from it so far: every rank splits in the same order */
     int polls_left;        /* a non-blocking init or split: ncclInProgress for this many polls */
     atomic_int dead;       /* aborted: any use from now on is counted */
     atomic_int in_call;    /* threads inside a call on it (an abort then races with them) */
@@ -479,8 +490,9 @@ enum { ID_WORLD_AT = 16 }; /* where the id carries the shared world's address */
 hsdp_ncclResult_t ncclGetUniqueId(hsdp_ncclUniqueId *id) {
     for (size_t i = 0; i < sizeof id->internal; i++) id->internal[i] = (char)(i * 7 + 1);
     /* the region forked ranks share; mapped for the life of the process */
-    shared_world *w = mmap(NULL, sizeof *w, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    shared_world *w = mmap(NULL, sizeof *w, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (w == MAP_FAILED) return hsdp_ncclSystemError;
+    w->nchannels = 1;
     pthread_mutexattr_t ma;
     pthread_condattr_t ca;
     pthread_mutexattr_init(&ma);
@@ -529,15 +541,73 @@ hsdp_ncclResult_t ncclCommInitRankConfig(hsdp_ncclComm_t *c, int n, hsdp_ncclUni
     if (!config_ok(cfg)) return hsdp_ncclInvalidArgument;
     return new_comm(c, n, rank, cfg->blocking ? 0 : 3, world_of(&id), 0);
 }
-/* Every rank of the parent in one color, ordered by rank (key is the rank): a channel of its own. */
+static int all_reached(shared_world *w, uint64_t of[MAX_RANKS], fake_comm *c, uint64_t seq);
+/* A split of a world of several ranks, on the host: every rank's (color, key) is exchanged
+ * over the parent's channel (as a collective, in its sequence), the parent's rank 0 gives each
+ * color a channel of its own, and each rank learns its place. Ranks of a color are ordered by
+ * key, then by parent rank, as NCCL orders them. The backend splits with no collective of the
+ * parent in flight (it waits for its collectives on the host before a split). */
+static hsdp_ncclResult_t split_shared(fake_comm *c, int color, int key, int *rank, int *size, int *channel) {
+    shared_world *w = c->world;
+    int ch = c->channel, me = c->rank, n = c->size;
+    pthread_mutex_lock(&G);
+    uint64_t seq = ++c->seq;
+    pthread_mutex_unlock(&G);
+    int mine[2] = {color, key}, all[MAX_RANKS][2];
+    pthread_mutex_lock(&w->mu);
+    memcpy(w->slot[ch][me], mine, sizeof mine);
+    w->arrived[ch][me] = seq;
+    pthread_cond_broadcast(&w->cv);
+    int ok = all_reached(w, w->arrived[ch], c, seq);
+    if (ok) {
+        for (int r = 0; r < n; r++) memcpy(all[r], w->slot[ch][r], sizeof all[r]);
+        if (me == 0) { /* before its read is published: the others read the base after */
+            int colors = 0;
+            for (int r = 0; r < n; r++) {
+                int first = all[r][0] >= 0;
+                for (int q = 0; q < r && first; q++) first = all[q][0] != all[r][0];
+                colors += first;
+            }
+            w->split_base[ch] = w->nchannels;
+            w->nchannels += colors;
+        }
+        w->left[ch][me] = seq;
+        pthread_cond_broadcast(&w->cv);
+        ok = all_reached(w, w->left[ch], c, seq);
+    }
+    int base = w->split_base[ch];
+    pthread_mutex_unlock(&w->mu);
+    if (!ok) return hsdp_ncclSystemError; /* aborted while waiting for a peer */
+    int index = 0; /* the color's channel: colors numbered by their first rank */
+    for (int r = 0; r < n; r++) {
+        int first = all[r][0] >= 0;
+        for (int q = 0; q < r && first; q++) first = all[q][0] != all[r][0];
+        if (all[r][0] == color) break;
+        index += first;
+    }
+    *rank = *size = 0;
+    for (int r = 0; r < n; r++) {
+        if (all[r][0] != color) continue;
+        ++*size;
+        if (all[r][1] < key || (all[r][1] == key && r < me)) ++*rank;
+    }
+    *channel = base + index;
+    return *channel < MAX_CHANNELS ? hsdp_ncclSuccess : hsdp_ncclSystemError; /* the fake's limit */
+}
+/* Ranks with the same color form a communicator, ordered by key (a channel of their own in a
+ * shared world); color < 0 (NCCL_SPLIT_NOCOLOR) takes part and gets none. */
 hsdp_ncclResult_t ncclCommSplit(hsdp_ncclComm_t h, int color, int key, hsdp_ncclComm_t *out, hsdp_ncclConfig_t *cfg) {
     context();
     fake_comm *c = enter_ready(h);
-    if (!c || !config_ok(cfg) || color != 0 || key != c->rank) {
+    if (!c || !out || !config_ok(cfg)) {
         leave(c);
         return hsdp_ncclInvalidArgument;
     }
-    hsdp_ncclResult_t rc = new_comm(out, c->size, c->rank, cfg->blocking ? 0 : 2, c->world, c->world ? ++c->splits : 0);
+    int rank = 0, size = 1, channel = 0;
+    hsdp_ncclResult_t rc = c->world ? split_shared(c, color, key, &rank, &size, &channel) : hsdp_ncclSuccess;
+    if (rc == hsdp_ncclSuccess && color < 0) *out = NULL;
+    else if (rc == hsdp_ncclSuccess)
+        rc = new_comm(out, size, rank, cfg->blocking ? 0 : 2, size > 1 ? c->world : NULL, channel);
     leave(c);
     return rc;
 }

@@ -254,14 +254,24 @@ def exchange_unique_id(make_id: Callable[[], bytes], info: Launch, timeout_s: fl
     return _check_id(make_id(), "ncclGetUniqueId"), 0, 1
 
 
-def init_world() -> Any:
-    """The NCCL world group: load, pick the device (LOCAL_RANK), exchange the id, join."""
-    load()
+def host_reads() -> bool:
+    """Whether the loaded CUDA runtime's device memory is host memory the host reads (the test
+    fake under FAKE_HOST_VIEW=1, csrc/tests/fake_cuda_nccl.c): the backend then views its
+    buffers as the CPU, and a CPU-only torch computes on them with no stream."""
+    from .devices import host_framework, of_backend
+
+    return of_backend("nccl").framework == host_framework()
+
+
+def join(uid: bytes, rank: int, size: int, local: int) -> Any:
+    """Joins the NCCL world of ``uid`` as ``rank`` of ``size`` on CUDA device ``local`` (the
+    libraries loaded, the id exchanged) and returns its group. Over a runtime whose memory
+    the host reads, torch is not asked for a GPU or a stream: it computes on the CPU."""
+    if host_reads():
+        _C.nccl_bootstrap(uid, rank, size, local)
+        return _C.ProcessGroup("nccl")
     import torch
 
-    info = launch_info()
-    uid, rank, size = exchange_unique_id(_C.nccl_unique_id, info, float(_C.get_timeout()))
-    local = info.local_rank if info.local_rank >= 0 else rank % max(torch.cuda.device_count(), 1)
     count = torch.cuda.device_count()
     if local >= count:
         raise ValueError(
@@ -276,6 +286,20 @@ def init_world() -> Any:
     # torch computes on its current stream; the gathers make that stream wait, not the host
     _C.nccl_set_stream(torch.cuda.current_stream().cuda_stream)
     return _C.ProcessGroup("nccl")
+
+
+def init_world() -> Any:
+    """The NCCL world group: load, pick the device (LOCAL_RANK), exchange the id, join."""
+    load()
+    import torch
+
+    info = launch_info()
+    uid, rank, size = exchange_unique_id(_C.nccl_unique_id, info, float(_C.get_timeout()))
+    if info.local_rank >= 0:
+        local = info.local_rank
+    else:  # one GPU per rank; over host memory, the runtime's first device
+        local = 0 if host_reads() else rank % max(torch.cuda.device_count(), 1)
+    return join(uid, rank, size, local)
 
 
 def set_compute_stream(stream: Any) -> None:
