@@ -374,18 +374,6 @@ def test_buffer_dlpack_export_is_zero_copy_and_leases_the_buffer():
     with pytest.raises(ValueError, match="truncated"):
         _C.dlpack_views(full, np.array([0, 2, 32, 2, 1], dtype=np.int64).tobytes(), True)
     assert full.leases == 0
-    # dlpack_bind: the same exports, each imported straight into a parameter's data
-    pa, pb = torch.nn.Parameter(torch.empty(0, dtype=torch.bfloat16)), torch.nn.Parameter(torch.empty(0))
-    _C.dlpack_bind(full, spec, True, [pa, pb], torch._C._from_dlpack)
-    assert pa.shape == (3, 2) and pa.data_ptr() == full.address + 64 and pb.shape == (2,) and full.leases == 2
-    assert torch.equal(pa.detach().float().flatten(), torch.arange(32.0, 38.0))
-    pa.data, pb.data = torch.empty(0, dtype=torch.bfloat16), torch.empty(0)
-    assert full.leases == 0
-    with pytest.raises(ValueError, match="2 views for 1 parameters"):  # refused before any export
-        _C.dlpack_bind(full, spec, True, [pa], torch._C._from_dlpack)
-    with pytest.raises(ValueError, match="outside the 256-byte buffer"):
-        _C.dlpack_bind(full, np.array([250, 2, 32, 1, 2, 1], dtype=np.int64).tobytes(), True, [pb], torch._C._from_dlpack)
-    assert pa.numel() == 0 and pb.numel() == 0 and full.leases == 0
     assert full.__dlpack_device__() == (1, 0)
     with pytest.raises(BufferError, match="without a copy"):
         full.__dlpack__(copy=True)

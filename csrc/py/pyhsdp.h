@@ -7,7 +7,7 @@
  *   token_type.c   WholeBytes: accounting of parameters kept whole
  *   buffer_type.c  _Buffer (an unsharded buffer) and the pool of idle ones
  *   dlpack.c       _Buffer.__dlpack__: the buffer exported zero-copy to torch and others
- *   dlpack_views.c dlpack_views, dlpack_bind: one export per parameter of a host buffer (torch binds)
+ *   dlpack_views.c dlpack_views: one export per parameter of a host buffer (torch binds)
  *   group_type.c   ProcessGroup over the backend registry
  *   nccl_functions.c  loading and bootstrapping the NCCL backend
  *   unit_type.c    Unit: one flat shard unit, its gathers and its parameter views

@@ -16,7 +16,7 @@ torch module), so ``import hsdp`` never pulls torch in.
   tensors (torch refuses ``p.data`` across device types). Shards are written on the host
   while loading and copied to the GPU by their first gather.
 - **Leases.** Each bind imports every parameter's view of the gathered buffer through
-  DLPack (``_C.dlpack_bind``: one export per parameter, with its dtype, shape and strides;
+  DLPack (``_C.dlpack_views``: one export per parameter, with its dtype, shape and strides;
   a device buffer: one ``__dlpack__`` import cut by ``as_strided``). Each export is a lease,
   which torch returns (the DLPack deleter) when the last tensor on its storage dies. Unbind drops
   the adapter's own tensors, so the lease comes back before the unit gives the buffer to the
@@ -177,7 +177,7 @@ class _UnitViews:
         # the common case, cut without lists: every parameter from the gathered buffer, in one dtype
         self.single = (self.bases[0][1], [(p, shape, strides, offset) for p, _b, shape, strides, offset, _dt in self.slots]
                        ) if len(self.bases) == 1 and self.bases[0][0] == 0 else None
-        # ... and, for _C.dlpack_bind, each parameter as its own DLPack export (int64s: byte
+        # ... and, for _C.dlpack_views, each parameter as its own DLPack export (int64s: byte
         # offset, type code, bits, ndim, shape, strides), when torch imports capsules directly
         self.spec: bytes | None = None
         if self.single is not None and _capsule_to_tensor is not None and self.single[0] in _DLPACK_TYPES:
@@ -189,10 +189,9 @@ class _UnitViews:
         self.params = [slot[0] for slot in self.slots]
         device = state.unit.device
         # what bind checks once per call: the spec, when the buffers are host memory
-        # (dlpack_bind exports host buffers; a device buffer goes through __dlpack__)
+        # (dlpack_views exports host buffers; a device buffer goes through __dlpack__)
         self.host_spec = self.spec if device == "host" else None
-        # (parameter, its placeholder) pairs: what unbind sets, zipped once
-        self.placeholders = tuple(zip(self.params, (adapter._placeholder(slot[5], device) for slot in self.slots)))
+        self.placeholders = [adapter._placeholder(slot[5], device) for slot in self.slots]
 
 
 class TorchAdapter:
@@ -457,8 +456,9 @@ class TorchAdapter:
         # unbind returns them; views kept across binds would hold them for good.
         spec = views.host_spec
         if spec is not None and not _inference_mode():  # one import per parameter, the hot path
-            # p.data = torch's import of p's own export, for every parameter, in one C call
-            _C.dlpack_bind(state.unit.buffers()[0], spec, _VERSIONED, views.params, _capsule_to_tensor)
+            to_tensor = _capsule_to_tensor
+            for p, cap in zip(views.params, _C.dlpack_views(state.unit.buffers()[0], spec, _VERSIONED)):
+                p.data = to_tensor(cap)
             return
         single = views.single
         if single is not None and not _inference_mode():
@@ -491,7 +491,7 @@ class TorchAdapter:
             return
         # the last tensor on the bind's storage goes: torch returns the lease, unless a user
         # still holds a view of a parameter (then the buffer stays out of the pool)
-        for p, ph in views.placeholders:
+        for p, ph in zip(views.params, views.placeholders):
             p.data = ph
 
 
