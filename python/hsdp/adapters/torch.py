@@ -191,7 +191,8 @@ class _UnitViews:
         # what bind checks once per call: the spec, when the buffers are host memory
         # (dlpack_views exports host buffers; a device buffer goes through __dlpack__)
         self.host_spec = self.spec if device == "host" else None
-        self.placeholders = [adapter._placeholder(slot[5], device) for slot in self.slots]
+        # (parameter, its placeholder) pairs: what unbind sets, zipped once
+        self.placeholders = tuple(zip(self.params, (adapter._placeholder(slot[5], device) for slot in self.slots)))
 
 
 class TorchAdapter:
@@ -491,7 +492,7 @@ class TorchAdapter:
             return
         # the last tensor on the bind's storage goes: torch returns the lease, unless a user
         # still holds a view of a parameter (then the buffer stays out of the pool)
-        for p, ph in zip(views.params, views.placeholders):
+        for p, ph in views.placeholders:
             p.data = ph
 
 
