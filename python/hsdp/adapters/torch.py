@@ -81,6 +81,7 @@ def _torch_dtype(d: DType) -> torch.dtype:
 # capsule route underneath is the same conversion. Versioned capsules are understood only
 # by the torch releases that can also make them (2.9 on); older ones take the legacy form.
 _capsule_to_tensor = getattr(torch._C, "_from_dlpack", None)
+_inference_mode = torch.is_inference_mode_enabled
 _VERSIONED = hasattr(torch._C, "_to_dlpack_versioned")
 
 
@@ -162,7 +163,7 @@ class _UnitViews:
     """What a unit's views need, computed once: the typed bases to cut from its buffers and,
     per parameter, its base, shape, strides and element offset."""
 
-    __slots__ = ("bases", "slots", "params", "placeholders", "single", "spec")
+    __slots__ = ("bases", "slots", "params", "placeholders", "single", "spec", "host_spec")
 
     def __init__(self, state: UnitState, adapter: TorchAdapter) -> None:
         keys: dict[tuple[int, torch.dtype], int] = {}
@@ -187,7 +188,11 @@ class _UnitViews:
             self.spec = np.array(spec, dtype=np.int64).tobytes()
         self.params = [slot[0] for slot in self.slots]
         device = state.unit.device
-        self.placeholders = [adapter._placeholder(slot[5], device) for slot in self.slots]
+        # what bind checks once per call: the spec, when the buffers are host memory
+        # (dlpack_views exports host buffers; a device buffer goes through __dlpack__)
+        self.host_spec = self.spec if device == "host" else None
+        # (parameter, its placeholder) pairs: what unbind sets, zipped once
+        self.placeholders = tuple(zip(self.params, (adapter._placeholder(slot[5], device) for slot in self.slots)))
 
 
 class TorchAdapter:
@@ -424,9 +429,14 @@ class TorchAdapter:
         return obj
 
     def cast_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any], dtype: DType) -> tuple[Any, Any] | None:
-        dt = _torch_dtype(dtype)
+        dt = _TORCH_DTYPES.get(dtype) or _torch_dtype(dtype)
         # Most units get tensors already in dtype (the previous block's output): a flat look
-        # settles that without rebuilding anything.
+        # settles that without rebuilding anything; one tensor and no kwargs (a chain of
+        # blocks), without a call.
+        if not kwargs and len(args) == 1:
+            a = args[0]
+            if isinstance(a, torch.Tensor) and (a.dtype == dt or not a.is_floating_point()):
+                return None
         if _all_in(args, dt) and (not kwargs or _all_in(kwargs.values(), dt)):
             return None
         new_args = self._cast(args, dt)
@@ -445,14 +455,15 @@ class TorchAdapter:
             views = state.adapter_data = _UnitViews(state, self)
         # The parameters are the only holders of the new tensors, so they hold the leases and
         # unbind returns them; views kept across binds would hold them for good.
+        spec = views.host_spec
+        if spec is not None and not _inference_mode():  # one import per parameter, the hot path
+            to_tensor = _capsule_to_tensor
+            for p, cap in zip(views.params, _C.dlpack_views(state.unit.buffers()[0], spec, _VERSIONED)):
+                p.data = to_tensor(cap)
+            return
         single = views.single
-        if single is not None and not torch.is_inference_mode_enabled():
-            buf = state.unit.buffers()[0]
-            if views.spec is not None and buf.device == "host":  # one import per parameter
-                for p, cap in zip(views.params, _C.dlpack_views(buf, views.spec, _VERSIONED)):
-                    p.data = _capsule_to_tensor(cap)
-                return
-            typed = _from_dlpack(buf).view(single[0])  # a multiple of 64 bytes
+        if single is not None and not _inference_mode():
+            typed = _from_dlpack(state.unit.buffers()[0]).view(single[0])  # a multiple of 64 bytes
             as_strided = torch.as_strided
             for p, shape, strides, offset in single[1]:
                 p.data = as_strided(typed, shape, strides, offset)
@@ -481,7 +492,7 @@ class TorchAdapter:
             return
         # the last tensor on the bind's storage goes: torch returns the lease, unless a user
         # still holds a view of a parameter (then the buffer stays out of the pool)
-        for p, ph in zip(views.params, views.placeholders):
+        for p, ph in views.placeholders:
             p.data = ph
 
 

@@ -263,18 +263,22 @@ class Schedule:
         the byte cap counts the unit computing and its own gather never waits behind them."""
         if self.recording or self.depth <= 0:
             return
-        held = self._held_bytes() if self.max_bytes is not None else 0
-        for nxt in self._window(self.pos):
+        # once per unit per forward: the window is a slice without a residency budget, and
+        # the byte cap is read once
+        cap = self.max_bytes
+        held = self._held_bytes() if cap is not None else 0
+        for nxt in self._window(self.pos) if self.resident else self.order[self.pos : self.pos + self.depth]:
             if nxt.unit.holds_buffers or nxt.broken is not None:
                 continue
-            if self.max_bytes is not None:
-                if held + nxt.full_bytes > self.max_bytes:
+            if cap is not None:
+                if held + nxt.full_bytes > cap:
                     break
                 held += nxt.full_bytes
             if nxt.unit.start_unshard():
                 self.prefetches += 1
-                nxt.prefetched_by_schedule()
                 self.prefetched.append(nxt)
+                if trace.enabled:
+                    nxt.prefetched_by_schedule()
 
     def _window(self, pos: int) -> list[UnitState]:
         """The next `depth` units from `pos` that gather every forward: units kept gathered

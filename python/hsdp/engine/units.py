@@ -114,6 +114,8 @@ class UnitState:
         if self.broken is not None:
             raise RuntimeError(f"unit '{self.label}' is unusable: {self.broken}")
 
+    # The two hooks run once per unit per forward, so they read each attribute once and
+    # call as little as they can (the hook cost is measured by bench_torch.py --hooks).
     def _pre_forward(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self.broken is not None:
             self._check()
@@ -127,7 +129,7 @@ class UnitState:
                 sched.enter(self)  # records the order, or notices a departure from it
         if not self.unit.is_unsharded or (self._binds and not self._bound):
             self._unshard_unit()  # waits for a prefetched gather, or gathers now; binds
-        if in_forward:
+        if in_forward and sched.depth > 0 and not sched.recording:
             sched.prefetch()  # the next units gather while this one computes
         if trace.enabled:
             trace.compute_begin(self)
@@ -139,11 +141,15 @@ class UnitState:
         if trace.enabled:
             trace.compute_end(self)
         sched = self.schedule
-        if sched is not None and sched.in_forward:
+        in_forward = sched is not None and sched.in_forward
+        if in_forward and sched.recording:
             sched.leave(self)
         if self.reshard_after_forward and not self._explicit:
-            self._reshard_unit()
-        if sched is not None and self.is_root and sched.in_forward:
+            if self._bound:  # as _reshard_unit, without the call
+                self._bound = False
+                self.adapter.unbind(self)
+            self.unit.reshard()
+        if in_forward and self.is_root:
             sched.end()
         if self._output_dtype is not None:
             return self.adapter.cast_output(output, self._output_dtype)
@@ -176,15 +182,21 @@ class UnitState:
 
     def _unshard_unit(self) -> None:
         """Gathers (or waits for the gather in flight) and binds the views."""
+        unit = self.unit
         if trace.enabled:
             t0 = _C.now_ns()
-            prefetched = self.unit.is_pending
-            self.unit.unshard()
+            prefetched = unit.is_pending
+            unit.unshard()
             trace.record_unshard(self, t0, _C.now_ns(), prefetched)
         else:
-            self.unit.unshard()
+            unit.unshard()
         if self._binds and not self._bound:
-            self._bind()
+            try:  # as _bind, without the call
+                self.adapter.bind(self)
+            except BaseException:
+                self.adapter.unbind(self)  # no parameter keeps a view from a half-done bind
+                raise
+            self._bound = True
 
     def _wait_unit(self) -> None:
         """Waits for an explicitly started gather and binds the views."""
