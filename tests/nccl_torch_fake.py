@@ -9,8 +9,9 @@ the CPU go through NCCL's device collectives, gathers and all-to-alls. The fake'
 several ranks are processes forked from the one that made the unique id (its shared region
 is inherited), as in bench/gpu_check_multi.py --dry-run: this process loads the fake, makes
 the id and forks N ranks; each joins the world and runs, in order, tests/torch_worker.py's
-stock Wan in float32 (with the agreement tickets) and bfloat16 (without), sharded over N,
-bit for bit equal to the unsharded reference, and tests/parallel_torch_worker.py's HSDP x
+stock Wan in float32 (with the agreement tickets) and bfloat16 (without) and stock Flux in
+bfloat16, sharded over N, bit for bit equal to the unsharded reference, and
+tests/parallel_torch_worker.py's HSDP x
 Ulysses Wan in float32.
 Prints "rank R: ..." lines from the workers, then "all N ranks ok", or exits 1.
 """
@@ -54,6 +55,7 @@ def rank_main(uid: bytes, rank: int, n: int) -> None:
         # gather's own wait keeps torch from reading a buffer the fake's stream still writes
         _C._set_agreement_check(False)
         torch_worker.main("wan", "bfloat16", 1, n)
+        torch_worker.main("flux", "bfloat16", 1, n)
         sys.argv = ["parallel_torch_worker.py", "float32"]
         parallel_torch_worker.main()
         distributed.destroy_process_group()
