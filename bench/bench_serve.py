@@ -50,7 +50,7 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def _start_server(model: Path, shard: int, workdir: Path) -> tuple[subprocess.Popen[str], str]:
-    cmd = [sys.executable, "-m", "hsdp", "serve", "--model", str(model), "--port", "0", "--dtype", "float32"]
+    cmd = [sys.executable, "-m", "hsdp", "serve", "--model", str(model), "--port", "0"]
     if shard > 1:
         cmd += ["--use-hsdp", "--hsdp-shard-size", str(shard)]
     proc = subprocess.Popen(cmd, cwd=workdir, env=_env(), stdout=subprocess.PIPE,
@@ -101,8 +101,7 @@ def bench_server(args: argparse.Namespace, form: dict[str, str], workdir: Path) 
 
 def bench_generate(args: argparse.Namespace, form: dict[str, str], workdir: Path) -> dict[str, object]:
     flags = ["--prompt", form["prompt"], "--width", form["width"], "--height", form["height"],
-             "--num-frames", form["num_frames"], "--num-inference-steps", form["num_inference_steps"],
-             "--dtype", "float32"]
+             "--num-frames", form["num_frames"], "--num-inference-steps", form["num_inference_steps"]]
     if args.shard_size > 1:
         flags += ["--use-hsdp", "--hsdp-shard-size", str(args.shard_size)]
     times = []

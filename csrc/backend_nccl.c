@@ -1070,10 +1070,19 @@ static hsdp_status nccl_gather_start(hsdp_req *r, const void *send, void *recv, 
     if (st == HSDP_OK && src != (const char *)recv + (size_t)r->g->rank * nbytes)
         st = in_place(src, recv, nbytes, r->g->rank, &src);
     if (st == HSDP_OK && mode == HSDP_AGREE_ON) st = ticket_begin(r->g, r->label, r->ident, nbytes, &t->slot);
-    if (st == HSDP_OK) st = enqueue_unit(r->g, t->slot, src, recv, nbytes);
+    int enqueued = 0;
+    if (st == HSDP_OK) enqueued = (st = enqueue_unit(r->g, t->slot, src, recv, nbytes)) == HSDP_OK;
     if (st == HSDP_OK) st = track(what, recv, nbytes * (size_t)r->g->size, &t->ev);
     if (st == HSDP_OK && wr) st = wire_decode(wr, r->label, &t->ev); /* the float8 wire */
     issue_unlock();
+    if (st != HSDP_OK && enqueued && t->slot >= 0) {
+        /* the tickets' copy-back is queued: the slot is taken again only once it has landed,
+         * or it would overwrite the next gather's ticket (the error stays this one's) */
+        char why[sizeof S.why];
+        snprintf(why, sizeof why, "%s", hsdp_last_error());
+        (void)host_wait(T.ev[t->slot], what);
+        st = hsdp_fail(st, "%s", why);
+    }
     if (st != HSDP_OK) (void)ticket_check(r->g, t->slot, st, what); /* no wait follows: the slot goes back now */
     if (st != HSDP_OK) t->slot = -1;
     memcpy(t->what, what, sizeof t->what);

@@ -120,7 +120,7 @@ hsdp_status hsdp_unit_write(hsdp_unit *u, size_t i, size_t first, size_t count, 
  * (Unit.shard_bytes) read it back from there (hsdp_share_read). */
 static hsdp_status drop_host(hsdp_unit *u, hsdp_status st) {
     if (st != HSDP_OK || !u->shard || !u->share || !u->group->backend->share_read) return st;
-    if (strcmp(hsdp_share_kind(u->group, u->share), "collective") == 0) return st;
+    if (u->share == hsdp_share_collective()) return st;
     const char *keep = getenv("HSDP_KEEP_HOST_SHARDS");
     if (keep && strcmp(keep, "1") == 0) return st;
     free(u->shard); /* the upload has read it: copies from host memory return once staged */

@@ -179,7 +179,7 @@ class _Doubler(torch.nn.Module):
 class _PeerIsRankZero:
     """CFG group of 2 seen from rank 1: rank 0's row is a float32 'cond' of sevens."""
 
-    size, rank = 2, 1
+    size, rank, backend = 2, 1, "mpi"
     device_info = {"backend": "mpi", "kind": "host", "device": "host", "framework": "cpu", "dlpack": (1, 0)}
 
     def all_gather(self, send, recv):

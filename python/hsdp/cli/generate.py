@@ -27,7 +27,6 @@ import argparse
 import logging
 import math
 import os
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path

@@ -263,11 +263,9 @@ class Schedule:
         the byte cap counts the unit computing and its own gather never waits behind them."""
         if self.recording or self.depth <= 0:
             return
-        # once per unit per forward: the window is a slice without a residency budget, and
-        # the byte cap is read once
         cap = self.max_bytes
         held = self._held_bytes() if cap is not None else 0
-        for nxt in self._window(self.pos) if self.resident else self.order[self.pos : self.pos + self.depth]:
+        for nxt in self._window(self.pos):
             if nxt.unit.holds_buffers or nxt.broken is not None:
                 continue
             if cap is not None:

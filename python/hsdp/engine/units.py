@@ -114,8 +114,6 @@ class UnitState:
         if self.broken is not None:
             raise RuntimeError(f"unit '{self.label}' is unusable: {self.broken}")
 
-    # The two hooks run once per unit per forward, so they read each attribute once and
-    # call as little as they can (the hook cost is measured by bench_torch.py --hooks).
     def _pre_forward(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self.broken is not None:
             self._check()
@@ -129,7 +127,7 @@ class UnitState:
                 sched.enter(self)  # records the order, or notices a departure from it
         if not self.unit.is_unsharded or (self._binds and not self._bound):
             self._unshard_unit()  # waits for a prefetched gather, or gathers now; binds
-        if in_forward and sched.depth > 0 and not sched.recording:
+        if in_forward:
             sched.prefetch()  # the next units gather while this one computes
         if trace.enabled:
             trace.compute_begin(self)
@@ -142,13 +140,10 @@ class UnitState:
             trace.compute_end(self)
         sched = self.schedule
         in_forward = sched is not None and sched.in_forward
-        if in_forward and sched.recording:
+        if in_forward:
             sched.leave(self)
         if self.reshard_after_forward and not self._explicit:
-            if self._bound:  # as _reshard_unit, without the call
-                self._bound = False
-                self.adapter.unbind(self)
-            self.unit.reshard()
+            self._reshard_unit()
         if in_forward and self.is_root:
             sched.end()
         if self._output_dtype is not None:
@@ -191,12 +186,7 @@ class UnitState:
         else:
             unit.unshard()
         if self._binds and not self._bound:
-            try:  # as _bind, without the call
-                self.adapter.bind(self)
-            except BaseException:
-                self.adapter.unbind(self)  # no parameter keeps a view from a half-done bind
-                raise
-            self._bound = True
+            self._bind()
 
     def _wait_unit(self) -> None:
         """Waits for an explicitly started gather and binds the views."""

@@ -1,4 +1,4 @@
-"""Ring attention and USP for diffusers' Wan transformers (torch, CPU ranks over MPI).
+"""Ring attention and USP for diffusers' Wan transformers (torch; CPU ranks over MPI, or GPUs over NCCL).
 
 :class:`USPWanAttnProcessor` is the drop-in for diffusers' ``WanAttnProcessor`` that
 :func:`hsdp.parallel_torch.apply_sequence_parallel_torch` installs when its group is a
@@ -20,13 +20,13 @@ never pulls torch in.
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 
+from ..adapters.torch import _on_device
 from ..adapters.torch import as_numpy as _np
 from .ulysses_wan import _TORCH, WanSelfAttnProcessor
-from .ring import USP, Ring
+from .ring import Ring
 
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,7 +62,7 @@ def ring_attention(ring: Ring, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     out = lse = None
     for step in range(p):
         if step < p - 1:  # the next block moves (MPI worker, NCCL side stream) while this one is computed
-            if cur.is_cuda:
+            if _on_device(ring.group, cur):  # the group's device, as the adapter's exchanges ask
                 nbytes = cur.numel() * cur.element_size()
                 ring.group.sendrecv_start_device(cur.data_ptr(), dest, nxt.data_ptr(), source, nbytes)
             else:

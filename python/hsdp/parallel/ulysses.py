@@ -3,7 +3,6 @@ all-to-all around self-attention (the layout: docs/design.md)."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 

@@ -1,4 +1,4 @@
-"""Ulysses sequence parallel for diffusers' Wan transformers (torch, CPU ranks over MPI).
+"""Ulysses sequence parallel for diffusers' Wan transformers (torch; CPU ranks over MPI, or GPUs over NCCL).
 
 ``apply_sequence_parallel_torch(model, sp)`` makes a stock ``WanTransformer3DModel`` run with
 its tokens split over an :class:`hsdp.parallel.Ulysses` group, with or without hsdp sharding

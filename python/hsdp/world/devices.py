@@ -52,9 +52,17 @@ def of_backend(name: str) -> DeviceInfo:
     return _info(_C.device_info(name))
 
 
+_OF_LOADED: dict[str, DeviceInfo] = {}
+
+
 def of_group(group: Any) -> DeviceInfo:
-    """The device of a process group's backend."""
-    return _info(group.device_info)
+    """The device of a process group's backend. Asked on every exchange, so it is read from C
+    once per backend: a group exists only once its backend is loaded, and from then on the
+    backend's device does not change."""
+    info = _OF_LOADED.get(group.backend)
+    if info is None:
+        info = _OF_LOADED[group.backend] = _info(group.device_info)
+    return info
 
 
 def host_framework() -> str:
