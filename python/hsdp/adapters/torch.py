@@ -163,7 +163,7 @@ class _UnitViews:
     """What a unit's views need, computed once: the typed bases to cut from its buffers and,
     per parameter, its base, shape, strides and element offset."""
 
-    __slots__ = ("bases", "slots", "params", "placeholders", "single", "spec", "host_spec")
+    __slots__ = ("bases", "slots", "params", "placeholders", "single", "host_spec")
 
     def __init__(self, state: UnitState, adapter: TorchAdapter) -> None:
         keys: dict[tuple[int, torch.dtype], int] = {}
@@ -177,20 +177,20 @@ class _UnitViews:
         # the common case, cut without lists: every parameter from the gathered buffer, in one dtype
         self.single = (self.bases[0][1], [(p, shape, strides, offset) for p, _b, shape, strides, offset, _dt in self.slots]
                        ) if len(self.bases) == 1 and self.bases[0][0] == 0 else None
+        device = state.unit.device
         # ... and, for _C.dlpack_views, each parameter as its own DLPack export (int64s: byte
         # offset, type code, bits, ndim, shape, strides), when torch imports capsules directly
-        self.spec: bytes | None = None
-        if self.single is not None and _capsule_to_tensor is not None and self.single[0] in _DLPACK_TYPES:
+        # and the buffers are host memory (dlpack_views exports host buffers; a device buffer
+        # goes through __dlpack__): what bind checks once per call
+        self.host_spec: bytes | None = None
+        if (device == devices.HOST and self.single is not None and _capsule_to_tensor is not None
+                and self.single[0] in _DLPACK_TYPES):
             code, bits = _DLPACK_TYPES[self.single[0]]
             spec: list[int] = []
             for _p, shape, strides, offset in self.single[1]:
                 spec += [offset * (bits // 8), code, bits, len(shape), *shape, *strides]
-            self.spec = np.array(spec, dtype=np.int64).tobytes()
+            self.host_spec = np.array(spec, dtype=np.int64).tobytes()
         self.params = [slot[0] for slot in self.slots]
-        device = state.unit.device
-        # what bind checks once per call: the spec, when the buffers are host memory
-        # (dlpack_views exports host buffers; a device buffer goes through __dlpack__)
-        self.host_spec = self.spec if device == "host" else None
         # (parameter, its placeholder) pairs: what unbind sets, zipped once
         self.placeholders = tuple(zip(self.params, (adapter._placeholder(slot[5], device) for slot in self.slots)))
 
@@ -320,7 +320,7 @@ class TorchAdapter:
             _set_data(p, self._placeholder(_torch_dtype(dt), device))  # a meta parameter becomes a real one
             p._hsdp_state = state
 
-    def _placeholder(self, dt: torch.dtype, device: str = "host") -> torch.Tensor:
+    def _placeholder(self, dt: torch.dtype, device: str = devices.HOST) -> torch.Tensor:
         # one per dtype and device, made outside inference mode, so that a parameter is never
         # left an inference tensor (set_data shares storage, and a 0-element one is safe to
         # share); on the device the views will be, since p.data cannot change device type
@@ -328,7 +328,7 @@ class TorchAdapter:
         if ph is None:
             # the device the views will be on: the target's (check_device), for any device
             # buffer; a device viewed as the CPU (fakedev) has CPU placeholders too
-            where = self._target if device != "host" and self._target is not None else torch.device("cpu")
+            where = self._target if device != devices.HOST and self._target is not None else torch.device("cpu")
             with torch.inference_mode(False):
                 ph = self._placeholders[(dt, device)] = torch.empty(0, dtype=dt, device=where)
         return ph

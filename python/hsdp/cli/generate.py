@@ -300,7 +300,7 @@ def run(args: argparse.Namespace, folder: PipelineFolder, config: DiffusionParal
     if on_gpu or not distributed.launched_by_mpi():
         import torch  # noqa: F401 - NCCL (torchrun, or --device cuda) needs torch loaded first
     # load_pipeline picks the same backend: NCCL for GPUs, otherwise what launched the job
-    world = distributed.init_process_group(devices.world_backend(device_type))
+    world = distributed.world_for(device_type, f"--device {args.device}")
     try:  # before torch is imported: a job of the wrong size costs nothing
         config.check_world(world.size)
     except ValueError as exc:

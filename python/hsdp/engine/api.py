@@ -283,28 +283,6 @@ def _module_names(model: Any) -> dict[int, str]:
 # ---------------------------------------------------------------------------- the API
 
 
-def _world_for(ad: TensorAdapter, target_device: Any) -> Any:
-    """The process group, started on the backend with that device when the buffers go to a
-    GPU (NCCL for 'cuda'). A GPU target on a machine with no GPU, or on a world already running
-    on another backend, is an error naming what is missing."""
-    framework = ad.device_type(target_device)  # checks the value
-    served = devices.device_backends_for(framework) if target_device is not None and framework else []
-    if not served or framework == devices.host_framework():
-        return distributed.init_process_group()  # a CPU target never starts a device backend
-    if distributed.is_initialized() and distributed.get_world_group().backend in served:
-        return distributed.get_world_group()
-    name = served[0]
-    reason = distributed.backend_reason(name)  # loads NCCL (after torch): says whether a GPU is there
-    if reason is not None:
-        raise devices.error_type(name, reason)(f"target_device {target_device!r} needs a GPU: {reason}")
-    if distributed.is_initialized():
-        raise ValueError(
-            f"target_device {target_device!r} needs the {name.upper()} process group, but this one runs on "
-            f"{distributed.get_world_group().backend!r}; call hsdp.distributed.init_process_group({name!r}) first"
-        )
-    return distributed.init_process_group(name)
-
-
 def _check_config(hsdp_config: Any) -> None:
     """An enabled HSDPInferenceConfig, or a TypeError / ValueError saying what to pass."""
     if not isinstance(hsdp_config, HSDPInferenceConfig):
@@ -327,7 +305,8 @@ def prepare_hsdp_shard_context(model: Any, hsdp_config: Any, target_device: Any 
     """
     ad = _require_module(model)
     _check_config(hsdp_config)
-    world = _world_for(ad, target_device)
+    framework = ad.device_type(target_device)  # checks the value
+    world = distributed.world_for(framework if target_device is not None else None, f"target_device {target_device!r}")
     ad.check_device(target_device)
     buffers = devices.buffer_device(world, ad.device_type(target_device), target_device)
     if hsdp_config.wire_dtype is not None:

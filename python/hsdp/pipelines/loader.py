@@ -164,9 +164,7 @@ def load_pipeline(
     from ..engine.config import DiffusionParallelConfig
 
     folder = Path(os.fspath(path))
-    from ..world.devices import world_backend
-
-    world = distributed.init_process_group(world_backend(torch.device(device).type if device is not None else None))
+    world = distributed.world_for(torch.device(device).type if device is not None else None, f"device {device!r}")
 
     err: BaseException | None = None
     components: list[Component] = []

@@ -76,6 +76,11 @@ def backends_for(framework: str) -> list[str]:
     return [name for name, _usable, _why in _C.backends() if of_backend(name).framework == framework]
 
 
+def frameworks() -> list[str]:
+    """The framework device types some registered backend's buffers are viewed as, sorted."""
+    return sorted({of_backend(name).framework for name, _usable, _why in _C.backends()})
+
+
 def device_backends_for(framework: str) -> list[str]:
     """The backends with a device viewed as ``framework`` tensors (``"cuda"``: NCCL)."""
     return [n for n in backends_for(framework) if of_backend(n).on_device]
@@ -100,18 +105,6 @@ def buffer_device(group: Any, framework: str | None, target_device: Any) -> str:
     if target_device is not None and framework is not None and info.on_device and info.framework == framework:
         return info.device
     return HOST
-
-
-def world_backend(framework: str | None) -> str:
-    """The backend a world for views of ``framework`` device type starts on: the first
-    backend with a device of that type ('cuda': NCCL), or "auto" for the host's (and None)."""
-    if framework is None or framework == host_framework():
-        return "auto"
-    served = device_backends_for(framework)
-    if not served:
-        known = sorted({of_backend(n).framework for n, _u, _w in _C.backends()})
-        raise ValueError(f"no backend runs on device type {framework!r}; known: {', '.join(map(repr, known))}")
-    return served[0]
 
 
 def loader(name: str) -> ModuleType | None:

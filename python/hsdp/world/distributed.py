@@ -78,7 +78,7 @@ def _auto_backend() -> str:
     if via == "mpi":
         return "mpi"
     if via == "torchrun" and "torch" in sys.modules and sys.modules["torch"].cuda.is_available():
-        return devices.world_backend("cuda")  # the backend whose device torch's CUDA tensors view: NCCL
+        return devices.device_backends_for("cuda")[0]  # the backend whose device torch's CUDA tensors view: NCCL
     world_env = os.environ.get("WORLD_SIZE")
     if world_env and world_env.isdigit() and int(world_env) > 1:
         raise RuntimeError(
@@ -114,6 +114,31 @@ def init_process_group(backend: str = "auto") -> ProcessGroup:
     register_teardown(multi_process=_world.backend != "single")
     log.debug("hsdp process group: backend=%s rank=%d size=%d", _world.backend, _world.rank, _world.size)
     return _world
+
+
+def world_for(device_type: str | None, what: str) -> ProcessGroup:
+    """The world group for buffers viewed as ``device_type`` tensors: the one rule for which
+    backend a job starts on. The host's type (and None) starts "auto" (MPI under a launcher,
+    else single); a device type ('cuda') starts the first backend with that device (NCCL), or
+    returns the running world when it is one of them. ``what`` names the caller's value in
+    the errors: no GPU here (the backend's loader picks the type), or a world already running
+    on another backend (ValueError)."""
+    if device_type is None or device_type == devices.host_framework():
+        return init_process_group()  # a CPU target never starts a device backend
+    served = devices.device_backends_for(device_type)
+    if not served:
+        raise ValueError(f"{what}: no backend runs on device type {device_type!r}; known: {', '.join(map(repr, devices.frameworks()))}")
+    if is_initialized() and get_world_group().backend in served:
+        return get_world_group()
+    reason = backend_reason(served[0])  # loads NCCL (after torch): says whether a GPU is there
+    if reason is not None:  # first: advice to start NCCL would only fail next
+        raise devices.error_type(served[0], reason)(f"{what} needs a GPU: {reason}")
+    if is_initialized():
+        raise ValueError(
+            f"{what} needs the {served[0].upper()} process group, but this one runs on "
+            f"{get_world_group().backend!r}; call hsdp.distributed.init_process_group({served[0]!r}) first"
+        )
+    return init_process_group(served[0])
 
 
 def register_teardown(multi_process: bool = True) -> None:

@@ -14,15 +14,6 @@ from .. import _C
 from . import devices, distributed
 
 
-def device_backends() -> dict[str, list[str]]:
-    """The backends a mesh of each device type runs on, in registry order: the framework
-    device type their buffers are viewed as ('cpu': single, mpi; 'cuda': nccl), asked of C."""
-    out: dict[str, list[str]] = {}
-    for name, _usable, _why in _C.backends():
-        out.setdefault(devices.of_backend(name).framework, []).append(name)
-    return out
-
-
 def device_type_of(world: _C.ProcessGroup) -> str:
     """The device type of meshes over a world group: the one its backend's buffers are
     viewed as ('cuda' on NCCL, else 'cpu')."""
@@ -34,10 +25,9 @@ def check_device_type(device_type: str) -> str:
     reason (NotImplementedError; RuntimeError for 'cuda' on a machine with no GPU), or
     ValueError for a name that is no device type."""
     device_type = "cuda" if device_type == "gpu" else device_type
-    known = device_backends()
-    names = known.get(device_type)
-    if names is None:
-        raise ValueError(f"device_type must be one of {', '.join(map(repr, known))}, got {device_type!r}")
+    names = devices.backends_for(device_type)
+    if not names:
+        raise ValueError(f"device_type must be one of {', '.join(map(repr, devices.frameworks()))}, got {device_type!r}")
     reasons = [distributed.backend_reason(n) for n in names]  # a CPU mesh never loads NCCL
     if all(r is not None for r in reasons):
         # no GPU: RuntimeError; not built: NotImplementedError (the device backend's loader says)
@@ -68,10 +58,9 @@ class DeviceMesh:
             raise ValueError(f"mesh shape {shape}: both sizes must be positive")
         # a device mesh (GPU) starts its backend's world when none exists (under mpiexec
         # "auto" means MPI); a CPU mesh never starts a device backend
-        served = device_backends()[self.device_type]
-        first = self.device_type != devices.host_framework() and not distributed.is_initialized()
-        world = distributed.init_process_group(served[0] if first else "auto")
-        if world.backend not in served:
+        served = devices.backends_for(self.device_type)
+        world = distributed.world_for(self.device_type, f"a {self.device_type!r} mesh")
+        if world.backend not in served:  # a CPU mesh over a device world
             raise RuntimeError(
                 f"a {self.device_type!r} mesh needs backend {' or '.join(served)}, but "
                 f"the process group runs on {world.backend!r}"
