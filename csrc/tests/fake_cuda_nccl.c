@@ -683,13 +683,11 @@ typedef struct {
     uint64_t seq;
 } coll;
 
-/* Waits under w->mu until every rank's counter in `of` reaches seq; 0 if the communicator
- * was aborted meanwhile (an abort releases what waits for peers that never come). */
-static int all_reached(shared_world *w, uint64_t of[MAX_RANKS], fake_comm *c, uint64_t seq) {
+/* Waits under w->mu until *counter reaches seq; 0 if the communicator was aborted meanwhile
+ * (an abort releases what waits for peers that never come). */
+static int reached(shared_world *w, const uint64_t *counter, fake_comm *c, uint64_t seq) {
     for (;;) {
-        int all = 1;
-        for (int r = 0; r < c->size; r++) all = all && of[r] >= seq;
-        if (all) return 1;
+        if (*counter >= seq) return 1;
         if (atomic_load(&c->dead)) return 0;
         struct timespec until;
         clock_gettime(CLOCK_REALTIME, &until);
@@ -697,6 +695,12 @@ static int all_reached(shared_world *w, uint64_t of[MAX_RANKS], fake_comm *c, ui
         if (until.tv_nsec >= 1000000000L) until.tv_sec++, until.tv_nsec -= 1000000000L;
         pthread_cond_timedwait(&w->cv, &w->mu, &until);
     }
+}
+/* The same until every rank's counter in `of` reaches seq (counters only grow). */
+static int all_reached(shared_world *w, uint64_t of[MAX_RANKS], fake_comm *c, uint64_t seq) {
+    for (int r = 0; r < c->size; r++)
+        if (!reached(w, &of[r], c, seq)) return 0;
+    return 1;
 }
 
 static void run_coll(void *arg) { /* on the stream's worker, outside G */
@@ -791,7 +795,8 @@ hsdp_ncclResult_t ncclAlltoAll(const void *s, void *r, size_t count, hsdp_ncclDa
  * group, the group's bytes within the slot, all on one communicator and stream: the fake's
  * limits), takes each receive once its peer has posted the matching send (the n-th send from
  * a rank to another matches that one's n-th receive from it), and returns once every peer has
- * taken what it was sent, so the slot is free for what follows. A receive whose size is not
+ * taken what it was sent, so the slot is free for what follows (on the same stream: a rank's
+ * point to point on one communicator goes on one stream, as the backend's does). A receive whose size is not
  * the send's is a violation (NCCL does not check; the bytes would be wrong). */
 enum { MAX_P2P = 2 * MAX_RANKS };
 typedef struct {
@@ -811,18 +816,6 @@ static _Thread_local int group_depth;
 static _Thread_local p2p_group *pending; /* this thread's open group (heap; the op's once enqueued) */
 static _Thread_local int group_failed;   /* a call of the open group failed: its end fails */
 
-/* Waits under w->mu until *counter reaches seq; 0 if the communicator was aborted meanwhile. */
-static int reached(shared_world *w, const uint64_t *counter, fake_comm *c, uint64_t seq) {
-    for (;;) {
-        if (*counter >= seq) return 1;
-        if (atomic_load(&c->dead)) return 0;
-        struct timespec until;
-        clock_gettime(CLOCK_REALTIME, &until);
-        until.tv_nsec += 5 * 1000 * 1000;
-        if (until.tv_nsec >= 1000000000L) until.tv_sec++, until.tv_nsec -= 1000000000L;
-        pthread_cond_timedwait(&w->cv, &w->mu, &until);
-    }
-}
 static void run_p2p(void *arg) { /* on the stream's worker, outside G */
     p2p_group *g = arg;
     fake_comm *c = g->c;
