@@ -8,15 +8,16 @@ backend views its buffers as the CPU (csrc/backend_nccl.c, nccl_host_device), an
 tensors are device memory to it, as CUDA tensors are on a GPU: they go to NCCL's device
 collectives, gathers, all-to-alls and point to point as they are. The fake's worlds of
 several ranks are processes forked from the one that made the unique id (its shared region
-is inherited), as in bench/gpu_check_multi.py --dry-run: this process loads the fake, makes
-for each world a fresh id and forks its N ranks; each joins the world and runs, in order:
+is inherited), as in bench/gpu_check_multi.py --dry-run: this process loads the fake, and
+for each world makes a fresh id and forks its N ranks; each joins the world and runs, in order:
 - 2 ranks: tests/torch_worker.py's stock Wan in float32 (with the agreement tickets) on the
   meshes 1x2 and 2x1, then without the tickets the stock Wan and Flux in bfloat16 on 1x2, each
   sharded and bit for bit equal to the unsharded reference; tests/parallel_torch_worker.py's
   HSDP x Ulysses Wan in float32 (within 1e-5); and tests/parallel_torch_ring.py's sharded Wan
   in float32 with ring attention over the 2 ranks (its k/v blocks by ncclSend/ncclRecv, within
   1e-5 as on MPI) and with CFG parallel (the two branches all-gathered: bit for bit);
-- 4 ranks: the stock Wan in float32 on the mesh 2x2, bit for bit.
+- 4 ranks: the stock Wan in float32 on the mesh 2x2, bit for bit, and the sharded Wan with
+  ring attention x CFG parallel (ring groups {0, 1} and {2, 3}), within 1e-5.
 Prints "rank R: ..." lines from the workers and "all N ranks ok" for each world, or exits 1.
 """
 
