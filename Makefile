@@ -79,7 +79,8 @@ $(TESTBIN)/test_mpi_preinit: csrc/tests/test_mpi_preinit.c $(CORE_SRC) csrc/*.h 
 # no CUDA or NCCL header. Run against the libraries of torch's nvidia wheels (no GPU needed)
 # when they are installed, and always against fake_cuda_nccl.so: a world of one ending in a
 # timeout, one ending in an asynchronous error, and a world of 3 forked ranks ending in a rank
-# that never arrives (named by the others), and one ending in ranks that gather different units.
+# that never arrives (named by the others), and one (NCCL before 2.28.3: the all-to-all as
+# grouped sends and receives between the ranks) ending in ranks that gather different units.
 NCCL_LIB = $$(find $(VENV)/ -name 'libnccl.so.2' -path '*nvidia*' | head -1)
 CUDART_LIB = $$(find $(VENV)/ -name 'libcudart.so.1[0-9]' -path '*nvidia*' | head -1)
 $(TESTBIN)/test_nccl: csrc/tests/test_nccl.c $(CORE_SRC) csrc/*.h csrc/sources.mk csrc/tests/check.h
@@ -129,7 +130,8 @@ ctest: $(TESTBIN)/test_dtype $(TESTBIN)/test_core $(TESTBIN)/test_layout $(TESTB
 	FAKE_NCCL_VERSION=22700 ASAN_OPTIONS=detect_leaks=0 $(TESTBIN)/test_nccl --fake \
 	  $(TESTBIN)/fake_cuda_nccl.so race   # before 2.28.3: all_to_all as grouped sends and receives
 	ASAN_OPTIONS=detect_leaks=0 $(TESTBIN)/test_nccl --fake $(TESTBIN)/fake_cuda_nccl.so ranks 3
-	ASAN_OPTIONS=detect_leaks=0 $(TESTBIN)/test_nccl --fake $(TESTBIN)/fake_cuda_nccl.so ranks 3 desync
+	FAKE_NCCL_VERSION=22700 ASAN_OPTIONS=detect_leaks=0 $(TESTBIN)/test_nccl --fake \
+	  $(TESTBIN)/fake_cuda_nccl.so ranks 3 desync   # the grouped all-to-all between ranks too
 	@nvrtc="$$(find -L $(VENV)/ /usr/local/cuda/lib64/ -name 'libnvrtc.so.1[0-9]' 2>/dev/null | head -1)"; \
 	driver="$$(find -L /usr/lib/x86_64-linux-gnu /usr/lib64 /usr/local/cuda/lib64/stubs -maxdepth 1 -name 'libcuda.so*' 2>/dev/null | head -1)"; \
 	if [ -n "$$nvrtc" ] && [ -n "$$driver" ]; then \
@@ -164,7 +166,7 @@ ctest-clang: clang
 	ASAN_OPTIONS=detect_leaks=0 $(CLANGBIN)/test_nccl --fake $(CLANGBIN)/fake_cuda_nccl.so stall
 	FAKE_NCCL_VERSION=22700 ASAN_OPTIONS=detect_leaks=0 $(CLANGBIN)/test_nccl --fake $(CLANGBIN)/fake_cuda_nccl.so race
 	ASAN_OPTIONS=detect_leaks=0 $(CLANGBIN)/test_nccl --fake $(CLANGBIN)/fake_cuda_nccl.so ranks 3
-	ASAN_OPTIONS=detect_leaks=0 $(CLANGBIN)/test_nccl --fake $(CLANGBIN)/fake_cuda_nccl.so ranks 3 desync
+	FAKE_NCCL_VERSION=22700 ASAN_OPTIONS=detect_leaks=0 $(CLANGBIN)/test_nccl --fake $(CLANGBIN)/fake_cuda_nccl.so ranks 3 desync
 
 # Two pytest workers, one test file each at a time (--dist loadfile): a file's tests share
 # fixtures and resources (network namespaces, servers), and the multi-rank jobs of two files

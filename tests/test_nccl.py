@@ -335,22 +335,31 @@ def test_fp8_wire_kernel_paths(monkeypatch):
 
 
 def test_torch_through_nccl_against_the_fake():
-    """The torch adapter and the combined HSDP x Ulysses path through the NCCL backend's own
-    code, with a CPU-only torch (tests/nccl_torch_fake.py, 2 ranks forked over the fake's
-    shared world): under FAKE_HOST_VIEW=1 the fake says its device memory is host memory, the
-    backend views its buffers as the CPU, and every unit's buffers are NCCL's device buffers.
-    The stock Wan in float32 (with the agreement tickets) and bfloat16 (without: only the
-    gather's own wait orders torch's reads after the fake's stream) equals the unsharded
-    reference bit for bit over three forwards (and its gathered state dict), and HSDP x
-    Ulysses matches within 1e-5."""
+    """The torch adapter and the combined paths through the NCCL backend's own code, with a
+    CPU-only torch (tests/nccl_torch_fake.py: a world of 2 ranks, then one of 4, forked over
+    the fake's shared memory): under FAKE_HOST_VIEW=1 the fake says its device memory is host
+    memory, the backend views its buffers as the CPU, every unit's buffers are NCCL's device
+    buffers, and torch's CPU tensors go to NCCL as they are, as CUDA tensors do on a GPU. The
+    stock Wan in float32 (with the agreement tickets) on the meshes 1x2, 2x1 and 2x2, and in
+    bfloat16 (without: only the gather's own wait orders torch's reads after the fake's
+    stream), and the stock Flux in bfloat16, equal the unsharded reference bit for bit over
+    three forwards (and their gathered state dicts); HSDP x Ulysses, ring attention (its k/v
+    blocks by the backend's grouped ncclSend/ncclRecv between the ranks) and ring x CFG match
+    within 1e-5 (the MPI tests' tolerance), CFG parallel alone bit for bit."""
     built = subprocess.run(["make", "-s", "csrc/tests/bin/fake_cuda_nccl.so"], cwd=ROOT, capture_output=True,
                            text=True, timeout=120)
     assert built.returncode == 0, built.stdout + built.stderr
     out = subprocess.run([sys.executable, str(ROOT / "tests" / "nccl_torch_fake.py"),
-                          str(ROOT / "csrc" / "tests" / "bin" / "fake_cuda_nccl.so"), "2"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=200, env=_clean_env(OMP_NUM_THREADS="1"))
+                          str(ROOT / "csrc" / "tests" / "bin" / "fake_cuda_nccl.so"), "2", "4"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=280, env=_clean_env(OMP_NUM_THREADS="1"))
     assert out.returncode == 0, out.stdout + out.stderr
-    for rank in (0, 1):
-        for case in ("ok wan float32 1x2 on nccl", "ok wan bfloat16 1x2 on nccl", "torch ulysses ok on nccl"):
-            assert f"rank {rank}: {case}" in out.stdout, out.stdout
-    assert "all 2 ranks ok" in out.stdout
+    cases = {2: ("ok wan float32 1x2 on nccl", "ok wan float32 2x1 on nccl", "ok wan bfloat16 1x2 on nccl",
+                 "ok flux bfloat16 1x2 on nccl", "torch ulysses ok on nccl", "torch ring ok on nccl (ring",
+                 "torch cfg ok on nccl (cfg branch"),
+             4: ("ok wan float32 2x2 on nccl", "torch ring x cfg ok on nccl (ring")}
+    first, second = out.stdout.split("all 2 ranks ok\n")  # the world of 2, then the world of 4
+    for n, text in ((2, first), (4, second)):
+        for rank in range(n):
+            for case in cases[n]:
+                assert f"rank {rank}: {case}" in text, out.stdout
+    assert second.endswith("all 4 ranks ok\n"), out.stdout

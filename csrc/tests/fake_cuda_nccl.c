@@ -21,12 +21,14 @@
  * - ncclCommAbort kills the communicator: any later call on it, or one racing with the
  *   abort, is counted (fake_violations()) and fails; so is a call needing a communicator
  *   whose non-blocking init or split was not polled to its end.
- * A world of one rank, or of several forked processes (see "worlds of ranks"), on
- * FAKE_DEVICES devices (default 2) whose memory is host memory.
+ * A world of one rank, or of several forked processes (see "worlds of ranks": collectives
+ * and grouped point to point between them), on FAKE_DEVICES devices (default 2) whose memory
+ * is host memory.
  *
  * Controls, by environment: FAKE_HOST_VIEW=1 makes hsdp_cuda_device_memory_is_host() say 1,
- * so the backend views its device buffers as the CPU and a CPU-only torch runs on them
- * (tests/nccl_torch_fake.py); FAKE_NCCL_VERSION (default 23007); FAKE_STALL=1 makes every
+ * so the backend views its device buffers as the CPU and a CPU-only torch runs on them, and
+ * makes pageable host memory device memory, so torch's CPU tensors are device tensors to the
+ * backend as they are to torch (tests/nccl_torch_fake.py); FAKE_NCCL_VERSION (default 23007); FAKE_STALL=1 makes every
  * event recorded from then on never complete (a peer that never arrives); FAKE_REFUSE_PTX=1
  * makes cuModuleLoadData refuse the PTX (a driver older than the NVRTC). By the fake_*
  * functions at the end (test_nccl finds them with dlsym): holding a stream, failing the
@@ -82,9 +84,14 @@ static block *find(const void *p) {
         if ((const char *)p >= (const char *)b->p && (const char *)p < (const char *)b->p + (b->n ? b->n : 1)) return b;
     return NULL;
 }
+static int host_view(void);
+/* Device memory: the fake's cudaMalloc blocks, and under FAKE_HOST_VIEW=1 pageable host memory
+ * too: there the device is the host, and a framework that views it as the CPU (a CPU-only
+ * torch) makes its device tensors in pageable memory, which must then be device memory to the
+ * backend as they are to the framework (on a GPU, the framework's device tensors are). */
 static int is_device(const void *p) {
     block *b = find(p);
-    return b && !b->pinned;
+    return b ? !b->pinned : host_view();
 }
 static int is_pageable(const void *p) { return p && !find(p); }
 
@@ -155,7 +162,9 @@ hsdp_cudaError_t cudaPointerGetAttributes(hsdp_cudaPointerAttributes *a, const v
     memset(a, 0, sizeof *a);
     pthread_mutex_lock(&G);
     block *b = find(p);
-    a->type = !b ? hsdp_cudaMemoryTypeUnregistered : b->pinned ? hsdp_cudaMemoryTypeHost : hsdp_cudaMemoryTypeDevice;
+    a->type = b && b->pinned ? hsdp_cudaMemoryTypeHost
+              : b || host_view() ? hsdp_cudaMemoryTypeDevice /* see is_device */
+                                 : hsdp_cudaMemoryTypeUnregistered;
     pthread_mutex_unlock(&G);
     return hsdp_cudaSuccess;
 }
@@ -407,11 +416,13 @@ hsdp_cudaError_t cudaEventQuery(hsdp_cudaEvent_t h) {
 const char *cudaGetErrorString(hsdp_cudaError_t e) { return e == hsdp_cudaSuccess ? "no error" : "fake CUDA error"; }
 
 /* The backend's question (backend_nccl.c, hsdp_nccl_load): is device memory host memory the
- * host reads? Always so here; said only under FAKE_HOST_VIEW=1, so the other tests see a GPU. */
-int hsdp_cuda_device_memory_is_host(void) {
+ * host reads? Always so here; said only under FAKE_HOST_VIEW=1, so the other tests see a GPU
+ * (and only then is pageable host memory device memory too: is_device). */
+static int host_view(void) {
     const char *s = getenv("FAKE_HOST_VIEW");
     return s && strcmp(s, "1") == 0;
 }
+int hsdp_cuda_device_memory_is_host(void) { return host_view(); }
 
 /* ---------------------------------------------------------------- worlds of ranks
  * A world of one needs nothing shared. A world of several: ranks are processes forked from
@@ -429,6 +440,9 @@ typedef struct {
     uint64_t arrived[MAX_CHANNELS][MAX_RANKS], left[MAX_CHANNELS][MAX_RANKS];
     int nchannels;                   /* channels given to communicators so far (the world's: 0) */
     int split_base[MAX_CHANNELS];    /* a split of the channel's communicator: its first new channel */
+    /* point to point, [channel][from][to]: messages posted and taken so far, the latest's place */
+    uint64_t p2p_posted[MAX_CHANNELS][MAX_RANKS][MAX_RANKS], p2p_taken[MAX_CHANNELS][MAX_RANKS][MAX_RANKS];
+    size_t p2p_off[MAX_CHANNELS][MAX_RANKS][MAX_RANKS], p2p_len[MAX_CHANNELS][MAX_RANKS][MAX_RANKS];
     unsigned char slot[MAX_CHANNELS][MAX_RANKS][SLOT_BYTES];
 } shared_world;
 
@@ -443,6 +457,7 @@ typedef struct {
     atomic_int in_call;    /* threads inside a call on it (an abort then races with them) */
     const void *sent;      /* the grouped send to self, matched by the next receive */
     size_t sent_n;
+    uint64_t p2p_sent[MAX_RANKS], p2p_received[MAX_RANKS]; /* messages to and from each peer (under G) */
 } fake_comm;
 static fake_comm *comms[MAX_COMMS]; /* every communicator made, by index; freed at unload */
 static atomic_int ncomms, violations;
@@ -668,13 +683,11 @@ typedef struct {
     uint64_t seq;
 } coll;
 
-/* Waits under w->mu until every rank's counter in `of` reaches seq; 0 if the communicator
- * was aborted meanwhile (an abort releases what waits for peers that never come). */
-static int all_reached(shared_world *w, uint64_t of[MAX_RANKS], fake_comm *c, uint64_t seq) {
+/* Waits under w->mu until *counter reaches seq; 0 if the communicator was aborted meanwhile
+ * (an abort releases what waits for peers that never come). */
+static int reached(shared_world *w, const uint64_t *counter, fake_comm *c, uint64_t seq) {
     for (;;) {
-        int all = 1;
-        for (int r = 0; r < c->size; r++) all = all && of[r] >= seq;
-        if (all) return 1;
+        if (*counter >= seq) return 1;
         if (atomic_load(&c->dead)) return 0;
         struct timespec until;
         clock_gettime(CLOCK_REALTIME, &until);
@@ -682,6 +695,12 @@ static int all_reached(shared_world *w, uint64_t of[MAX_RANKS], fake_comm *c, ui
         if (until.tv_nsec >= 1000000000L) until.tv_sec++, until.tv_nsec -= 1000000000L;
         pthread_cond_timedwait(&w->cv, &w->mu, &until);
     }
+}
+/* The same until every rank's counter in `of` reaches seq (counters only grow). */
+static int all_reached(shared_world *w, uint64_t of[MAX_RANKS], fake_comm *c, uint64_t seq) {
+    for (int r = 0; r < c->size; r++)
+        if (!reached(w, &of[r], c, seq)) return 0;
+    return 1;
 }
 
 static void run_coll(void *arg) { /* on the stream's worker, outside G */
@@ -769,36 +788,146 @@ hsdp_ncclResult_t ncclAlltoAll(const void *s, void *r, size_t count, hsdp_ncclDa
                                hsdp_cudaStream_t st) {
     return collective(c, C_ALLTOALL, s, r, nbytes(count, t), 0, st);
 }
-hsdp_ncclResult_t ncclSend(const void *s, size_t count, hsdp_ncclDataType_t t, int peer, hsdp_ncclComm_t h,
-                           hsdp_cudaStream_t st) {
-    (void)st;
-    fake_comm *c = enter_ready(h);
-    if (!c) return hsdp_ncclInvalidArgument;
-    pthread_mutex_lock(&G);
-    int ok = peer == 0 && c->size == 1 && is_device(s); /* grouped sends: a world of one only */
-    pthread_mutex_unlock(&G);
-    if (ok) {
-        c->sent = s;
-        c->sent_n = nbytes(count, t);
+/* Point to point. A world of one: a grouped send to this rank, matched by the next receive (a
+ * copy on the stream). A world of several: the sends and receives between ncclGroupStart and
+ * ncclGroupEnd (or a lone call outside a group) are one op on the stream, run by its worker
+ * outside G: it posts each send in this rank's slot, for its peer (one send to a peer per
+ * group, the group's bytes within the slot, all on one communicator and stream: the fake's
+ * limits), takes each receive once its peer has posted the matching send (the n-th send from
+ * a rank to another matches that one's n-th receive from it), and returns once every peer has
+ * taken what it was sent, so the slot is free for what follows (on the same stream: a rank's
+ * point to point on one communicator goes on one stream, as the backend's does). A receive whose size is not
+ * the send's is a violation (NCCL does not check; the bytes would be wrong). */
+enum { MAX_P2P = 2 * MAX_RANKS };
+typedef struct {
+    int send, peer;
+    void *buf; /* a send's source, or a receive's destination */
+    size_t n;
+    uint64_t seq; /* the n-th message between this rank and peer, in its direction */
+} p2p_item;
+typedef struct {
+    fake_comm *c;
+    hsdp_cudaStream_t st;
+    int n;
+    size_t sent; /* bytes of the sends: their place in the slot */
+    p2p_item item[MAX_P2P];
+} p2p_group;
+static _Thread_local int group_depth;
+static _Thread_local p2p_group *pending; /* this thread's open group (heap; the op's once enqueued) */
+static _Thread_local int group_failed;   /* a call of the open group failed: its end fails */
+
+static void run_p2p(void *arg) { /* on the stream's worker, outside G */
+    p2p_group *g = arg;
+    fake_comm *c = g->c;
+    shared_world *w = c->world;
+    int ch = c->channel, me = c->rank, ok = 1;
+    pthread_mutex_lock(&w->mu);
+    size_t off = 0;
+    for (int i = 0; i < g->n; i++) {
+        p2p_item *it = &g->item[i];
+        if (!it->send) continue;
+        memcpy(w->slot[ch][me] + off, it->buf, it->n);
+        w->p2p_off[ch][me][it->peer] = off;
+        w->p2p_len[ch][me][it->peer] = it->n;
+        w->p2p_posted[ch][me][it->peer] = it->seq;
+        off += it->n;
     }
-    leave(c);
-    return ok ? hsdp_ncclSuccess : hsdp_ncclInvalidUsage;
+    pthread_cond_broadcast(&w->cv);
+    for (int i = 0; i < g->n && ok; i++) {
+        p2p_item *it = &g->item[i];
+        if (it->send) continue;
+        ok = reached(w, &w->p2p_posted[ch][it->peer][me], c, it->seq);
+        if (!ok) break;
+        size_t len = w->p2p_len[ch][it->peer][me];
+        if (len != it->n) atomic_fetch_add(&violations, 1);
+        memcpy(it->buf, w->slot[ch][it->peer] + w->p2p_off[ch][it->peer][me], len < it->n ? len : it->n);
+        w->p2p_taken[ch][it->peer][me] = it->seq;
+        pthread_cond_broadcast(&w->cv);
+    }
+    for (int i = 0; i < g->n && ok; i++) /* the slot is free once every peer has taken its send */
+        if (g->item[i].send) ok = reached(w, &w->p2p_taken[ch][me][g->item[i].peer], c, g->item[i].seq);
+    pthread_mutex_unlock(&w->mu); /* g is the op's, freed with it */
 }
-hsdp_ncclResult_t ncclRecv(void *r, size_t count, hsdp_ncclDataType_t t, int peer, hsdp_ncclComm_t h,
-                           hsdp_cudaStream_t st) {
+/* Enqueues the open group on its stream (a world of several); it is the op's from now on. */
+static hsdp_ncclResult_t p2p_flush(void) {
+    p2p_group *g = pending;
+    pending = NULL;
+    int failed = group_failed;
+    group_failed = 0;
+    if (!g) return failed ? hsdp_ncclInvalidUsage : hsdp_ncclSuccess;
+    op *o = failed ? NULL : calloc(1, sizeof *o);
+    if (!o) {
+        free(g);
+        return failed ? hsdp_ncclInvalidUsage : hsdp_ncclSystemError;
+    }
+    pthread_mutex_lock(&G);
+    for (int i = 0; i < g->n; i++) { /* numbered in the order the ops reach the stream */
+        p2p_item *it = &g->item[i];
+        it->seq = ++(it->send ? g->c->p2p_sent : g->c->p2p_received)[it->peer];
+    }
+    *o = (op){.kind = K_FN, .fn = run_p2p, .owned = g};
+    push(g->st, o);
+    pthread_mutex_unlock(&G);
+    return hsdp_ncclSuccess;
+}
+/* A send (send = 1) or receive of n bytes with peer, added to this thread's group. */
+static hsdp_ncclResult_t p2p_add(fake_comm *c, int send, void *buf, size_t n, int peer, hsdp_cudaStream_t st) {
+    if (!pending && !(pending = calloc(1, sizeof *pending))) return hsdp_ncclSystemError;
+    p2p_group *g = pending;
+    if (!g->c) g->c = c, g->st = st;
+    int ok = g->c == c && g->st == st && g->n < MAX_P2P && (!send || g->sent + n <= SLOT_BYTES);
+    for (int i = 0; i < g->n && ok; i++) ok = g->item[i].send != send || g->item[i].peer != peer;
+    if (!ok) return hsdp_ncclInvalidUsage;
+    g->item[g->n++] = (p2p_item){.send = send, .peer = peer, .buf = buf, .n = n};
+    if (send) g->sent += n;
+    return hsdp_ncclSuccess;
+}
+static hsdp_ncclResult_t p2p(int send, void *buf, size_t count, hsdp_ncclDataType_t t, int peer, hsdp_ncclComm_t h,
+                             hsdp_cudaStream_t st) {
+    context();
     fake_comm *c = enter_ready(h);
     if (!c) return hsdp_ncclInvalidArgument;
+    size_t n = nbytes(count, t);
     pthread_mutex_lock(&G);
-    int ok = peer == 0 && is_device(r) && c->sent && c->sent_n == nbytes(count, t);
+    int ok = peer >= 0 && peer < c->size && (!n || is_device(buf));
     pthread_mutex_unlock(&G);
-    hsdp_ncclResult_t rc = ok && copy_on(st, r, c->sent, c->sent_n) == hsdp_cudaSuccess ? hsdp_ncclSuccess
-                                                                                      : hsdp_ncclInvalidUsage;
-    c->sent = NULL;
+    hsdp_ncclResult_t rc = ok ? hsdp_ncclSuccess : hsdp_ncclInvalidUsage;
+    if (rc == hsdp_ncclSuccess && !c->world) { /* a world of one: to and from this rank */
+        if (send) {
+            c->sent = buf;
+            c->sent_n = n;
+        } else {
+            rc = c->sent && c->sent_n == n && copy_on(st, buf, c->sent, n) == hsdp_cudaSuccess ? hsdp_ncclSuccess
+                                                                                               : hsdp_ncclInvalidUsage;
+            c->sent = NULL;
+        }
+    } else if (rc == hsdp_ncclSuccess) {
+        rc = p2p_add(c, send, buf, n, peer, st);
+        if (rc != hsdp_ncclSuccess) group_failed = 1;
+        if (group_depth == 0) { /* outside a group: a group of its own */
+            hsdp_ncclResult_t end = p2p_flush();
+            if (rc == hsdp_ncclSuccess) rc = end;
+        }
+    }
     leave(c);
     return rc;
 }
-hsdp_ncclResult_t ncclGroupStart(void) { return hsdp_ncclSuccess; }
-hsdp_ncclResult_t ncclGroupEnd(void) { return hsdp_ncclSuccess; }
+hsdp_ncclResult_t ncclSend(const void *s, size_t count, hsdp_ncclDataType_t t, int peer, hsdp_ncclComm_t h,
+                           hsdp_cudaStream_t st) {
+    return p2p(1, (void *)s, count, t, peer, h, st);
+}
+hsdp_ncclResult_t ncclRecv(void *r, size_t count, hsdp_ncclDataType_t t, int peer, hsdp_ncclComm_t h,
+                           hsdp_cudaStream_t st) {
+    return p2p(0, r, count, t, peer, h, st);
+}
+hsdp_ncclResult_t ncclGroupStart(void) {
+    group_depth++;
+    return hsdp_ncclSuccess;
+}
+hsdp_ncclResult_t ncclGroupEnd(void) {
+    if (group_depth == 0) return hsdp_ncclInvalidUsage;
+    return --group_depth == 0 ? p2p_flush() : hsdp_ncclSuccess;
+}
 
 /* ---------------------------------------------------------------- controls, for test_nccl */
 /* Holds a stream (its queued work waits) or lets it go. */

@@ -14,8 +14,9 @@
  *                                 the watchdog's timeout; "race", an asynchronous error while
  *                                 another communicator's collective is in progress; or
  *                                 "ranks N": a world of N forked ranks over the fake's shared
- *                                 memory (collectives across ranks, a sharded unit, and a
- *                                 rank that never arrives, named by the others), or "ranks N
+ *                                 memory (collectives across ranks, a sharded unit, ring
+ *                                 attention's sendrecv between them, and a rank that never
+ *                                 arrives, named by the others), or "ranks N
  *                                 desync": the same world ending in ranks that gather
  *                                 different units (agreement: every rank fails).
  *   test_nccl --nvrtc LIBNVRTC LIBCUDA
@@ -511,6 +512,36 @@ static void desync(hsdp_group *world, int rank, hsdp_stats *stats) {
     hsdp_unit_free(&large);
 }
 
+/* Ring attention's point to point between ranks, on device buffers: each rank sends to the
+ * next and receives from the one before (hsdp_sendrecv), then the other way round, started
+ * and waited, several rounds with a collective of the same communicator between them. */
+static void ring_sendrecv(hsdp_group *g, hsdp_stats *stats) {
+    const hsdp_backend *b = hsdp_backend_find("nccl");
+    int n = g->size, me = g->rank, next = (me + 1) % n, prev = (me + n - 1) % n;
+    enum { N = 96 };
+    unsigned char *send = hsdp_device_alloc(stats, b, HSDP_DEVICE_BACKEND, N);
+    unsigned char *recv = hsdp_device_alloc(stats, b, HSDP_DEVICE_BACKEND, N);
+    CHECK(send && recv);
+    if (!send || !recv) return;
+    memset(send, me + 1, N);
+    memset(recv, 0, N);
+    CHECK(hsdp_sendrecv(g, send, N, next, recv, N, prev) == HSDP_OK);
+    device_sync();
+    CHECK(recv[0] == prev + 1 && recv[N - 1] == prev + 1);
+    for (int round = 0; round < 3; round++) {
+        memset(send, 10 * round + me, N);
+        hsdp_req r;
+        memset(&r, 0, sizeof r);
+        CHECK(hsdp_sendrecv_start(&r, g, send, N, prev, recv, N, next) == HSDP_OK);
+        CHECK(hsdp_gather_wait(&r) == HSDP_OK);
+        device_sync();
+        CHECK(recv[0] == 10 * round + next && recv[N - 1] == 10 * round + next);
+        CHECK(hsdp_barrier(g) == HSDP_OK);
+    }
+    hsdp_device_free(stats, b, HSDP_DEVICE_BACKEND, send, N);
+    hsdp_device_free(stats, b, HSDP_DEVICE_BACKEND, recv, N);
+}
+
 /* One rank of a world of several (forked processes over the fake's shared memory), ending in
  * a timeout (ending "timeout") or in ranks that disagree ("desync"). */
 static void one_rank(const unsigned char *id, int rank, int n, const char *ending) {
@@ -558,6 +589,7 @@ static void one_rank(const unsigned char *id, int rank, int n, const char *endin
         hsdp_device_free(&stats, b_nccl, HSDP_DEVICE_BACKEND, full, u.layout.total_bytes);
     }
     hsdp_unit_free(&u);
+    ring_sendrecv(sub, &stats);
     wire_unit(world, getenv("TEST_NCCL_FAKE"), 0);
 
     if (strcmp(ending, "desync") == 0) {

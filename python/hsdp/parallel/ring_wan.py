@@ -12,9 +12,10 @@ float32. A block's attention and its log-sum-exp come from torch's flash attenti
 
 On GPUs (the NCCL backend) the k/v block moves by ``sendrecv_start_device``: grouped
 ``ncclSend``/``ncclRecv`` on hsdp's side stream, the compute stream made to wait at
-``sendrecv_wait``. That path has NOT RUN ON A GPU yet (no GPU was lent to the project); its C
-side runs against the fake CUDA/NCCL library. Imported only by callers, so ``import hsdp``
-never pulls torch in.
+``sendrecv_wait``. That path has NOT RUN ON A GPU yet (no GPU was lent to the project); it
+runs against the fake CUDA/NCCL library between forked ranks, on CPU tensors
+(tests/nccl_torch_fake.py), so no CUDA stream is involved. Imported only by callers, so
+``import hsdp`` never pulls torch in.
 """
 
 from __future__ import annotations
