@@ -1,6 +1,6 @@
 """One rank of the torch Ulysses check (started by tests/test_parallel_torch.py under mpiexec).
 
-`python tests/parallel_torch_worker.py DTYPE`: a tiny diffusers Wan transformer, sharded by
+`python tests/parallel_torch_worker.py DTYPE...`: for each dtype, a tiny diffusers Wan transformer, sharded by
 hsdp over the world and run with Ulysses over the same ranks, against the unsharded model
 with the stock processors in this process: within 1e-5 relative in float32 (bfloat16: 2e-2).
 """
@@ -18,7 +18,11 @@ from torch_models import check_on_device, is_wan_block, make_wan, target_device,
 
 
 def main() -> None:
-    dtype = sys.argv[1]
+    for dtype in sys.argv[1:]:  # one launch, several dtypes: each launch costs a torch import per rank
+        check(dtype)
+
+
+def check(dtype: str) -> None:
     world = worker_world()
     sp = parallel.Ulysses(world)
     args, kwargs = wan_inputs()
@@ -40,7 +44,7 @@ def main() -> None:
             got = model(*args, **kwargs)[0].float()
             rel = ((got - expect).abs().max() / expect.abs().max()).item()
             assert rel <= (1e-5 if dtype == "float32" else 2e-2), rel
-    print(f"rank {world.rank}: torch ulysses ok on {world.backend}, relative {rel:.3g}", flush=True)
+    print(f"rank {world.rank}: torch ulysses {dtype} ok on {world.backend}, relative {rel:.3g}", flush=True)
 
 
 if __name__ == "__main__":

@@ -354,7 +354,7 @@ def test_torch_through_nccl_against_the_fake():
                          capture_output=True, text=True, timeout=280, env=_clean_env(OMP_NUM_THREADS="1"))
     assert out.returncode == 0, out.stdout + out.stderr
     cases = {2: ("ok wan float32 1x2 on nccl", "ok wan float32 2x1 on nccl", "ok wan bfloat16 1x2 on nccl",
-                 "ok flux bfloat16 1x2 on nccl", "torch ulysses ok on nccl", "torch ring ok on nccl (ring",
+                 "ok flux bfloat16 1x2 on nccl", "torch ulysses float32 ok on nccl", "torch ring ok on nccl (ring",
                  "torch cfg ok on nccl (cfg branch"),
              4: ("ok wan float32 2x2 on nccl", "torch ring x cfg ok on nccl (ring")}
     first, second = out.stdout.split("all 2 ranks ok\n")  # the world of 2, then the world of 4
