@@ -103,12 +103,13 @@ const hsdp_backend hsdp_backend_nccl = {.name = "nccl", .usable = nccl_usable, .
 static struct {
     void *nccl, *cudart; /* dlopen handles, owned here (kept open for the process) */
     int loaded, version;
-    int host_reads; /* the runtime's device memory is host memory the host reads (the test fake) */
+    const hsdp_device_i *device; /* the device table in effect: CUDA, or the host's view of it (the test fake) */
     NCCL_REQUIRED(DECLARE)
     NCCL_OPTIONAL(DECLARE)
     CUDA_REQUIRED(DECLARE)
 } api;
 #undef DECLARE
+static const hsdp_device_i nccl_device, nccl_host_device; /* the device tables, defined below */
 
 /* Every CUDA call goes through CUDA(): a failure, handled or not, is cleared from the calling
  * thread's last error at once. hsdp shares the libcudart torch has mapped, so an error left
@@ -185,10 +186,12 @@ hsdp_status hsdp_nccl_load(const char *nccl_path, const char *cudart_path) {
      * exporting int hsdp_cuda_device_memory_is_host(void) and returning 1 from it (the test
      * fake, csrc/tests/fake_cuda_nccl.c, under FAKE_HOST_VIEW=1; no real runtime has it).
      * Its buffers are then viewed as the CPU (nccl_host_device), so a CPU-only torch runs
-     * the real NCCL code paths against the fake. */
+     * the real NCCL code paths against the fake. This is the one place that asks: the
+     * collectives order their readers through the table chosen here (reader_after). */
     {
         int (*host_memory)(void) = NULL;
-        api.host_reads = resolve(api.cudart, "hsdp_cuda_device_memory_is_host", &host_memory) && host_memory() == 1;
+        int host_reads = resolve(api.cudart, "hsdp_cuda_device_memory_is_host", &host_memory) && host_memory() == 1;
+        api.device = host_reads ? &nccl_host_device : &nccl_device;
     }
     api.loaded = 1;
     return HSDP_OK;
@@ -293,6 +296,9 @@ static void nccl_call_stream(void *stream, int set) {
 }
 void *hsdp_nccl_comm_stream(void) { return (void *)S.comm; }
 static int nccl_device_id(void) { return S.device; } /* one GPU per process */
+/* The device table in effect (hsdp_nccl_load chose it): every collective path orders its
+ * readers through it and never asks which one it is. */
+static const hsdp_device_i *device_now(void) { return api.device ? api.device : &nccl_device; }
 
 static const char *nccl_text(hsdp_ncclResult_t rc, nccl_comm *c) {
     const char *last = c && api.ncclGetLastError ? api.ncclGetLastError(c->comm) : NULL;
@@ -664,11 +670,7 @@ static hsdp_status run_sync(hsdp_group *g, op_kind op, const void *send, void *r
     if (st == HSDP_OK) st = enqueue(c, op, g->size, s, r, nbytes, root);
     hsdp_cudaEvent_t ev = NULL;
     if (st == HSDP_OK) st = track(what, direct ? recv : NULL, recv_n, &ev);
-    if (st == HSDP_OK && direct && api.host_reads) st = host_wait(ev, what); /* a CPU view: the host reads next */
-    if (st == HSDP_OK && direct && !api.host_reads) {
-        hsdp_cudaError_t e = CUDA(cudaStreamWaitEvent, order, ev, 0);
-        if (e != hsdp_cudaSuccess) st = cuda_fail(e, "ordering the compute stream after a collective");
-    }
+    if (st == HSDP_OK && direct) st = device_now()->reader_after(ev, order, what);
     /* staged: the collective is waited for (within the timeout) before the copy back, which
      * into pageable memory blocks the host until the side stream reaches it: behind a
      * collective a peer never joins, it would block beyond any timeout */
@@ -946,11 +948,7 @@ static hsdp_status gather_fixed_as(hsdp_group *g, void **share, const void *send
     if (st == HSDP_OK) st = enqueue_unit(g, slot, src, recv, nbytes);
     hsdp_cudaEvent_t ev = NULL;
     if (st == HSDP_OK) st = track(what, recv, nbytes * (size_t)g->size, &ev);
-    if (st == HSDP_OK && api.host_reads) st = host_wait(ev, what); /* a CPU view: the host reads next */
-    if (st == HSDP_OK && !api.host_reads) {
-        hsdp_cudaError_t e = CUDA(cudaStreamWaitEvent, S.compute, ev, 0);
-        if (e != hsdp_cudaSuccess) st = cuda_fail(e, "ordering the compute stream after a gather");
-    }
+    if (st == HSDP_OK) st = device_now()->reader_after(ev, S.compute, what);
     issue_unlock();
     return ticket_check(g, slot, st, what); /* a synchronous gather returns once checked */
 }
@@ -1095,13 +1093,8 @@ static void nccl_gather_wait(hsdp_req *r) {
     hsdp_status st = HSDP_OK;
     if (atomic_load(&S.failed)) {
         st = failed_status();
-    } else if (t->ev && api.host_reads) {
-        /* the consumer is the host (a CPU view of the device memory): it has no stream */
-        st = host_wait(t->ev, t->what);
     } else if (t->ev) {
-        /* the compute stream waits; the host does not */
-        hsdp_cudaError_t e = CUDA(cudaStreamWaitEvent, S.compute, t->ev, 0);
-        if (e != hsdp_cudaSuccess) st = cuda_fail(e, "ordering the compute stream after a gather");
+        st = device_now()->reader_after(t->ev, S.compute, t->what); /* the compute stream waits (CUDA) */
     }
     st = ticket_check(r->g, t->slot, st, t->what); /* the host waits for the tickets, and compares */
     t->slot = -1;
@@ -1202,6 +1195,15 @@ static const char *nccl_wire_missing(void) {
                                      "first (it needs NVRTC and the CUDA driver)";
 }
 
+/* A stream reads next: it waits on the collective's event; the host does not. */
+static hsdp_status stream_after(void *done, void *stream, const char *what) {
+    hsdp_cudaError_t e = CUDA(cudaStreamWaitEvent, (hsdp_cudaStream_t)stream, (hsdp_cudaEvent_t)done, 0);
+    if (e == hsdp_cudaSuccess) return HSDP_OK;
+    char msg[200];
+    snprintf(msg, sizeof msg, "ordering the consumer's stream after %s", what);
+    return cuda_fail(e, msg);
+}
+
 static const hsdp_device_i nccl_device = {
     .name = "cuda",
     .framework = "cuda",
@@ -1213,14 +1215,19 @@ static const hsdp_device_i nccl_device = {
     .consumer_wait = nccl_consumer_wait,
     .call_stream = nccl_call_stream,
     .wire_missing = nccl_wire_missing,
+    .reader_after = stream_after,
 };
 
-/* The same device memory over a runtime whose device memory the host reads (api.host_reads:
- * the test fake): views of it are CPU tensors (kDLCPU), so a CPU-only torch computes on them.
- * The consumer is the host, which has no stream: every wait on a collective writing device
- * memory blocks the host (nccl_gather_wait, run_sync), so a buffer's bytes have landed when
+/* The same device memory over a runtime whose device memory the host reads (the test fake,
+ * chosen by hsdp_nccl_load): views of it are CPU tensors (kDLCPU), so a CPU-only torch
+ * computes on them. The reader is the host, which has no stream: every wait on a collective
+ * writing device memory blocks the host (host_after), so a buffer's bytes have landed when
  * its gather's wait returns, as device.h says of a device without consumer_wait. */
 static int nccl_host_id(void) { return 0; } /* kDLCPU has one device */
+static hsdp_status host_after(void *done, void *stream, const char *what) {
+    (void)stream;
+    return host_wait((hsdp_cudaEvent_t)done, what);
+}
 static const hsdp_device_i nccl_host_device = {
     .name = "cuda",
     .framework = "cpu",
@@ -1230,9 +1237,8 @@ static const hsdp_device_i nccl_host_device = {
     .free = nccl_buffer_free,
     .released = nccl_buffers_released,
     .wire_missing = nccl_wire_missing,
+    .reader_after = host_after,
 };
-
-static const hsdp_device_i *nccl_device_now(void) { return api.host_reads ? &nccl_host_device : &nccl_device; }
 
 /* ---------------------------------------------------------------- communicators */
 static hsdp_status comm_wrap(hsdp_ncclComm_t comm, int rank, int size, hsdp_group **out) {
@@ -1544,7 +1550,7 @@ const hsdp_backend hsdp_backend_nccl = {
     .gather_wait = nccl_gather_wait,
     .overlaps = nccl_overlaps,
     .device = &nccl_device,
-    .device_now = nccl_device_now,
+    .device_now = device_now,
     .finalize = nccl_finalize,
     .gather_fixed = nccl_gather_fixed,
     .gather_unit = nccl_gather_unit,
