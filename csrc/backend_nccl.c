@@ -1044,8 +1044,8 @@ static hsdp_status nccl_gather_start(hsdp_req *r, const void *send, void *recv, 
     t->ev = NULL;
     t->slot = -1;
     r->start_ns = hsdp_now_ns();
-    const hsdp_gather_req *wr = hsdp_unit_wire_request(r); /* float8 wire: decoded here, see wire_decode */
-    if (r->then && !wr) /* the conversion is host work: a device unit computes in its storage dtypes */
+    const hsdp_gather_req *wr = hsdp_unit_landing_request(r); /* float8 wire: decoded here, see wire_decode */
+    if (r->then && (!wr || wr->widened)) /* a conversion is host work: a device unit computes in its storage dtypes */
         return hsdp_fail(HSDP_EUNSUPPORTED, "a GPU gather cannot convert dtypes on the host; compute in the storage dtype");
     hsdp_status st = wr && on_device(recv) ? wire_check(wr, r->label) : HSDP_OK;
     if (st != HSDP_OK) return st;
