@@ -912,58 +912,131 @@ static hsdp_status ticket_check(hsdp_group *g, int slot, hsdp_status st, const c
     return st;
 }
 
-/* How a unit gather on g checks agreement: HSDP_AGREE_ON (the tickets beside the data),
- * HSDP_AGREE_OFF, or done already (hsdp_agree, HSDP_OK: then OFF). */
-static int agreement_mode(hsdp_group *g, const void *recv, const char *label, uint64_t ident, size_t nbytes,
-                          hsdp_status *st) {
-    *st = HSDP_OK;
-    int mode = g->size > 1 ? hsdp_agreement_check() : HSDP_AGREE_OFF;
-    if (mode == HSDP_AGREE_SEPARATE || (mode != HSDP_AGREE_OFF && !on_device(recv))) {
-        *st = hsdp_agree(g, label, ident, nbytes, nccl_all_gather);
-        mode = HSDP_AGREE_OFF;
-    }
-    return mode;
-}
+/* A gather's own state (a request's, or a synchronous gather's on the stack): the event its
+ * reader is ordered after (reader_after), and its tickets. */
+typedef struct {
+    hsdp_cudaEvent_t ev;
+    int slot;       /* a unit gather's tickets (agreement), or -1 */
+    char what[160]; /* what it gathers, for the tickets' wait */
+} nccl_task;
+_Static_assert(sizeof(nccl_task) <= HSDP_REQ_STATE_BYTES, "nccl_task must fit in hsdp_req.state");
 
-static hsdp_status gather_fixed_as(hsdp_group *g, void **share, const void *send, void *recv, size_t nbytes,
-                                   const char *label, uint64_t ident, int mode) {
-    device_guard();
-    if (!on_device(recv)) { /* a host unit: staged each time, and fixed from now on like any other */
-        /* a unit already on the device is gathered from its device copy (its host chunk may be gone) */
-        if (*share && *share != hsdp_share_collective()) send = ((nccl_share *)*share)->dev;
-        hsdp_status st = nccl_all_gather(g, send, recv, nbytes);
-        if (st == HSDP_OK && !*share) *share = hsdp_share_collective();
-        return st;
-    }
+/* ---- the float8 wire (issue 22): decoded on the side stream (cuda_dequant.c) ----
+ * A unit's gathered encodings are dequantized by a kernel enqueued right after the gather,
+ * on the same stream, and tracked as a collective writing the unsharded buffer: the event the
+ * compute stream (or a DLPack consumer) waits on is the kernel's. S.issue held. */
+static hsdp_status wire_check(const hsdp_gather_req *wr, const char *label) { /* before anything is enqueued */
+    if (!on_device(wr->full))
+        return hsdp_fail(HSDP_EUNSUPPORTED, "unit '%s': the float8 wire gathers into device memory here, so its "
+                         "unsharded buffer must be device memory too", label ? label : "");
+    if (!hsdp_wire_cuda_loaded())
+        return hsdp_fail(HSDP_EUNSUPPORTED, "unit '%s': the float8 wire on NCCL dequantizes with a kernel that NVRTC "
+                         "compiles and the CUDA driver launches, and neither is loaded (hsdp_wire_cuda_load)",
+                         label ? label : "");
+    return hsdp_wire_cuda_prepare(); /* the module in this context: a driver refusing the PTX says so now */
+}
+static hsdp_status wire_decode(const hsdp_gather_req *wr, const char *label, hsdp_cudaEvent_t *ev) {
+    hsdp_status st = hsdp_wire_cuda_decode(wr->u, wr->wire, wr->full, S.comm);
     char what[160];
-    describe(what, sizeof what, "gather", label, nbytes, g->size);
+    snprintf(what, sizeof what, "the float8 dequantization of unit '%s' (%zu bytes)", label ? label : "",
+             wr->u->layout.total_bytes);
+    return st == HSDP_OK ? track(what, wr->full, wr->u->layout.total_bytes, ev) : st;
+}
+/* ---- end of the float8 wire ---- */
+
+/* Issues a gather into device memory (S.issue taken here): with share, a unit's fixed chunk
+ * from its device copy (made by the first gather), else send as given; the tickets in the
+ * same NCCL group when mode is HSDP_AGREE_ON; with wr, the float8 wire's decode after it.
+ * t gets the event its reader waits on and the tickets' slot, for task_wait. On failure
+ * nothing is left to wait for: the slot is given back. */
+static hsdp_status issue_device(nccl_task *t, hsdp_group *g, void **share, const void *send, void *recv,
+                                size_t nbytes, const char *label, uint64_t ident, int mode,
+                                const hsdp_gather_req *wr) {
+    describe(t->what, sizeof t->what, "gather", label, nbytes, g->size);
     pthread_mutex_lock(&S.issue);
     issuing = g->impl;
-    const void *src = NULL;
-    int slot = -1;
+    const void *src = send;
     hsdp_status st = begin();
-    if (st == HSDP_OK) st = fixed_source(share, send, nbytes, &src);
-    if (st == HSDP_OK) st = in_place(src, recv, nbytes, g->rank, &src);
-    if (st == HSDP_OK && mode == HSDP_AGREE_ON) st = ticket_begin(g, label, ident, nbytes, &slot);
-    if (st == HSDP_OK) st = enqueue_unit(g, slot, src, recv, nbytes);
-    hsdp_cudaEvent_t ev = NULL;
-    if (st == HSDP_OK) st = track(what, recv, nbytes * (size_t)g->size, &ev);
-    if (st == HSDP_OK) st = device_now()->reader_after(ev, S.compute, what);
+    if (st == HSDP_OK && share) st = fixed_source(share, send, nbytes, &src);
+    if (st == HSDP_OK && src != (const char *)recv + (size_t)g->rank * nbytes)
+        st = in_place(src, recv, nbytes, g->rank, &src);
+    if (st == HSDP_OK && mode == HSDP_AGREE_ON) st = ticket_begin(g, label, ident, nbytes, &t->slot);
+    int enqueued = 0;
+    if (st == HSDP_OK) enqueued = (st = enqueue_unit(g, t->slot, src, recv, nbytes)) == HSDP_OK;
+    if (st == HSDP_OK) st = track(t->what, recv, nbytes * (size_t)g->size, &t->ev);
+    if (st == HSDP_OK && wr) st = wire_decode(wr, label, &t->ev); /* the float8 wire */
     issue_unlock();
-    return ticket_check(g, slot, st, what); /* a synchronous gather returns once checked */
+    if (st != HSDP_OK && enqueued && t->slot >= 0) {
+        /* the tickets' copy-back is queued: the slot is taken again only once it has landed,
+         * or it would overwrite the next gather's ticket (the error stays this one's) */
+        char why[sizeof S.why];
+        snprintf(why, sizeof why, "%s", hsdp_last_error());
+        (void)host_wait(T.ev[t->slot], t->what);
+        st = hsdp_fail(st, "%s", why);
+    }
+    if (st != HSDP_OK) (void)ticket_check(g, t->slot, st, t->what); /* no wait follows: the slot goes back now */
+    if (st != HSDP_OK) t->slot = -1;
+    return st;
+}
+
+/* Ends what a gather began: its reader ordered after it (the device's reader_after: the
+ * compute stream waits, the host does not; over a host view the host waits), then its
+ * tickets waited for on the host and compared. */
+static hsdp_status task_wait(hsdp_group *g, nccl_task *t) {
+    hsdp_status st = atomic_load(&S.failed) ? failed_status() : HSDP_OK;
+    if (st == HSDP_OK && t->ev) st = device_now()->reader_after(t->ev, S.compute, t->what);
+    st = ticket_check(g, t->slot, st, t->what); /* the host waits for the tickets, and compares */
+    t->slot = -1;
+    return st;
+}
+
+/* Begins a gather into recv: of a unit's fixed chunk (share; check: whether it checks that
+ * every rank gathers the same unit, told ident) or, share NULL, of send as given. dev says
+ * whether recv is device memory (on_device, asked once by the caller). Into device memory
+ * it is issued into t, for task_wait; into host memory it is staged and done before this
+ * returns, and t holds nothing to wait for. Agreement travels with a device gather's data
+ * (HSDP_AGREE_ON); into host memory, or under HSDP_AGREE_SEPARATE, it is its own staged
+ * all-gather first (hsdp_agree). */
+static hsdp_status gather_begin(nccl_task *t, hsdp_group *g, void **share, const void *send, void *recv,
+                                size_t nbytes, const char *label, uint64_t ident, int check, int dev,
+                                const hsdp_gather_req *wr) {
+    t->ev = NULL;
+    t->slot = -1;
+    t->what[0] = '\0';
+    int mode = share && check && g->size > 1 ? hsdp_agreement_check() : HSDP_AGREE_OFF;
+    if (mode == HSDP_AGREE_SEPARATE || (mode != HSDP_AGREE_OFF && !dev)) {
+        hsdp_status st = hsdp_agree(g, label, ident, nbytes, nccl_all_gather);
+        if (st != HSDP_OK) return st;
+        mode = HSDP_AGREE_OFF;
+    }
+    if (dev) return issue_device(t, g, share, send, recv, nbytes, label, ident, mode, wr);
+    /* a host buffer: staged each time; a unit's chunk is fixed from now on like any other,
+     * and once on the device it is gathered from its device copy (its host chunk may be gone) */
+    if (share && *share && *share != hsdp_share_collective()) send = ((nccl_share *)*share)->dev;
+    hsdp_status st = nccl_all_gather(g, send, recv, nbytes);
+    if (st == HSDP_OK && share && !*share) *share = hsdp_share_collective();
+    return st;
+}
+
+/* A synchronous gather of a fixed chunk: begun, then waited for (a unit's returns once its
+ * tickets are checked). */
+static hsdp_status gather_fixed_as(hsdp_group *g, void **share, const void *send, void *recv, size_t nbytes,
+                                   const char *label, uint64_t ident, int check) {
+    device_guard();
+    int dev = on_device(recv);
+    nccl_task t;
+    hsdp_status st = gather_begin(&t, g, share, send, recv, nbytes, label, ident, check, dev, NULL);
+    return st == HSDP_OK && dev ? task_wait(g, &t) : st;
 }
 
 static hsdp_status nccl_gather_fixed(hsdp_group *g, void **share, const void *send, void *recv, size_t nbytes,
                                      const char *label) {
-    return gather_fixed_as(g, share, send, recv, nbytes, label, 0, HSDP_AGREE_OFF);
+    return gather_fixed_as(g, share, send, recv, nbytes, label, 0, 0);
 }
 
 static hsdp_status nccl_gather_unit(hsdp_group *g, void **share, const void *send, void *recv, size_t nbytes,
                                     const char *label, uint64_t ident) {
-    device_guard();
-    hsdp_status st;
-    int mode = agreement_mode(g, recv, label, ident, nbytes, &st);
-    return st == HSDP_OK ? gather_fixed_as(g, share, send, recv, nbytes, label, ident, mode) : st;
+    return gather_fixed_as(g, share, send, recv, nbytes, label, ident, 1);
 }
 
 static void nccl_share_free(hsdp_group *g, void *share, void *memory) {
@@ -1007,37 +1080,6 @@ static const char *nccl_share_kind(const void *share) {
     return "device";
 }
 
-/* The request's own state: the event its wait makes the compute stream wait on. */
-typedef struct {
-    hsdp_cudaEvent_t ev;
-    int slot;       /* a unit gather's tickets (agreement), or -1 */
-    char what[160]; /* what it gathers, for the tickets' wait */
-} nccl_task;
-_Static_assert(sizeof(nccl_task) <= HSDP_REQ_STATE_BYTES, "nccl_task must fit in hsdp_req.state");
-
-/* ---- the float8 wire (issue 22): decoded on the side stream (cuda_dequant.c) ----
- * A unit's gathered encodings are dequantized by a kernel enqueued right after the gather,
- * on the same stream, and tracked as a collective writing the unsharded buffer: the event the
- * compute stream (or a DLPack consumer) waits on is the kernel's. S.issue held. */
-static hsdp_status wire_check(const hsdp_gather_req *wr, const char *label) { /* before anything is enqueued */
-    if (!on_device(wr->full))
-        return hsdp_fail(HSDP_EUNSUPPORTED, "unit '%s': the float8 wire gathers into device memory here, so its "
-                         "unsharded buffer must be device memory too", label ? label : "");
-    if (!hsdp_wire_cuda_loaded())
-        return hsdp_fail(HSDP_EUNSUPPORTED, "unit '%s': the float8 wire on NCCL dequantizes with a kernel that NVRTC "
-                         "compiles and the CUDA driver launches, and neither is loaded (hsdp_wire_cuda_load)",
-                         label ? label : "");
-    return hsdp_wire_cuda_prepare(); /* the module in this context: a driver refusing the PTX says so now */
-}
-static hsdp_status wire_decode(const hsdp_gather_req *wr, const char *label, hsdp_cudaEvent_t *ev) {
-    hsdp_status st = hsdp_wire_cuda_decode(wr->u, wr->wire, wr->full, S.comm);
-    char what[160];
-    snprintf(what, sizeof what, "the float8 dequantization of unit '%s' (%zu bytes)", label ? label : "",
-             wr->u->layout.total_bytes);
-    return st == HSDP_OK ? track(what, wr->full, wr->u->layout.total_bytes, ev) : st;
-}
-/* ---- end of the float8 wire ---- */
-
 static hsdp_status nccl_gather_start(hsdp_req *r, const void *send, void *recv, size_t nbytes) {
     device_guard();
     nccl_task *t = (nccl_task *)r->state;
@@ -1047,57 +1089,20 @@ static hsdp_status nccl_gather_start(hsdp_req *r, const void *send, void *recv, 
     const hsdp_gather_req *wr = hsdp_unit_landing_request(r); /* float8 wire: decoded here, see wire_decode */
     if (r->then && (!wr || wr->widened)) /* a conversion is host work: a device unit computes in its storage dtypes */
         return hsdp_fail(HSDP_EUNSUPPORTED, "a GPU gather cannot convert dtypes on the host; compute in the storage dtype");
-    hsdp_status st = wr && on_device(recv) ? wire_check(wr, r->label) : HSDP_OK;
-    if (st != HSDP_OK) return st;
-    if (!on_device(recv)) { /* a host unit: staged and complete before returning */
-        st = r->share ? nccl_gather_unit(r->g, r->share, send, recv, nbytes, r->label, r->ident)
-                      : nccl_all_gather(r->g, send, recv, nbytes);
+    int dev = on_device(recv); /* asked once for the whole gather */
+    hsdp_status st = wr && dev ? wire_check(wr, r->label) : HSDP_OK;
+    if (st == HSDP_OK)
+        st = gather_begin(t, r->g, r->share, send, recv, nbytes, r->label, r->ident, 1, dev, dev ? wr : NULL);
+    if (!dev) { /* a host gather: staged and complete before returning */
         if (st == HSDP_OK && wr) st = r->then(r->then_arg); /* the float8 wire's decode, on the host */
         r->end_ns = hsdp_now_ns();
-        return st;
     }
-    int mode = HSDP_AGREE_OFF; /* a unit's gather carries its tickets (agreement) */
-    if (r->share && (mode = agreement_mode(r->g, recv, r->label, r->ident, nbytes, &st), st != HSDP_OK)) return st;
-    char what[160];
-    describe(what, sizeof what, "gather", r->label, nbytes, r->g->size);
-    pthread_mutex_lock(&S.issue);
-    issuing = r->g->impl;
-    const void *src = send;
-    st = begin();
-    if (st == HSDP_OK && r->share) st = fixed_source(r->share, send, nbytes, &src);
-    if (st == HSDP_OK && src != (const char *)recv + (size_t)r->g->rank * nbytes)
-        st = in_place(src, recv, nbytes, r->g->rank, &src);
-    if (st == HSDP_OK && mode == HSDP_AGREE_ON) st = ticket_begin(r->g, r->label, r->ident, nbytes, &t->slot);
-    int enqueued = 0;
-    if (st == HSDP_OK) enqueued = (st = enqueue_unit(r->g, t->slot, src, recv, nbytes)) == HSDP_OK;
-    if (st == HSDP_OK) st = track(what, recv, nbytes * (size_t)r->g->size, &t->ev);
-    if (st == HSDP_OK && wr) st = wire_decode(wr, r->label, &t->ev); /* the float8 wire */
-    issue_unlock();
-    if (st != HSDP_OK && enqueued && t->slot >= 0) {
-        /* the tickets' copy-back is queued: the slot is taken again only once it has landed,
-         * or it would overwrite the next gather's ticket (the error stays this one's) */
-        char why[sizeof S.why];
-        snprintf(why, sizeof why, "%s", hsdp_last_error());
-        (void)host_wait(T.ev[t->slot], what);
-        st = hsdp_fail(st, "%s", why);
-    }
-    if (st != HSDP_OK) (void)ticket_check(r->g, t->slot, st, what); /* no wait follows: the slot goes back now */
-    if (st != HSDP_OK) t->slot = -1;
-    memcpy(t->what, what, sizeof t->what);
     return st;
 }
 
 static void nccl_gather_wait(hsdp_req *r) {
     device_guard();
-    nccl_task *t = (nccl_task *)r->state;
-    hsdp_status st = HSDP_OK;
-    if (atomic_load(&S.failed)) {
-        st = failed_status();
-    } else if (t->ev) {
-        st = device_now()->reader_after(t->ev, S.compute, t->what); /* the compute stream waits (CUDA) */
-    }
-    st = ticket_check(r->g, t->slot, st, t->what); /* the host waits for the tickets, and compares */
-    t->slot = -1;
+    hsdp_status st = task_wait(r->g, (nccl_task *)r->state);
     r->end_ns = hsdp_now_ns();
     r->status = st;
     if (st != HSDP_OK) snprintf(r->err, sizeof r->err, "%s", hsdp_last_error());
@@ -1122,6 +1127,7 @@ static hsdp_status nccl_sendrecv_start(hsdp_req *r, const void *send, size_t sby
     char what[160];
     snprintf(what, sizeof what, "a sendrecv of %zu bytes to rank %d and %zu from rank %d over %d ranks", sbytes, dest,
              rbytes, source, r->g->size);
+    memcpy(t->what, what, sizeof t->what); /* for its wait */
     hsdp_cudaStream_t order = call_stream_set ? call_stream : S.compute; /* the consumer's stream */
     pthread_mutex_lock(&S.issue);
     issuing = c;

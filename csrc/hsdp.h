@@ -219,6 +219,8 @@ typedef struct {
     /* The wire encoding (hsdp_unit_set_wire), NULL/0 without one. */
     unsigned char *quant;    /* owned: per slot, 1 when it travels as block-scaled float8 */
     size_t wire_chunk_bytes; /* each rank's encoded chunk, the same on every rank */
+    size_t *wire_blocks;     /* owned: per rank of the shard group, the float32 scales that open
+                              * its encoded chunk (counted once, by hsdp_unit_set_wire) */
     int wire_encoded;        /* the shard holds the encoding: fixed from then on */
 } hsdp_unit;
 

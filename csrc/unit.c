@@ -70,6 +70,8 @@ void hsdp_unit_free(hsdp_unit *u) {
     if (u->shard && u->stats) atomic_fetch_sub(&u->stats->sharded_bytes, hsdp_unit_shard_bytes(u));
     free(u->quant);
     u->quant = NULL;
+    free(u->wire_blocks);
+    u->wire_blocks = NULL;
     /* A shard peers may read directly is freed by the backend once none can still be reading. */
     hsdp_share_free(u->group, u->share, u->shard);
     u->share = NULL;
@@ -180,11 +182,18 @@ hsdp_status hsdp_unit_set_wire(hsdp_unit *u, hsdp_dtype wire, const unsigned cha
     }
     if (marked == 0) return HSDP_OK; /* nothing to gain: the unit travels as it is stored */
     u->quant = malloc(n); /* owned by the unit until hsdp_unit_free */
-    if (!u->quant) return hsdp_fail(HSDP_ENOMEM, "could not allocate the wire flags of %zu parameters", n);
+    u->wire_blocks = malloc(sizeof *u->wire_blocks * (size_t)u->layout.shard); /* the same */
+    if (!u->quant || !u->wire_blocks) {
+        free(u->quant);
+        free(u->wire_blocks);
+        u->quant = NULL;
+        u->wire_blocks = NULL;
+        return hsdp_fail(HSDP_ENOMEM, "could not allocate the wire flags of %zu parameters", n);
+    }
     for (size_t i = 0; i < n; i++) u->quant[i] = quant[i] ? 1 : 0;
-    size_t w = 0, nb;
+    size_t w = 0;
     for (int s = 0; s < u->layout.shard; s++) {
-        size_t ws = wire_size(u, s, &nb);
+        size_t ws = wire_size(u, s, &u->wire_blocks[s]);
         if (ws > w) w = ws;
     }
     u->wire_chunk_bytes = round_up(w, HSDP_ALIGN);
@@ -195,8 +204,7 @@ hsdp_status hsdp_unit_encode(hsdp_unit *u) {
     if (!u->quant || u->wire_encoded) return HSDP_OK;
     hsdp_status st = hsdp_unit_check_writable(u); /* not gathered yet: no peer reads the shard */
     if (st != HSDP_OK) return st;
-    size_t W = u->wire_chunk_bytes, nb;
-    (void)wire_size(u, u->s, &nb);
+    size_t W = u->wire_chunk_bytes, nb = u->wire_blocks[u->s];
     /* Owned by the unit in place of the old shard (hsdp_unit_free, or the backend's
      * share_free once gathered). Zeroed: the tail past this rank's encoding is sent too. */
     unsigned char *enc = aligned_alloc(HSDP_ALIGN, W ? W : HSDP_ALIGN);
@@ -239,10 +247,8 @@ enum { DECODE_SLICE = 512 * HSDP_WIRE_BLOCK };
  * after every DECODE_SLICE weights. */
 static hsdp_status decode_chunk(const hsdp_unit *u, const unsigned char *w, void *full, int s,
                                 void (*poll)(void *), void *poll_arg) {
-    size_t nb;
-    (void)wire_size(u, s, &nb);
     const float *scales = (const float *)(const void *)w; /* memcpy'd inside: alignment not needed */
-    const unsigned char *pay = w + nb * sizeof(float);
+    const unsigned char *pay = w + u->wire_blocks[s] * sizeof(float);
     unsigned char *out = (unsigned char *)full + (size_t)s * u->layout.chunk_bytes;
     size_t bi = 0, at = 0; /* at: how far into the chunk `out` is written */
     for (size_t i = 0; i < u->layout.nslots; i++) {
