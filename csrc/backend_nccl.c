@@ -1210,17 +1210,19 @@ static hsdp_status stream_after(void *done, void *stream, const char *what) {
     return cuda_fail(e, msg);
 }
 
+/* What both tables below share: they are two views of the same device memory, named
+ * 'cuda', allocated, released and decoded into alike. */
+#define NCCL_DEVICE_MEMORY                                                                                    \
+    .name = "cuda", .alloc = nccl_buffer_alloc, .free = nccl_buffer_free, .released = nccl_buffers_released,  \
+    .wire_missing = nccl_wire_missing
+
 static const hsdp_device_i nccl_device = {
-    .name = "cuda",
+    NCCL_DEVICE_MEMORY,
     .framework = "cuda",
     .dlpack_type = 2, /* kDLCUDA */
     .dlpack_id = nccl_device_id,
-    .alloc = nccl_buffer_alloc,
-    .free = nccl_buffer_free,
-    .released = nccl_buffers_released,
     .consumer_wait = nccl_consumer_wait,
     .call_stream = nccl_call_stream,
-    .wire_missing = nccl_wire_missing,
     .reader_after = stream_after,
 };
 
@@ -1235,16 +1237,13 @@ static hsdp_status host_after(void *done, void *stream, const char *what) {
     return host_wait((hsdp_cudaEvent_t)done, what);
 }
 static const hsdp_device_i nccl_host_device = {
-    .name = "cuda",
+    NCCL_DEVICE_MEMORY,
     .framework = "cpu",
     .dlpack_type = 1, /* kDLCPU */
     .dlpack_id = nccl_host_id,
-    .alloc = nccl_buffer_alloc,
-    .free = nccl_buffer_free,
-    .released = nccl_buffers_released,
-    .wire_missing = nccl_wire_missing,
     .reader_after = host_after,
 };
+#undef NCCL_DEVICE_MEMORY
 
 /* ---------------------------------------------------------------- communicators */
 static hsdp_status comm_wrap(hsdp_ncclComm_t comm, int rank, int size, hsdp_group **out) {
