@@ -79,9 +79,9 @@ hsdp_status hsdp_all_to_all(hsdp_group *g, const void *send, void *recv, size_t 
 static hsdp_status sendrecv_check(hsdp_group *g, const void *send, size_t sbytes, int dest, const void *recv,
                                   size_t rbytes, int source, int *self) {
     if (dest < 0 || dest >= g->size)
-        return hsdp_fail(HSDP_EINVAL, "sendrecv: dest %d is outside a group of %d ranks", dest, g->size);
+        return hsdp_fail(HSDP_EINVAL, "sendrecv: dest=%d is outside a group of %d ranks", dest, g->size);
     if (source < 0 || source >= g->size)
-        return hsdp_fail(HSDP_EINVAL, "sendrecv: source %d is outside a group of %d ranks", source, g->size);
+        return hsdp_fail(HSDP_EINVAL, "sendrecv: source=%d is outside a group of %d ranks", source, g->size);
     const char *s = send, *r = recv;
     if (sbytes && rbytes && s < r + rbytes && r < s + sbytes)
         return hsdp_fail(HSDP_EINVAL, "sendrecv: the send and recv buffers overlap");

@@ -103,12 +103,13 @@ const hsdp_backend hsdp_backend_nccl = {.name = "nccl", .usable = nccl_usable, .
 static struct {
     void *nccl, *cudart; /* dlopen handles, owned here (kept open for the process) */
     int loaded, version;
-    int host_reads; /* the runtime's device memory is host memory the host reads (the test fake) */
+    const hsdp_device_i *device; /* the device table in effect: CUDA, or the host's view of it (the test fake) */
     NCCL_REQUIRED(DECLARE)
     NCCL_OPTIONAL(DECLARE)
     CUDA_REQUIRED(DECLARE)
 } api;
 #undef DECLARE
+static const hsdp_device_i nccl_device, nccl_host_device; /* the device tables, defined below */
 
 /* Every CUDA call goes through CUDA(): a failure, handled or not, is cleared from the calling
  * thread's last error at once. hsdp shares the libcudart torch has mapped, so an error left
@@ -185,10 +186,12 @@ hsdp_status hsdp_nccl_load(const char *nccl_path, const char *cudart_path) {
      * exporting int hsdp_cuda_device_memory_is_host(void) and returning 1 from it (the test
      * fake, csrc/tests/fake_cuda_nccl.c, under FAKE_HOST_VIEW=1; no real runtime has it).
      * Its buffers are then viewed as the CPU (nccl_host_device), so a CPU-only torch runs
-     * the real NCCL code paths against the fake. */
+     * the real NCCL code paths against the fake. This is the one place that asks: the
+     * collectives order their readers through the table chosen here (reader_after). */
     {
         int (*host_memory)(void) = NULL;
-        api.host_reads = resolve(api.cudart, "hsdp_cuda_device_memory_is_host", &host_memory) && host_memory() == 1;
+        int host_reads = resolve(api.cudart, "hsdp_cuda_device_memory_is_host", &host_memory) && host_memory() == 1;
+        api.device = host_reads ? &nccl_host_device : &nccl_device;
     }
     api.loaded = 1;
     return HSDP_OK;
@@ -293,6 +296,9 @@ static void nccl_call_stream(void *stream, int set) {
 }
 void *hsdp_nccl_comm_stream(void) { return (void *)S.comm; }
 static int nccl_device_id(void) { return S.device; } /* one GPU per process */
+/* The device table in effect (hsdp_nccl_load chose it): every collective path orders its
+ * readers through it and never asks which one it is. */
+static const hsdp_device_i *device_now(void) { return api.device ? api.device : &nccl_device; }
 
 static const char *nccl_text(hsdp_ncclResult_t rc, nccl_comm *c) {
     const char *last = c && api.ncclGetLastError ? api.ncclGetLastError(c->comm) : NULL;
@@ -664,11 +670,7 @@ static hsdp_status run_sync(hsdp_group *g, op_kind op, const void *send, void *r
     if (st == HSDP_OK) st = enqueue(c, op, g->size, s, r, nbytes, root);
     hsdp_cudaEvent_t ev = NULL;
     if (st == HSDP_OK) st = track(what, direct ? recv : NULL, recv_n, &ev);
-    if (st == HSDP_OK && direct && api.host_reads) st = host_wait(ev, what); /* a CPU view: the host reads next */
-    if (st == HSDP_OK && direct && !api.host_reads) {
-        hsdp_cudaError_t e = CUDA(cudaStreamWaitEvent, order, ev, 0);
-        if (e != hsdp_cudaSuccess) st = cuda_fail(e, "ordering the compute stream after a collective");
-    }
+    if (st == HSDP_OK && direct) st = device_now()->reader_after(ev, order, what);
     /* staged: the collective is waited for (within the timeout) before the copy back, which
      * into pageable memory blocks the host until the side stream reaches it: behind a
      * collective a peer never joins, it would block beyond any timeout */
@@ -910,62 +912,131 @@ static hsdp_status ticket_check(hsdp_group *g, int slot, hsdp_status st, const c
     return st;
 }
 
-/* How a unit gather on g checks agreement: HSDP_AGREE_ON (the tickets beside the data),
- * HSDP_AGREE_OFF, or done already (hsdp_agree, HSDP_OK: then OFF). */
-static int agreement_mode(hsdp_group *g, const void *recv, const char *label, uint64_t ident, size_t nbytes,
-                          hsdp_status *st) {
-    *st = HSDP_OK;
-    int mode = g->size > 1 ? hsdp_agreement_check() : HSDP_AGREE_OFF;
-    if (mode == HSDP_AGREE_SEPARATE || (mode != HSDP_AGREE_OFF && !on_device(recv))) {
-        *st = hsdp_agree(g, label, ident, nbytes, nccl_all_gather);
-        mode = HSDP_AGREE_OFF;
-    }
-    return mode;
-}
+/* A gather's own state (a request's, or a synchronous gather's on the stack): the event its
+ * reader is ordered after (reader_after), and its tickets. */
+typedef struct {
+    hsdp_cudaEvent_t ev;
+    int slot;       /* a unit gather's tickets (agreement), or -1 */
+    char what[160]; /* what it gathers, for the tickets' wait */
+} nccl_task;
+_Static_assert(sizeof(nccl_task) <= HSDP_REQ_STATE_BYTES, "nccl_task must fit in hsdp_req.state");
 
-static hsdp_status gather_fixed_as(hsdp_group *g, void **share, const void *send, void *recv, size_t nbytes,
-                                   const char *label, uint64_t ident, int mode) {
-    device_guard();
-    if (!on_device(recv)) { /* a host unit: staged each time, and fixed from now on like any other */
-        /* a unit already on the device is gathered from its device copy (its host chunk may be gone) */
-        if (*share && *share != hsdp_share_collective()) send = ((nccl_share *)*share)->dev;
-        hsdp_status st = nccl_all_gather(g, send, recv, nbytes);
-        if (st == HSDP_OK && !*share) *share = hsdp_share_collective();
-        return st;
-    }
+/* ---- the float8 wire (issue 22): decoded on the side stream (cuda_dequant.c) ----
+ * A unit's gathered encodings are dequantized by a kernel enqueued right after the gather,
+ * on the same stream, and tracked as a collective writing the unsharded buffer: the event the
+ * compute stream (or a DLPack consumer) waits on is the kernel's. S.issue held. */
+static hsdp_status wire_check(const hsdp_gather_req *wr, const char *label) { /* before anything is enqueued */
+    if (!on_device(wr->full))
+        return hsdp_fail(HSDP_EUNSUPPORTED, "unit '%s': the float8 wire gathers into device memory here, so its "
+                         "unsharded buffer must be device memory too", label ? label : "");
+    if (!hsdp_wire_cuda_loaded())
+        return hsdp_fail(HSDP_EUNSUPPORTED, "unit '%s': the float8 wire on NCCL dequantizes with a kernel that NVRTC "
+                         "compiles and the CUDA driver launches, and neither is loaded (hsdp_wire_cuda_load)",
+                         label ? label : "");
+    return hsdp_wire_cuda_prepare(); /* the module in this context: a driver refusing the PTX says so now */
+}
+static hsdp_status wire_decode(const hsdp_gather_req *wr, const char *label, hsdp_cudaEvent_t *ev) {
+    hsdp_status st = hsdp_wire_cuda_decode(wr->u, wr->wire, wr->full, S.comm);
     char what[160];
-    describe(what, sizeof what, "gather", label, nbytes, g->size);
+    snprintf(what, sizeof what, "the float8 dequantization of unit '%s' (%zu bytes)", label ? label : "",
+             wr->u->layout.total_bytes);
+    return st == HSDP_OK ? track(what, wr->full, wr->u->layout.total_bytes, ev) : st;
+}
+/* ---- end of the float8 wire ---- */
+
+/* Issues a gather into device memory (S.issue taken here): with share, a unit's fixed chunk
+ * from its device copy (made by the first gather), else send as given; the tickets in the
+ * same NCCL group when mode is HSDP_AGREE_ON; with wr, the float8 wire's decode after it.
+ * t gets the event its reader waits on and the tickets' slot, for task_wait. On failure
+ * nothing is left to wait for: the slot is given back. */
+static hsdp_status issue_device(nccl_task *t, hsdp_group *g, void **share, const void *send, void *recv,
+                                size_t nbytes, const char *label, uint64_t ident, int mode,
+                                const hsdp_gather_req *wr) {
+    describe(t->what, sizeof t->what, "gather", label, nbytes, g->size);
     pthread_mutex_lock(&S.issue);
     issuing = g->impl;
-    const void *src = NULL;
-    int slot = -1;
+    const void *src = send;
     hsdp_status st = begin();
-    if (st == HSDP_OK) st = fixed_source(share, send, nbytes, &src);
-    if (st == HSDP_OK) st = in_place(src, recv, nbytes, g->rank, &src);
-    if (st == HSDP_OK && mode == HSDP_AGREE_ON) st = ticket_begin(g, label, ident, nbytes, &slot);
-    if (st == HSDP_OK) st = enqueue_unit(g, slot, src, recv, nbytes);
-    hsdp_cudaEvent_t ev = NULL;
-    if (st == HSDP_OK) st = track(what, recv, nbytes * (size_t)g->size, &ev);
-    if (st == HSDP_OK && api.host_reads) st = host_wait(ev, what); /* a CPU view: the host reads next */
-    if (st == HSDP_OK && !api.host_reads) {
-        hsdp_cudaError_t e = CUDA(cudaStreamWaitEvent, S.compute, ev, 0);
-        if (e != hsdp_cudaSuccess) st = cuda_fail(e, "ordering the compute stream after a gather");
-    }
+    if (st == HSDP_OK && share) st = fixed_source(share, send, nbytes, &src);
+    if (st == HSDP_OK && src != (const char *)recv + (size_t)g->rank * nbytes)
+        st = in_place(src, recv, nbytes, g->rank, &src);
+    if (st == HSDP_OK && mode == HSDP_AGREE_ON) st = ticket_begin(g, label, ident, nbytes, &t->slot);
+    int enqueued = 0;
+    if (st == HSDP_OK) enqueued = (st = enqueue_unit(g, t->slot, src, recv, nbytes)) == HSDP_OK;
+    if (st == HSDP_OK) st = track(t->what, recv, nbytes * (size_t)g->size, &t->ev);
+    if (st == HSDP_OK && wr) st = wire_decode(wr, label, &t->ev); /* the float8 wire */
     issue_unlock();
-    return ticket_check(g, slot, st, what); /* a synchronous gather returns once checked */
+    if (st != HSDP_OK && enqueued && t->slot >= 0) {
+        /* the tickets' copy-back is queued: the slot is taken again only once it has landed,
+         * or it would overwrite the next gather's ticket (the error stays this one's) */
+        char why[sizeof S.why];
+        snprintf(why, sizeof why, "%s", hsdp_last_error());
+        (void)host_wait(T.ev[t->slot], t->what);
+        st = hsdp_fail(st, "%s", why);
+    }
+    if (st != HSDP_OK) (void)ticket_check(g, t->slot, st, t->what); /* no wait follows: the slot goes back now */
+    if (st != HSDP_OK) t->slot = -1;
+    return st;
+}
+
+/* Ends what a gather began: its reader ordered after it (the device's reader_after: the
+ * compute stream waits, the host does not; over a host view the host waits), then its
+ * tickets waited for on the host and compared. */
+static hsdp_status task_wait(hsdp_group *g, nccl_task *t) {
+    hsdp_status st = atomic_load(&S.failed) ? failed_status() : HSDP_OK;
+    if (st == HSDP_OK && t->ev) st = device_now()->reader_after(t->ev, S.compute, t->what);
+    st = ticket_check(g, t->slot, st, t->what); /* the host waits for the tickets, and compares */
+    t->slot = -1;
+    return st;
+}
+
+/* Begins a gather into recv: of a unit's fixed chunk (share; check: whether it checks that
+ * every rank gathers the same unit, told ident) or, share NULL, of send as given. dev says
+ * whether recv is device memory (on_device, asked once by the caller). Into device memory
+ * it is issued into t, for task_wait; into host memory it is staged and done before this
+ * returns, and t holds nothing to wait for. Agreement travels with a device gather's data
+ * (HSDP_AGREE_ON); into host memory, or under HSDP_AGREE_SEPARATE, it is its own staged
+ * all-gather first (hsdp_agree). */
+static hsdp_status gather_begin(nccl_task *t, hsdp_group *g, void **share, const void *send, void *recv,
+                                size_t nbytes, const char *label, uint64_t ident, int check, int dev,
+                                const hsdp_gather_req *wr) {
+    t->ev = NULL;
+    t->slot = -1;
+    t->what[0] = '\0';
+    int mode = share && check && g->size > 1 ? hsdp_agreement_check() : HSDP_AGREE_OFF;
+    if (mode == HSDP_AGREE_SEPARATE || (mode != HSDP_AGREE_OFF && !dev)) {
+        hsdp_status st = hsdp_agree(g, label, ident, nbytes, nccl_all_gather);
+        if (st != HSDP_OK) return st;
+        mode = HSDP_AGREE_OFF;
+    }
+    if (dev) return issue_device(t, g, share, send, recv, nbytes, label, ident, mode, wr);
+    /* a host buffer: staged each time; a unit's chunk is fixed from now on like any other,
+     * and once on the device it is gathered from its device copy (its host chunk may be gone) */
+    if (share && *share && *share != hsdp_share_collective()) send = ((nccl_share *)*share)->dev;
+    hsdp_status st = nccl_all_gather(g, send, recv, nbytes);
+    if (st == HSDP_OK && share && !*share) *share = hsdp_share_collective();
+    return st;
+}
+
+/* A synchronous gather of a fixed chunk: begun, then waited for (a unit's returns once its
+ * tickets are checked). */
+static hsdp_status gather_fixed_as(hsdp_group *g, void **share, const void *send, void *recv, size_t nbytes,
+                                   const char *label, uint64_t ident, int check) {
+    device_guard();
+    int dev = on_device(recv);
+    nccl_task t;
+    hsdp_status st = gather_begin(&t, g, share, send, recv, nbytes, label, ident, check, dev, NULL);
+    return st == HSDP_OK && dev ? task_wait(g, &t) : st;
 }
 
 static hsdp_status nccl_gather_fixed(hsdp_group *g, void **share, const void *send, void *recv, size_t nbytes,
                                      const char *label) {
-    return gather_fixed_as(g, share, send, recv, nbytes, label, 0, HSDP_AGREE_OFF);
+    return gather_fixed_as(g, share, send, recv, nbytes, label, 0, 0);
 }
 
 static hsdp_status nccl_gather_unit(hsdp_group *g, void **share, const void *send, void *recv, size_t nbytes,
                                     const char *label, uint64_t ident) {
-    device_guard();
-    hsdp_status st;
-    int mode = agreement_mode(g, recv, label, ident, nbytes, &st);
-    return st == HSDP_OK ? gather_fixed_as(g, share, send, recv, nbytes, label, ident, mode) : st;
+    return gather_fixed_as(g, share, send, recv, nbytes, label, ident, 1);
 }
 
 static void nccl_share_free(hsdp_group *g, void *share, void *memory) {
@@ -1009,102 +1080,29 @@ static const char *nccl_share_kind(const void *share) {
     return "device";
 }
 
-/* The request's own state: the event its wait makes the compute stream wait on. */
-typedef struct {
-    hsdp_cudaEvent_t ev;
-    int slot;       /* a unit gather's tickets (agreement), or -1 */
-    char what[160]; /* what it gathers, for the tickets' wait */
-} nccl_task;
-_Static_assert(sizeof(nccl_task) <= HSDP_REQ_STATE_BYTES, "nccl_task must fit in hsdp_req.state");
-
-/* ---- the float8 wire (issue 22): decoded on the side stream (cuda_dequant.c) ----
- * A unit's gathered encodings are dequantized by a kernel enqueued right after the gather,
- * on the same stream, and tracked as a collective writing the unsharded buffer: the event the
- * compute stream (or a DLPack consumer) waits on is the kernel's. S.issue held. */
-static hsdp_status wire_check(const hsdp_gather_req *wr, const char *label) { /* before anything is enqueued */
-    if (!on_device(wr->full))
-        return hsdp_fail(HSDP_EUNSUPPORTED, "unit '%s': the float8 wire gathers into device memory here, so its "
-                         "unsharded buffer must be device memory too", label ? label : "");
-    if (!hsdp_wire_cuda_loaded())
-        return hsdp_fail(HSDP_EUNSUPPORTED, "unit '%s': the float8 wire on NCCL dequantizes with a kernel that NVRTC "
-                         "compiles and the CUDA driver launches, and neither is loaded (hsdp_wire_cuda_load)",
-                         label ? label : "");
-    return hsdp_wire_cuda_prepare(); /* the module in this context: a driver refusing the PTX says so now */
-}
-static hsdp_status wire_decode(const hsdp_gather_req *wr, const char *label, hsdp_cudaEvent_t *ev) {
-    hsdp_status st = hsdp_wire_cuda_decode(wr->u, wr->wire, wr->full, S.comm);
-    char what[160];
-    snprintf(what, sizeof what, "the float8 dequantization of unit '%s' (%zu bytes)", label ? label : "",
-             wr->u->layout.total_bytes);
-    return st == HSDP_OK ? track(what, wr->full, wr->u->layout.total_bytes, ev) : st;
-}
-/* ---- end of the float8 wire ---- */
-
 static hsdp_status nccl_gather_start(hsdp_req *r, const void *send, void *recv, size_t nbytes) {
     device_guard();
     nccl_task *t = (nccl_task *)r->state;
     t->ev = NULL;
     t->slot = -1;
     r->start_ns = hsdp_now_ns();
-    const hsdp_gather_req *wr = hsdp_unit_wire_request(r); /* float8 wire: decoded here, see wire_decode */
-    if (r->then && !wr) /* the conversion is host work: a device unit computes in its storage dtypes */
+    const hsdp_gather_req *wr = hsdp_unit_landing_request(r); /* float8 wire: decoded here, see wire_decode */
+    if (r->then && (!wr || wr->widened)) /* a conversion is host work: a device unit computes in its storage dtypes */
         return hsdp_fail(HSDP_EUNSUPPORTED, "a GPU gather cannot convert dtypes on the host; compute in the storage dtype");
-    hsdp_status st = wr && on_device(recv) ? wire_check(wr, r->label) : HSDP_OK;
-    if (st != HSDP_OK) return st;
-    if (!on_device(recv)) { /* a host unit: staged and complete before returning */
-        st = r->share ? nccl_gather_unit(r->g, r->share, send, recv, nbytes, r->label, r->ident)
-                      : nccl_all_gather(r->g, send, recv, nbytes);
+    int dev = on_device(recv); /* asked once for the whole gather */
+    hsdp_status st = wr && dev ? wire_check(wr, r->label) : HSDP_OK;
+    if (st == HSDP_OK)
+        st = gather_begin(t, r->g, r->share, send, recv, nbytes, r->label, r->ident, 1, dev, dev ? wr : NULL);
+    if (!dev) { /* a host gather: staged and complete before returning */
         if (st == HSDP_OK && wr) st = r->then(r->then_arg); /* the float8 wire's decode, on the host */
         r->end_ns = hsdp_now_ns();
-        return st;
     }
-    int mode = HSDP_AGREE_OFF; /* a unit's gather carries its tickets (agreement) */
-    if (r->share && (mode = agreement_mode(r->g, recv, r->label, r->ident, nbytes, &st), st != HSDP_OK)) return st;
-    char what[160];
-    describe(what, sizeof what, "gather", r->label, nbytes, r->g->size);
-    pthread_mutex_lock(&S.issue);
-    issuing = r->g->impl;
-    const void *src = send;
-    st = begin();
-    if (st == HSDP_OK && r->share) st = fixed_source(r->share, send, nbytes, &src);
-    if (st == HSDP_OK && src != (const char *)recv + (size_t)r->g->rank * nbytes)
-        st = in_place(src, recv, nbytes, r->g->rank, &src);
-    if (st == HSDP_OK && mode == HSDP_AGREE_ON) st = ticket_begin(r->g, r->label, r->ident, nbytes, &t->slot);
-    int enqueued = 0;
-    if (st == HSDP_OK) enqueued = (st = enqueue_unit(r->g, t->slot, src, recv, nbytes)) == HSDP_OK;
-    if (st == HSDP_OK) st = track(what, recv, nbytes * (size_t)r->g->size, &t->ev);
-    if (st == HSDP_OK && wr) st = wire_decode(wr, r->label, &t->ev); /* the float8 wire */
-    issue_unlock();
-    if (st != HSDP_OK && enqueued && t->slot >= 0) {
-        /* the tickets' copy-back is queued: the slot is taken again only once it has landed,
-         * or it would overwrite the next gather's ticket (the error stays this one's) */
-        char why[sizeof S.why];
-        snprintf(why, sizeof why, "%s", hsdp_last_error());
-        (void)host_wait(T.ev[t->slot], what);
-        st = hsdp_fail(st, "%s", why);
-    }
-    if (st != HSDP_OK) (void)ticket_check(r->g, t->slot, st, what); /* no wait follows: the slot goes back now */
-    if (st != HSDP_OK) t->slot = -1;
-    memcpy(t->what, what, sizeof t->what);
     return st;
 }
 
 static void nccl_gather_wait(hsdp_req *r) {
     device_guard();
-    nccl_task *t = (nccl_task *)r->state;
-    hsdp_status st = HSDP_OK;
-    if (atomic_load(&S.failed)) {
-        st = failed_status();
-    } else if (t->ev && api.host_reads) {
-        /* the consumer is the host (a CPU view of the device memory): it has no stream */
-        st = host_wait(t->ev, t->what);
-    } else if (t->ev) {
-        /* the compute stream waits; the host does not */
-        hsdp_cudaError_t e = CUDA(cudaStreamWaitEvent, S.compute, t->ev, 0);
-        if (e != hsdp_cudaSuccess) st = cuda_fail(e, "ordering the compute stream after a gather");
-    }
-    st = ticket_check(r->g, t->slot, st, t->what); /* the host waits for the tickets, and compares */
-    t->slot = -1;
+    hsdp_status st = task_wait(r->g, (nccl_task *)r->state);
     r->end_ns = hsdp_now_ns();
     r->status = st;
     if (st != HSDP_OK) snprintf(r->err, sizeof r->err, "%s", hsdp_last_error());
@@ -1129,6 +1127,7 @@ static hsdp_status nccl_sendrecv_start(hsdp_req *r, const void *send, size_t sby
     char what[160];
     snprintf(what, sizeof what, "a sendrecv of %zu bytes to rank %d and %zu from rank %d over %d ranks", sbytes, dest,
              rbytes, source, r->g->size);
+    memcpy(t->what, what, sizeof t->what); /* for its wait */
     hsdp_cudaStream_t order = call_stream_set ? call_stream : S.compute; /* the consumer's stream */
     pthread_mutex_lock(&S.issue);
     issuing = c;
@@ -1202,37 +1201,49 @@ static const char *nccl_wire_missing(void) {
                                      "first (it needs NVRTC and the CUDA driver)";
 }
 
+/* A stream reads next: it waits on the collective's event; the host does not. */
+static hsdp_status stream_after(void *done, void *stream, const char *what) {
+    hsdp_cudaError_t e = CUDA(cudaStreamWaitEvent, (hsdp_cudaStream_t)stream, (hsdp_cudaEvent_t)done, 0);
+    if (e == hsdp_cudaSuccess) return HSDP_OK;
+    char msg[200];
+    snprintf(msg, sizeof msg, "ordering the consumer's stream after %s", what);
+    return cuda_fail(e, msg);
+}
+
+/* What both tables below share: they are two views of the same device memory, named
+ * 'cuda', allocated, released and decoded into alike. */
+#define NCCL_DEVICE_MEMORY                                                                                    \
+    .name = "cuda", .alloc = nccl_buffer_alloc, .free = nccl_buffer_free, .released = nccl_buffers_released,  \
+    .wire_missing = nccl_wire_missing
+
 static const hsdp_device_i nccl_device = {
-    .name = "cuda",
+    NCCL_DEVICE_MEMORY,
     .framework = "cuda",
     .dlpack_type = 2, /* kDLCUDA */
     .dlpack_id = nccl_device_id,
-    .alloc = nccl_buffer_alloc,
-    .free = nccl_buffer_free,
-    .released = nccl_buffers_released,
     .consumer_wait = nccl_consumer_wait,
     .call_stream = nccl_call_stream,
-    .wire_missing = nccl_wire_missing,
+    .reader_after = stream_after,
 };
 
-/* The same device memory over a runtime whose device memory the host reads (api.host_reads:
- * the test fake): views of it are CPU tensors (kDLCPU), so a CPU-only torch computes on them.
- * The consumer is the host, which has no stream: every wait on a collective writing device
- * memory blocks the host (nccl_gather_wait, run_sync), so a buffer's bytes have landed when
+/* The same device memory over a runtime whose device memory the host reads (the test fake,
+ * chosen by hsdp_nccl_load): views of it are CPU tensors (kDLCPU), so a CPU-only torch
+ * computes on them. The reader is the host, which has no stream: every wait on a collective
+ * writing device memory blocks the host (host_after), so a buffer's bytes have landed when
  * its gather's wait returns, as device.h says of a device without consumer_wait. */
 static int nccl_host_id(void) { return 0; } /* kDLCPU has one device */
+static hsdp_status host_after(void *done, void *stream, const char *what) {
+    (void)stream;
+    return host_wait((hsdp_cudaEvent_t)done, what);
+}
 static const hsdp_device_i nccl_host_device = {
-    .name = "cuda",
+    NCCL_DEVICE_MEMORY,
     .framework = "cpu",
     .dlpack_type = 1, /* kDLCPU */
     .dlpack_id = nccl_host_id,
-    .alloc = nccl_buffer_alloc,
-    .free = nccl_buffer_free,
-    .released = nccl_buffers_released,
-    .wire_missing = nccl_wire_missing,
+    .reader_after = host_after,
 };
-
-static const hsdp_device_i *nccl_device_now(void) { return api.host_reads ? &nccl_host_device : &nccl_device; }
+#undef NCCL_DEVICE_MEMORY
 
 /* ---------------------------------------------------------------- communicators */
 static hsdp_status comm_wrap(hsdp_ncclComm_t comm, int rank, int size, hsdp_group **out) {
@@ -1544,7 +1555,7 @@ const hsdp_backend hsdp_backend_nccl = {
     .gather_wait = nccl_gather_wait,
     .overlaps = nccl_overlaps,
     .device = &nccl_device,
-    .device_now = nccl_device_now,
+    .device_now = device_now,
     .finalize = nccl_finalize,
     .gather_fixed = nccl_gather_fixed,
     .gather_unit = nccl_gather_unit,

@@ -6,6 +6,7 @@
 #include <dlfcn.h>
 #include <limits.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -43,6 +44,9 @@ static struct {
     DRIVER_FNS(DECLARE)
 } K = {.mu = PTHREAD_MUTEX_INITIALIZER};
 #undef DECLARE
+/* K.fn once loaded, published for the lock-free path (kernel): every gather after the first
+ * asks for the kernel twice (its check, its decode) and takes no lock. */
+static _Atomic(hsdp_CUfunction) ready_fn;
 
 int hsdp_wire_cuda_loaded(void) { return K.loaded; }
 const char *hsdp_wire_cuda_ptx(void) { return K.ptx; }
@@ -135,8 +139,13 @@ static hsdp_status cu_fail(hsdp_CUresult rc, const char *what) {
     return hsdp_fail(HSDP_ECOMM, "%s failed: CUDA driver error %u (%s)", what, rc, text);
 }
 
-/* The kernel in the current context, loaded at first use (any thread; once). */
+/* The kernel in the current context, loaded at first use (any thread; once, under K.mu). */
 static hsdp_status kernel(hsdp_CUfunction *out) {
+    if (!K.loaded)
+        return hsdp_fail(HSDP_EUNSUPPORTED, "the float8 wire's GPU kernel is not loaded (hsdp_wire_cuda_load): NVRTC "
+                         "and the CUDA driver are needed to dequantize on the GPU");
+    *out = atomic_load_explicit(&ready_fn, memory_order_acquire);
+    if (*out) return HSDP_OK;
     pthread_mutex_lock(&K.mu);
     hsdp_status st = HSDP_OK;
     if (!K.fn) {
@@ -148,6 +157,7 @@ static hsdp_status kernel(hsdp_CUfunction *out) {
             st = cu_fail(rc, "finding the float8 wire's kernel (cuModuleGetFunction)");
         /* the module stays loaded for the process, like the libraries */
     }
+    if (st == HSDP_OK) atomic_store_explicit(&ready_fn, K.fn, memory_order_release);
     *out = K.fn;
     pthread_mutex_unlock(&K.mu);
     return st;
@@ -192,21 +202,7 @@ static unsigned kind_of(hsdp_dtype dt) {
     return dt == HSDP_BF16 ? HSDP_WK_BF16 : dt == HSDP_F16 ? HSDP_WK_F16 : HSDP_WK_F32;
 }
 
-/* The scale blocks of rank s's encoding (unit.c's wire_size counts the same). */
-static size_t blocks_of(const hsdp_unit *u, int s) {
-    size_t nb = 0;
-    for (size_t i = 0; i < u->layout.nslots; i++) {
-        size_t b, e, off;
-        if (!u->quant[i] || !hsdp_layout_owned(&u->layout, i, s, &b, &e, &off)) continue;
-        nb += ((e - b) / hsdp_dtype_size(u->layout.slots[i].dtype) + HSDP_WIRE_BLOCK - 1) / HSDP_WIRE_BLOCK;
-    }
-    return nb;
-}
-
 hsdp_status hsdp_wire_cuda_prepare(void) {
-    if (!K.loaded)
-        return hsdp_fail(HSDP_EUNSUPPORTED, "the float8 wire's GPU kernel is not loaded (hsdp_wire_cuda_load): NVRTC "
-                         "and the CUDA driver are needed to dequantize on the GPU");
     hsdp_CUfunction fn;
     return kernel(&fn);
 }
@@ -214,13 +210,12 @@ hsdp_status hsdp_wire_cuda_prepare(void) {
 hsdp_status hsdp_wire_cuda_decode(const hsdp_unit *u, const void *wire, void *full, void *stream) {
     if (!u->quant) return hsdp_fail(HSDP_EINVAL, "the unit has no wire encoding to decode");
     batch b = {.stream = (hsdp_cudaStream_t)stream};
-    hsdp_status st = hsdp_wire_cuda_prepare();
-    if (st == HSDP_OK) st = kernel(&b.fn);
+    hsdp_status st = kernel(&b.fn);
     /* Rank s's chunk, as hsdp_unit_decode walks it: its pieces in layout order (dequantized
      * or copied), zeros in the padding between them and after the last. */
     for (int s = 0; st == HSDP_OK && s < u->layout.shard; s++) {
         const unsigned char *w = (const unsigned char *)wire + (size_t)s * u->wire_chunk_bytes;
-        const unsigned char *scales = w, *pay = w + blocks_of(u, s) * sizeof(float);
+        const unsigned char *scales = w, *pay = w + u->wire_blocks[s] * sizeof(float);
         unsigned char *out = (unsigned char *)full + (size_t)s * u->layout.chunk_bytes;
         size_t bi = 0, at = 0;
         for (size_t i = 0; st == HSDP_OK && i < u->layout.nslots; i++) {

@@ -51,15 +51,15 @@ const char *hsdp_device_label(const hsdp_backend *b, hsdp_device device) {
 
 void *hsdp_device_alloc(hsdp_stats *st, const hsdp_backend *b, hsdp_device device, size_t nbytes) {
     if (device == HSDP_DEVICE_HOST) return hsdp_buffer_alloc(st, nbytes);
-    if (!b || !b->device) {
+    const hsdp_device_i *d = hsdp_backend_device(b);
+    if (!d) {
         hsdp_fail(HSDP_EUNSUPPORTED, "backend '%s' has no device: it cannot allocate device buffers",
                   b ? b->name : "(none)");
         return NULL;
     }
-    void *p = b->device->alloc(nbytes ? nbytes : 1);
+    void *p = d->alloc(nbytes ? nbytes : 1);
     if (!p) {
-        hsdp_fail(HSDP_ENOMEM, "backend '%s' could not allocate %zu bytes of %s memory", b->name, nbytes,
-                  b->device->name);
+        hsdp_fail(HSDP_ENOMEM, "backend '%s' could not allocate %zu bytes of %s memory", b->name, nbytes, d->name);
         return NULL;
     }
     hsdp_stats_count_alloc(st, nbytes);
@@ -72,10 +72,12 @@ void hsdp_device_free(hsdp_stats *st, const hsdp_backend *b, hsdp_device device,
     } else if (p) {
         hsdp_stats_count_free(st, nbytes);
         /* only a backend with a device allocated it (hsdp_device_alloc) */
-        if (b && b->device) b->device->free(p, nbytes ? nbytes : 1);
+        const hsdp_device_i *d = hsdp_backend_device(b);
+        if (d) d->free(p, nbytes ? nbytes : 1);
     }
 }
 
 void hsdp_buffers_released(const hsdp_backend *b, hsdp_device device) {
-    if (b && b->device && device != HSDP_DEVICE_HOST && b->device->released) b->device->released();
+    const hsdp_device_i *d = device != HSDP_DEVICE_HOST ? hsdp_backend_device(b) : NULL;
+    if (d && d->released) d->released();
 }

@@ -20,7 +20,12 @@
  *                    with the pool's)
  *   wire_missing     the float8 wire's decode into its buffers: NULL when it can run now, else
  *                    a static sentence saying what is missing (NCCL: the kernel, loaded by
- *                    hsdp.nccl.load_wire_kernel). Absent: the wire is not built for the device */
+ *                    hsdp.nccl.load_wire_kernel). Absent: the wire is not built for the device
+ *   reader_after     how the owning backend orders the reader of one of its collectives'
+ *                    output after it: a stream waits (CUDA), or, on a device without streams
+ *                    whose memory the host reads, the host blocks. Only that backend calls
+ *                    it, through hsdp_backend_device, so that its collective paths never
+ *                    ask which device they run on (NCCL over the test fake: a second table) */
 #ifndef HSDP_DEVICE_H
 #define HSDP_DEVICE_H
 
@@ -53,6 +58,11 @@ typedef struct hsdp_device_i {
     void (*call_stream)(void *stream, int set);
     size_t (*live_bytes)(void);
     const char *(*wire_missing)(void);
+    /* done: the backend's mark of a collective's end (NCCL: its CUDA event); stream: the
+     * reader's (NULL: the legacy default stream); what: the collective, for messages. A
+     * stream is made to wait and this returns at once; without streams the host waits until
+     * done, within the timeout (HSDP_TIMEOUT), and the bytes have landed when it returns. */
+    hsdp_status (*reader_after)(void *done, void *stream, const char *what);
 } hsdp_device_i;
 
 /* The device of b's buffers, or NULL when b has host memory only (or b is NULL). */

@@ -219,6 +219,8 @@ typedef struct {
     /* The wire encoding (hsdp_unit_set_wire), NULL/0 without one. */
     unsigned char *quant;    /* owned: per slot, 1 when it travels as block-scaled float8 */
     size_t wire_chunk_bytes; /* each rank's encoded chunk, the same on every rank */
+    size_t *wire_blocks;     /* owned: per rank of the shard group, the float32 scales that open
+                              * its encoded chunk (counted once, by hsdp_unit_set_wire) */
     int wire_encoded;        /* the shard holds the encoding: fixed from then on */
 } hsdp_unit;
 
@@ -253,7 +255,8 @@ hsdp_status hsdp_unit_decode(const hsdp_unit *u, const void *wire, void *full);
 /* HSDP_ESTATE once the unit has been gathered: from then on its shard is fixed (peers may
  * read it directly), so write, read and broadcast into it are refused. */
 hsdp_status hsdp_unit_check_writable(const hsdp_unit *u);
-/* All-gathers every rank's chunk into `full` (layout.total_bytes). On a backend that keeps
+/* All-gathers every rank's chunk into `full` (layout.total_bytes), on this thread, decoding a
+ * wire encoding on the host after the whole gather, converting nothing. On a backend that keeps
  * its own copy of the chunk (NCCL: on the device, after the first gather) the host chunk is
  * then freed (u->shard NULL), unless HSDP_KEEP_HOST_SHARDS=1; the same after the first
  * gather_start or gather_now. */
@@ -266,7 +269,8 @@ hsdp_status hsdp_unit_read_shard(hsdp_unit *u, void *out);
 typedef struct {
     hsdp_req req;
     hsdp_unit *u;
-    void *full, *widened;
+    void *full;
+    void *widened;  /* where the conversion writes; NULL when nothing converts */
     void *wire;     /* the gathered encodings while in flight (hsdp_unit_wire_bytes) */
     int wire_owned; /* wire was allocated by the request: the wait frees it */
     int decoded;    /* chunks the backend decoded as they landed (hsdp_unit_decode_landed) */
@@ -281,12 +285,11 @@ hsdp_status hsdp_unit_gather_wait(hsdp_unit *u, hsdp_gather_req *req);
  * the request allocates and frees. wire is ignored without an encoding. */
 hsdp_status hsdp_unit_gather_start_wire(hsdp_unit *u, void *full, void *widened, void *wire, hsdp_gather_req *req);
 hsdp_status hsdp_unit_gather_now_wire(hsdp_unit *u, void *full, void *widened, void *wire, hsdp_gather_req *req);
-/* The gather request behind r when r's only conversion is the float8 wire's decode (a
- * backend whose buffers are on a device runs that decode itself), else NULL. */
-const hsdp_gather_req *hsdp_unit_wire_request(const hsdp_req *r);
-/* The wire gather behind r (a unit's, whose `then` decodes), else NULL: a host backend may
- * then decode rank s's encoded chunk (wire_chunk_bytes at `chunk`: where it landed, or this
- * rank's send buffer) into the gather's `full` as soon as it is there, with
+/* The wire gather behind r (a unit's, whose `then` decodes), else NULL. A backend whose
+ * buffers are on a device may run that decode itself when it is the only conversion
+ * (widened NULL). A host backend may decode rank s's encoded chunk (wire_chunk_bytes at
+ * `chunk`: where it landed, or this rank's send buffer) into the gather's `full` as soon as
+ * it is there, with
  * hsdp_unit_decode_landed, calling poll(poll_arg) between slices of the work (to keep its
  * other transfers moving; poll may be NULL). Once every rank's chunk has been decoded so, the
  * gather's `then` does not decode again; the backend decodes only what its gather agreed on. */

@@ -70,6 +70,8 @@ void hsdp_unit_free(hsdp_unit *u) {
     if (u->shard && u->stats) atomic_fetch_sub(&u->stats->sharded_bytes, hsdp_unit_shard_bytes(u));
     free(u->quant);
     u->quant = NULL;
+    free(u->wire_blocks);
+    u->wire_blocks = NULL;
     /* A shard peers may read directly is freed by the backend once none can still be reading. */
     hsdp_share_free(u->group, u->share, u->shard);
     u->share = NULL;
@@ -180,11 +182,18 @@ hsdp_status hsdp_unit_set_wire(hsdp_unit *u, hsdp_dtype wire, const unsigned cha
     }
     if (marked == 0) return HSDP_OK; /* nothing to gain: the unit travels as it is stored */
     u->quant = malloc(n); /* owned by the unit until hsdp_unit_free */
-    if (!u->quant) return hsdp_fail(HSDP_ENOMEM, "could not allocate the wire flags of %zu parameters", n);
+    u->wire_blocks = malloc(sizeof *u->wire_blocks * (size_t)u->layout.shard); /* the same */
+    if (!u->quant || !u->wire_blocks) {
+        free(u->quant);
+        free(u->wire_blocks);
+        u->quant = NULL;
+        u->wire_blocks = NULL;
+        return hsdp_fail(HSDP_ENOMEM, "could not allocate the wire flags of %zu parameters", n);
+    }
     for (size_t i = 0; i < n; i++) u->quant[i] = quant[i] ? 1 : 0;
-    size_t w = 0, nb;
+    size_t w = 0;
     for (int s = 0; s < u->layout.shard; s++) {
-        size_t ws = wire_size(u, s, &nb);
+        size_t ws = wire_size(u, s, &u->wire_blocks[s]);
         if (ws > w) w = ws;
     }
     u->wire_chunk_bytes = round_up(w, HSDP_ALIGN);
@@ -195,8 +204,7 @@ hsdp_status hsdp_unit_encode(hsdp_unit *u) {
     if (!u->quant || u->wire_encoded) return HSDP_OK;
     hsdp_status st = hsdp_unit_check_writable(u); /* not gathered yet: no peer reads the shard */
     if (st != HSDP_OK) return st;
-    size_t W = u->wire_chunk_bytes, nb;
-    (void)wire_size(u, u->s, &nb);
+    size_t W = u->wire_chunk_bytes, nb = u->wire_blocks[u->s];
     /* Owned by the unit in place of the old shard (hsdp_unit_free, or the backend's
      * share_free once gathered). Zeroed: the tail past this rank's encoding is sent too. */
     unsigned char *enc = aligned_alloc(HSDP_ALIGN, W ? W : HSDP_ALIGN);
@@ -239,10 +247,8 @@ enum { DECODE_SLICE = 512 * HSDP_WIRE_BLOCK };
  * after every DECODE_SLICE weights. */
 static hsdp_status decode_chunk(const hsdp_unit *u, const unsigned char *w, void *full, int s,
                                 void (*poll)(void *), void *poll_arg) {
-    size_t nb;
-    (void)wire_size(u, s, &nb);
     const float *scales = (const float *)(const void *)w; /* memcpy'd inside: alignment not needed */
-    const unsigned char *pay = w + nb * sizeof(float);
+    const unsigned char *pay = w + u->wire_blocks[s] * sizeof(float);
     unsigned char *out = (unsigned char *)full + (size_t)s * u->layout.chunk_bytes;
     size_t bi = 0, at = 0; /* at: how far into the chunk `out` is written */
     for (size_t i = 0; i < u->layout.nslots; i++) {
@@ -288,22 +294,6 @@ size_t hsdp_unit_wire_bytes(const hsdp_unit *u) {
     return u->quant && u->layout.total_bytes ? wire_total(u) : 0;
 }
 
-hsdp_status hsdp_unit_gather(hsdp_unit *u, void *full) {
-    atomic_fetch_add(&u->stats->gathers, 1);
-    if (u->layout.total_bytes == 0) return HSDP_OK;
-    if (!u->quant)
-        return drop_host(u, hsdp_gather_fixed(u->group, &u->share, u->shard, full, u->layout.chunk_bytes, u->label,
-                                              u->ident));
-    hsdp_status st = hsdp_unit_encode(u);
-    if (st != HSDP_OK) return st;
-    void *wire = hsdp_buffer_alloc(u->stats, wire_total(u));
-    if (!wire) return HSDP_ENOMEM;
-    st = hsdp_gather_fixed(u->group, &u->share, u->shard, wire, u->wire_chunk_bytes, u->label, u->ident);
-    if (st == HSDP_OK) st = hsdp_unit_decode(u, wire, full);
-    hsdp_buffer_free(u->stats, wire, wire_total(u));
-    return st;
-}
-
 hsdp_status hsdp_unit_widen(const hsdp_unit *u, const void *full, void *widened) {
     for (size_t i = 0; i < u->layout.nslots; i++) {
         if (u->widen_offset[i] == SIZE_MAX) continue;
@@ -324,7 +314,7 @@ static hsdp_status convert_job(void *arg) {
         hsdp_status st = hsdp_unit_decode(r->u, r->wire, r->full);
         if (st != HSDP_OK) return st;
     }
-    return r->u->widened_bytes ? hsdp_unit_widen(r->u, r->full, r->widened) : HSDP_OK;
+    return r->widened ? hsdp_unit_widen(r->u, r->full, r->widened) : HSDP_OK;
 }
 
 /* Sets up the request; with a wire encoding, encodes the shard (first gather) and takes the
@@ -334,7 +324,7 @@ static hsdp_status req_init(hsdp_gather_req *r, hsdp_unit *u, void *full, void *
     r->req.ident = u->ident;
     r->u = u;
     r->full = full;
-    r->widened = widened;
+    r->widened = u->widened_bytes ? widened : NULL; /* NULL: nothing to convert */
     r->wire = NULL;
     r->wire_owned = 0;
     r->decoded = 0;
@@ -357,20 +347,14 @@ static void req_release(hsdp_gather_req *r) {
     r->wire_owned = 0;
 }
 
-/* ---- the float8 wire on a device backend (issue 22; the GPU side is cuda_dequant.c) ----
- * NCCL cannot run convert_job on the host: its buffers are device memory. Its gather_start
- * asks this for the unit behind a request whose only conversion is the wire's decode, and
- * enqueues that decode on its own stream after the gather. */
-const hsdp_gather_req *hsdp_unit_wire_request(const hsdp_req *r) {
-    if (r->then != convert_job) return NULL;
-    const hsdp_gather_req *g = r->then_arg;
-    return g->wire && !g->u->widened_bytes ? g : NULL;
-}
-
-/* ---- each chunk decoded as it lands (a host backend that sees chunks land one by one: MPI) ----
- * The wire gather behind r (its `then` decodes), else NULL. The backend may then decode each
- * rank's chunk with hsdp_unit_decode_landed as soon as it is in host memory, while the others
- * are still in flight; convert_job skips the decode once every chunk has been. */
+/* ---- the float8 wire's gather, asked for by a backend that decodes it itself ----
+ * The wire gather behind r (its `then` decodes), else NULL; the one place that knows a
+ * request's `then` is a unit's conversion. A device backend (NCCL; the GPU side is
+ * cuda_dequant.c) cannot run convert_job on the host: when the decode is the request's only
+ * conversion (widened NULL) it enqueues that decode on its own stream after the gather. A
+ * host backend that sees chunks land one by one (MPI) may decode each rank's chunk with
+ * hsdp_unit_decode_landed as soon as it is in host memory, while the others are still in
+ * flight; convert_job skips the decode once every chunk has been. */
 hsdp_gather_req *hsdp_unit_landing_request(hsdp_req *r) {
     if (r->then != convert_job) return NULL;
     hsdp_gather_req *g = r->then_arg;
@@ -397,7 +381,12 @@ static hsdp_status gather_now_on_device(hsdp_req *r, hsdp_group *g, void **share
 typedef hsdp_status (*gather_fn)(hsdp_req *, hsdp_group *, void **, const void *, void *, size_t,
                                  hsdp_status (*)(void *), void *);
 
-static hsdp_status unit_gather_via(gather_fn fn, hsdp_unit *u, void *full, void *widened, void *wire,
+/* How a unit's gather runs: started (its wait ends it); synchronous, a wire gather through
+ * the backend's asynchronous slots where it has them; or synchronous on this thread, the
+ * decode after the whole gather (hsdp_unit_gather: what the tests compare the others with). */
+typedef enum { VIA_START, VIA_NOW, VIA_HERE } gather_via;
+
+static hsdp_status unit_gather_via(gather_via via, hsdp_unit *u, void *full, void *widened, void *wire,
                                    hsdp_gather_req *r) {
     hsdp_status st = req_init(r, u, full, widened, wire);
     if (st != HSDP_OK) {
@@ -408,28 +397,37 @@ static hsdp_status unit_gather_via(gather_fn fn, hsdp_unit *u, void *full, void 
     size_t nbytes = r->wire ? u->wire_chunk_bytes : u->layout.chunk_bytes;
     /* A synchronous wire gather on a backend with asynchronous slots goes through them too: on
      * NCCL the device decodes; on MPI the worker decodes each chunk as it lands. */
-    gather_fn run = fn == hsdp_gather_now && r->wire && u->group->backend->gather_start ? gather_now_on_device : fn;
+    gather_fn run = via == VIA_START                                                ? hsdp_gather_start
+                    : via == VIA_NOW && r->wire && u->group->backend->gather_start ? gather_now_on_device
+                                                                                   : hsdp_gather_now;
     st = drop_host(u, run(&r->req, u->group, &u->share, u->shard, recv, nbytes,
-                         (u->widened_bytes || r->wire) ? convert_job : NULL, r));
+                         (r->widened || r->wire) ? convert_job : NULL, r));
     /* nothing in flight after an error, nor after a synchronous gather */
-    if (st != HSDP_OK || fn == hsdp_gather_now) req_release(r);
+    if (st != HSDP_OK || via != VIA_START) req_release(r);
     return st;
 }
 
 hsdp_status hsdp_unit_gather_start(hsdp_unit *u, void *full, void *widened, hsdp_gather_req *r) {
-    return unit_gather_via(hsdp_gather_start, u, full, widened, NULL, r);
+    return unit_gather_via(VIA_START, u, full, widened, NULL, r);
 }
 
 hsdp_status hsdp_unit_gather_now(hsdp_unit *u, void *full, void *widened, hsdp_gather_req *r) {
-    return unit_gather_via(hsdp_gather_now, u, full, widened, NULL, r);
+    return unit_gather_via(VIA_NOW, u, full, widened, NULL, r);
 }
 
 hsdp_status hsdp_unit_gather_start_wire(hsdp_unit *u, void *full, void *widened, void *wire, hsdp_gather_req *r) {
-    return unit_gather_via(hsdp_gather_start, u, full, widened, wire, r);
+    return unit_gather_via(VIA_START, u, full, widened, wire, r);
 }
 
 hsdp_status hsdp_unit_gather_now_wire(hsdp_unit *u, void *full, void *widened, void *wire, hsdp_gather_req *r) {
-    return unit_gather_via(hsdp_gather_now, u, full, widened, wire, r);
+    return unit_gather_via(VIA_NOW, u, full, widened, wire, r);
+}
+
+/* The synchronous gather without a conversion (widened NULL), through the same path as the
+ * others, on this thread: a wire encoding is decoded on the host after the whole gather. */
+hsdp_status hsdp_unit_gather(hsdp_unit *u, void *full) {
+    hsdp_gather_req r;
+    return unit_gather_via(VIA_HERE, u, full, NULL, NULL, &r);
 }
 
 hsdp_status hsdp_unit_gather_wait(hsdp_unit *u, hsdp_gather_req *r) {

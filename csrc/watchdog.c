@@ -21,8 +21,13 @@ static int watch_rank = -1;          /* this process's world rank, for the messa
 static void (*watch_expire)(void);
 static pthread_t watch_thread;
 static atomic_int watch_running, watch_stop;
-/* What this rank waits in, published for its peers' watchdogs to read (same host). */
+/* What this rank waits in, published for its peers' watchdogs, which read it from their own
+ * process (process_vm_readv, same host) while this one may be rewriting it: a seqlock. seq
+ * is odd while active and what are written (under watch_mu, the writers' lock); a peer takes
+ * them only between two equal, even reads of seq (read_published). Readers in this process
+ * (describe_wait) hold watch_mu. */
 static struct {
+    _Atomic uint64_t seq;
     _Atomic uint64_t active;
     char what[320];
 } watch_pub;
@@ -42,14 +47,15 @@ void hsdp_watch_label(const char *label, int first) {
     pthread_mutex_unlock(&watch_mu);
 }
 
-/* watch_mu held */
+/* watch_mu held. NULL or "": inactive (what keeps its old text, unread). */
 static void publish_locked(const char *what) {
-    /* inactive while being rewritten, so a peer never reads a torn description */
-    atomic_store(&watch_pub.active, 0);
-    if (what && *what) {
-        snprintf(watch_pub.what, sizeof watch_pub.what, "%s", what);
-        atomic_store(&watch_pub.active, 1);
-    }
+    uint64_t seq = atomic_load_explicit(&watch_pub.seq, memory_order_relaxed);
+    atomic_store_explicit(&watch_pub.seq, seq + 1, memory_order_relaxed); /* odd: being written */
+    atomic_thread_fence(memory_order_release);
+    int on = what && *what;
+    if (on) snprintf(watch_pub.what, sizeof watch_pub.what, "%s", what);
+    atomic_store_explicit(&watch_pub.active, (uint64_t)on, memory_order_relaxed);
+    atomic_store_explicit(&watch_pub.seq, seq + 2, memory_order_release); /* even: whole again */
 }
 
 void hsdp_watch_publish(const char *what) {
@@ -73,7 +79,9 @@ void hsdp_watch_begin(const char *op, const int *ranks, int size, size_t nbytes)
 
 void hsdp_watch_end(void) {
     atomic_store(&watch_start, 0);
-    atomic_store(&watch_pub.active, 0);
+    pthread_mutex_lock(&watch_mu); /* the publication's writers take turns (seqlock) */
+    publish_locked(NULL);
+    pthread_mutex_unlock(&watch_mu);
 }
 
 static void *watchdog(void *arg) {
@@ -157,6 +165,27 @@ int hsdp_peers_learn(const uint64_t *all, int n, int me) {
 
 int hsdp_peers_known(void) { return atomic_load(&peers_set); }
 
+/* A peer's publication (watch_pub, at addr in process pid on this host), read consistently:
+ * its seq, what it holds, its seq again, taken when both are the same even number (no write
+ * in between); retried a few times while the peer writes. what gets n - 1 bytes (the caller
+ * terminates them). 0 when read; else the caller asks the peer over TCP instead. */
+static int read_published(pid_t pid, uint64_t addr, uint64_t *active, char *what, size_t n) {
+    typedef __typeof__(watch_pub) pub;
+    for (int tries = 0; tries < 8; tries++) {
+        uint64_t before = 1, after = 0;
+        if (hsdp_peer_read(pid, &before, addr + offsetof(pub, seq), sizeof before) != 0) return -1;
+        if (!(before & 1) &&
+            (hsdp_peer_read(pid, active, addr + offsetof(pub, active), sizeof *active) != 0 ||
+             hsdp_peer_read(pid, what, addr + offsetof(pub, what), n - 1) != 0 ||
+             hsdp_peer_read(pid, &after, addr + offsetof(pub, seq), sizeof after) != 0))
+            return -1;
+        if (!(before & 1) && before == after) return 0;
+        struct timespec pause = {0, 100 * 1000}; /* a write is a snprintf: over within this */
+        nanosleep(&pause, NULL);
+    }
+    return -1;
+}
+
 void hsdp_who_is_missing(char *out, size_t n, const char *what, const int *ranks, int size) {
     out[0] = '\0';
     if (!ranks || !atomic_load(&peers_set)) return;
@@ -174,9 +203,7 @@ void hsdp_who_is_missing(char *out, size_t n, const char *what, const int *ranks
         uint64_t active = 0;
         char theirs[sizeof watch_pub.what] = "";
         int readable = p->host == host && p->pidns == pidns &&
-                       hsdp_peer_read((pid_t)p->pid, &active, p->addr, sizeof active) == 0 &&
-                       hsdp_peer_read((pid_t)p->pid, theirs, p->addr + offsetof(__typeof__(watch_pub), what),
-                                      sizeof theirs - 1) == 0;
+                       read_published((pid_t)p->pid, p->addr, &active, theirs, sizeof theirs) == 0;
         if (!readable && asked < ASK_MAX && hsdp_now_ns() < ask_until) { /* another host: ask it */
             int on = 0;
             asked++;

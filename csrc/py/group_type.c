@@ -176,9 +176,9 @@ static PyObject *group_all_to_all(GroupObject *self, PyObject *args, PyObject *k
     return blocks_call(self, args, kw, self->g->size, hsdp_all_to_all);
 }
 
-/* The arrays and ranks of sendrecv(send, dest, recv, source). */
-static int p2p_args(GroupObject *self, PyObject *args, PyObject *kw, PyObject **so, PyArrayObject **ra, int *dest,
-                    int *source) {
+/* The arrays and ranks of sendrecv(send, dest, recv, source); the ranks are checked by the
+ * core (hsdp_sendrecv), which names the one outside the group. */
+static int p2p_args(PyObject *args, PyObject *kw, PyObject **so, PyArrayObject **ra, int *dest, int *source) {
     static char *kwlist[] = {"send", "dest", "recv", "source", NULL};
     PyObject *ro;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OiOi", kwlist, so, dest, &ro, source)) return -1;
@@ -187,14 +187,6 @@ static int p2p_args(GroupObject *self, PyObject *args, PyObject *kw, PyObject **
     if (!PyArray_Check(*so) || !PyArray_IS_C_CONTIGUOUS((PyArrayObject *)*so)) {
         PyErr_Format(PyExc_TypeError, "sendrecv: send must be a C-contiguous NumPy array");
         return -1;
-    }
-    for (int i = 0; i < 2; i++) {
-        int r = i ? *source : *dest;
-        if (r < 0 || r >= self->g->size) {
-            PyErr_Format(PyExc_ValueError, "sendrecv: %s=%d is outside a group of %d ranks", i ? "source" : "dest", r,
-                         self->g->size);
-            return -1;
-        }
     }
     return 0;
 }
@@ -205,7 +197,7 @@ static PyObject *group_sendrecv(GroupObject *self, PyObject *args, PyObject *kw)
     PyObject *so;
     PyArrayObject *ra;
     int dest, source;
-    if (p2p_args(self, args, kw, &so, &ra, &dest, &source) < 0) return NULL;
+    if (p2p_args(args, kw, &so, &ra, &dest, &source) < 0) return NULL;
     if (self->p2p && self->p2p->pending)
         return PyErr_Format(PyExc_RuntimeError, "sendrecv: a started sendrecv on this group is not waited yet");
     const void *s = PyArray_DATA((PyArrayObject *)so);
@@ -225,7 +217,7 @@ static PyObject *group_sendrecv_start(GroupObject *self, PyObject *args, PyObjec
     PyObject *so;
     PyArrayObject *ra;
     int dest, source;
-    if (p2p_args(self, args, kw, &so, &ra, &dest, &source) < 0) return NULL;
+    if (p2p_args(args, kw, &so, &ra, &dest, &source) < 0) return NULL;
     if (self->p2p && self->p2p->pending)
         return PyErr_Format(PyExc_RuntimeError, "sendrecv_start: the sendrecv started before is not waited yet "
                                                 "(call sendrecv_wait() first)");
@@ -264,9 +256,6 @@ static PyObject *p2p_device(GroupObject *self, PyObject *args, int start) {
     if (!hsdp_backend_device(self->g->backend)) return no_device(self);
     if (n < 0) return PyErr_Format(PyExc_ValueError, "nbytes must be >= 0, got %zd", n);
     if (!s || !r) return PyErr_Format(PyExc_ValueError, "send and recv must be device addresses, not 0");
-    if (dest < 0 || dest >= self->g->size || source < 0 || source >= self->g->size)
-        return PyErr_Format(PyExc_ValueError, "sendrecv: dest=%d and source=%d must be ranks of a group of %d", dest,
-                            source, self->g->size);
     if (self->p2p && self->p2p->pending)
         return PyErr_Format(PyExc_RuntimeError, "sendrecv: a started sendrecv on this group is not waited yet");
     if (start && !self->p2p) {

@@ -1,19 +1,70 @@
 /* test_core.c - the core without Python: mesh arithmetic, flat layout, a unit's life on the
  * world-of-one backend (found by name in the registry), the S-rank write path through
- * simulated shard groups, the worker thread the MPI backend runs on, and the status answer
- * a rank gives its peers' watchdogs over TCP. */
+ * simulated shard groups, the worker thread the MPI backend runs on, the status answer a
+ * rank gives its peers' watchdogs over TCP, and what a peer reads of what a rank waits in. */
 #define _POSIX_C_SOURCE 200809L /* fileno */
 #include <stdint.h>
 #include <stdio.h>
 #include <math.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "../backend.h"
 #include "../exec.h"
 #include "../hsdp.h"
 #include "../peer_status.h"
+#include "../watchdog.h"
 #include "check.h"
+
+/* What a rank waits in, read by a peer from the rank's memory while the rank rewrites it
+ * without pause (a forked child here, publishing two descriptions in turn): every read is
+ * one whole description, never the start of one and the rest of the other, nor "in no
+ * collective" while a rewrite is under way (watchdog.c's seqlock). Runs first: the child must not inherit a status thread, and the peers this
+ * process learns are used by nothing after it. */
+static void test_watch_publication(void) {
+    char a[151], b[151];
+    memset(a, 'a', sizeof a - 1);
+    memset(b, 'b', sizeof b - 1);
+    a[sizeof a - 1] = b[sizeof b - 1] = '\0';
+    int fds[2];
+    CHECK(pipe(fds) == 0);
+    pid_t child = fork();
+    if (child == 0) {
+        uint64_t rec[HSDP_PEER_WORDS];
+        hsdp_peers_mine(rec);
+        hsdp_watch_publish(a); /* before the parent reads: never "in no collective" */
+        if (write(fds[1], rec, sizeof rec) != (ssize_t)sizeof rec) _exit(1);
+        for (;;) { /* until the parent kills it */
+            hsdp_watch_publish(a);
+            hsdp_watch_publish(b);
+        }
+    }
+    CHECK(child > 0);
+    uint64_t all[2 * HSDP_PEER_WORDS] = {0}; /* rank 0: this process (not read); rank 1: the child */
+    int got = child > 0 && read(fds[0], all + HSDP_PEER_WORDS, sizeof all / 2) == (ssize_t)(sizeof all / 2);
+    CHECK(got);
+    CHECK(!got || hsdp_peers_learn(all, 2, 0) == 0);
+    int ranks[] = {1}, whole = 0;
+    char want_a[256], want_b[256], out[640];
+    snprintf(want_a, sizeof want_a, "; not in it: rank 1 (waiting in %s)", a);
+    snprintf(want_b, sizeof want_b, "; not in it: rank 1 (waiting in %s)", b);
+    for (int i = 0; got && i < 2000; i++) {
+        hsdp_who_is_missing(out, sizeof out, "another collective", ranks, 1);
+        int ok = strcmp(out, want_a) == 0 || strcmp(out, want_b) == 0;
+        if (!ok && whole == i) fprintf(stderr, "test_watch_publication: read %d: '%.80s...'\n", i, out);
+        whole += ok;
+    }
+    CHECK(whole == 2000);
+    if (child > 0) {
+        kill(child, SIGKILL);
+        CHECK(waitpid(child, NULL, 0) == child);
+    }
+    close(fds[0]);
+    close(fds[1]);
+}
 
 static void test_mesh(void) {
     hsdp_mesh m;
@@ -475,6 +526,7 @@ static void test_unit_wire(void) {
 }
 
 int main(void) {
+    test_watch_publication();
     test_peer_status();
     test_registry();
     test_exec();
