@@ -7,7 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")  # torch is an optional dependency; make test installs it
 
-from mpirun import FAKEDEV, run_ranks  # noqa: E402
+from mpirun import run_ranks  # noqa: E402
 from torch_models import make_flux, make_wan  # noqa: E402
 
 from hsdp import parallel  # noqa: E402
@@ -19,13 +19,6 @@ def test_wan_with_ulysses_and_hsdp_matches_the_unsharded_model():
     out = run_ranks(2, "tests/parallel_torch_worker.py", "float32", "bfloat16").stdout
     for dtype in ("float32", "bfloat16"):
         assert out.count(f"torch ulysses {dtype} ok on mpi") == 2, out
-
-
-def test_ulysses_and_hsdp_on_the_fake_device():
-    """HSDP x Ulysses on the test-only fakedev backend: device buffers, and the exchanges on
-    device addresses (all_to_all_device), within the same tolerance as on MPI."""
-    out = run_ranks(2, "tests/parallel_torch_worker.py", "float32", env=FAKEDEV).stdout
-    assert out.count("torch ulysses float32 ok on fakedev") == 2, out
 
 
 def test_only_wan_models_and_divisible_heads_are_taken():

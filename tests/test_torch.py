@@ -68,10 +68,14 @@ def test_parity_across_ranks(mesh):
 def test_parity_on_the_fake_device():
     """On the test-only fakedev backend (tests/mpirun.py FAKEDEV) with the target device its
     device_info names: every unit's buffers are the fake device's, exported over DLPack, and
-    Wan still equals the unsharded model bit for bit (the stock Flux on device buffers runs
-    through the NCCL backend over the fake CUDA library: tests/test_nccl.py)."""
-    out = run_ranks(2, "tests/torch_worker.py", "1", "2", "wan:float32", env=FAKEDEV, timeout=300).stdout
+    Wan still equals the unsharded model bit for bit; then, in the same launch, HSDP x
+    Ulysses with the exchanges on device addresses (all_to_all_device), within the tolerance
+    it has on MPI (the stock Flux on device buffers runs through the NCCL backend over the
+    fake CUDA library: tests/test_nccl.py)."""
+    out = run_ranks(2, "tests/torch_worker.py", "1", "2", "wan:float32", "ulysses:float32", env=FAKEDEV,
+                    timeout=300).stdout
     assert out.count("ok wan float32 1x2 on fakedev") == 2, out
+    assert out.count("torch ulysses float32 ok on fakedev") == 2, out
 
 
 def test_parameters_keep_identity_and_become_placeholders():

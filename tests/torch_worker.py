@@ -122,5 +122,10 @@ if __name__ == "__main__":
             assert r == 1, "the wire check runs on a (1, S) mesh"
             wire(s)
             continue
+        if spec.startswith("ulysses:"):  # HSDP x Ulysses over the same world, in this launch
+            import parallel_torch_worker
+
+            parallel_torch_worker.check(spec.split(":")[1])
+            continue
         kind, dtype = spec.split(":")
         main(kind, dtype, r, s)
