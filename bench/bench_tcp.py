@@ -26,7 +26,10 @@ from harness import machine, table  # noqa: E402
 def main() -> None:
     pieces = [a for a in sys.argv[1:] if a.startswith("--wire-piece=")]
     out = netns.run_on_two_hosts(["tests/netns_worker.py", "--bench", *pieces], HERE.parent, "bench_tcp")
-    rows = sorted((json.loads(m) for m in re.findall(r"RESULT (\{.*\})", out)), key=lambda r: r["rank"])
+    # each rank's RESULT object (nested: the pieces), read where it starts: the ranks' lines
+    # may run into each other in mpiexec's output
+    rows = sorted((json.JSONDecoder().raw_decode(out, m.end())[0] for m in re.finditer(r"RESULT ", out)),
+                  key=lambda r: r["rank"])
     print(f"16 MiB unit gather vs raw MPI_Allgather, 2 ranks in 2 network namespaces over TCP (veth), {machine()}; "
           "median ms")
     print(table(["rank", "host", "sharded == unsharded", "gather path", "raw ms", "hsdp ms", "hsdp, check off ms",
