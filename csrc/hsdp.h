@@ -297,7 +297,7 @@ hsdp_status hsdp_unit_decode_landed(hsdp_gather_req *r, int s, const void *chunk
 /* Where the decode of one rank's chunk stands, for one that lands in pieces: zeroed before the
  * first call; done once the whole chunk is decoded. */
 typedef struct {
-    size_t slot, k;     /* the slot (layout order) and how far into its piece: weights, or bytes */
+    size_t slot, k;     /* the slot (layout order) and how far into the rank's part of it: weights, or bytes */
     size_t bi, pay, at; /* blocks and payload bytes before the slot; bytes of the rank's chunk written */
     int done;
 } hsdp_wire_cursor;

@@ -39,8 +39,9 @@ static hsdp_status ticket_all_gather(hsdp_group *g, const void *send, void *recv
 
 /* ---- the exchange: tickets and chunks, a float8 wire gather's chunk in pieces ----
  * Each rank posts, to every peer, its ticket and its chunk; a float8 wire gather decoded as it
- * lands (`landing`) sends its chunk in pieces (plan_piece; the ticket says how many), so that
- * a peer decodes each piece as it lands while the next ones are in flight. A receiver cannot
+ * lands (`landing`) may send its chunk in pieces (plan_piece, when hsdp_wire_piece_bytes is set:
+ * off by default; the ticket says how), so that a peer decodes each piece as it lands while
+ * the next ones are in flight. A receiver cannot
  * know before a peer's ticket has landed how that peer split its chunk (it may ask for
  * another unit, or gather without the wire), so it posts, up front, the ticket and a receive
  * of its whole chunk, which the peer's first piece (or only message) lands in; once the

@@ -415,11 +415,6 @@ hsdp_status hsdp_unit_decode_prefix(hsdp_gather_req *r, int s, const void *chunk
     if (st == HSDP_OK && c->done && !was) r->decoded++;
     return st;
 }
-
-/* The synchronous form on a backend with asynchronous slots: hsdp_gather_through_slot (NCCL:
- * the device decodes, and the wait orders the compute stream after it, the host does not
- * block; MPI: each chunk decoded as it lands, hsdp_unit_landing_request, on this thread while
- * the worker is idle). */
 /* ---- end of the float8 wire on a device backend ---- */
 
 typedef hsdp_status (*gather_fn)(hsdp_req *, hsdp_group *, void **, const void *, void *, size_t,
@@ -434,8 +429,10 @@ static hsdp_status unit_gather_via(gather_fn fn, hsdp_unit *u, void *full, void 
     }
     void *recv = r->wire ? r->wire : full;
     size_t nbytes = r->wire ? u->wire_chunk_bytes : u->layout.chunk_bytes;
-    /* A synchronous wire gather on a backend with asynchronous slots goes through them too: on
-     * NCCL the device decodes; on MPI the worker decodes each chunk as it lands. */
+    /* A synchronous wire gather on a backend with asynchronous slots goes through them too
+     * (hsdp_gather_through_slot): on NCCL the device decodes, and the wait orders the compute
+     * stream after it (the host does not block); on MPI each chunk is decoded as it lands
+     * (hsdp_unit_landing_request), on this thread while the worker is idle. */
     gather_fn run = fn == hsdp_gather_now && r->wire && u->group->backend->gather_start ? hsdp_gather_through_slot : fn;
     st = drop_host(u, run(&r->req, u->group, &u->share, u->shard, recv, nbytes,
                          (u->widened_bytes || r->wire) ? convert_job : NULL, r));
