@@ -11,23 +11,28 @@ hsdp_ticket hsdp_ticket_make(hsdp_group *g, const char *label, uint64_t ident, s
     memset(&mine, 0, sizeof mine);
     mine.seq = ++g->unit_gathers;
     mine.nbytes = nbytes;
-    mine.ident = ident;
+    mine.ident = (uint32_t)ident; /* units made over one group: never near 2^32 */
     label = label ? label : "";
     mine.label_hash = hsdp_fnv1a(1469598103934665603ull, label, strlen(label)); /* names longer than the copy */
     snprintf(mine.label, sizeof mine.label, "%s", label);
     return mine;
 }
 
+int hsdp_ticket_same(const hsdp_ticket *a, const hsdp_ticket *b) {
+    return a->seq == b->seq && a->nbytes == b->nbytes && a->label_hash == b->label_hash && a->ident == b->ident &&
+           memcmp(a->label, b->label, sizeof a->label) == 0;
+}
+
 hsdp_status hsdp_tickets_check(const hsdp_group *g, const hsdp_ticket *all) {
     int differ = 0;
-    for (int j = 1; j < g->size; j++) differ |= memcmp(&all[j], &all[0], sizeof *all) != 0;
+    for (int j = 1; j < g->size; j++) differ |= !hsdp_ticket_same(&all[j], &all[0]);
     if (!differ) return HSDP_OK;
     char msg[900];
     size_t used = (size_t)snprintf(msg, sizeof msg, "the %d ranks of a group do not gather the same unit, so none of "
                                    "them gathers:", g->size);
     for (int j = 0, shown = 0; j < g->size && used < sizeof msg; j++) {
         /* every rank that differs from rank 0, and rank 0, at most 6 in all */
-        if (j && !memcmp(&all[j], &all[0], sizeof *all)) continue;
+        if (j && hsdp_ticket_same(&all[j], &all[0])) continue;
         if (shown++ == 6) {
             used += (size_t)snprintf(msg + used, sizeof msg - used, " ...");
             break;

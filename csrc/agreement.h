@@ -17,15 +17,21 @@
 #include "backend.h"
 
 enum { HSDP_TICKET_LABEL = 32, HSDP_TICKET_BYTES = 64 };
+/* piece: how the sender splits its chunk on the wire (MPI, mpi_agreement.c: 0, one message; else
+ * messages of `piece` bytes, the last shorter), so that a receiver pairs every message of a
+ * peer whatever the two asked for. It is the transport's, not part of what must agree. */
 typedef struct {
-    uint64_t seq, nbytes, label_hash, ident;
+    uint64_t seq, nbytes, label_hash;
+    uint32_t ident, piece;
     char label[HSDP_TICKET_LABEL];
 } hsdp_ticket;
 _Static_assert(sizeof(hsdp_ticket) == HSDP_TICKET_BYTES, "a ticket is 64 bytes");
 
 /* This rank's ticket for its next unit gather on g (counts it: g->unit_gathers). */
 hsdp_ticket hsdp_ticket_make(hsdp_group *g, const char *label, uint64_t ident, size_t nbytes);
-/* HSDP_OK when every one of the g->size tickets equals rank 0's; else HSDP_ECOMM naming what
+/* Whether two tickets ask for the same gather (everything but the piece). */
+int hsdp_ticket_same(const hsdp_ticket *a, const hsdp_ticket *b);
+/* HSDP_OK when every one of the g->size tickets is the same as rank 0's; else HSDP_ECOMM naming what
  * each rank that differs (and rank 0) asked for. */
 hsdp_status hsdp_tickets_check(const hsdp_group *g, const hsdp_ticket *all);
 /* The tickets in their own all-gather (through `gather`, the backend's), checked, before the

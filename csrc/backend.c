@@ -230,6 +230,10 @@ static atomic_int agreement_mode;
 void hsdp_set_agreement_check(int mode) { atomic_store(&agreement_mode, mode ^ 1); }
 int hsdp_agreement_check(void) { return atomic_load(&agreement_mode) ^ 1; }
 
+static atomic_size_t wire_piece_bytes; /* 0: one message */
+void hsdp_set_wire_piece_bytes(size_t bytes) { atomic_store(&wire_piece_bytes, bytes); }
+size_t hsdp_wire_piece_bytes(void) { return atomic_load(&wire_piece_bytes); }
+
 /* The share of a fixed chunk that is always gathered collectively (any backend). */
 static char collective_share;
 void *hsdp_share_collective(void) { return &collective_share; }
@@ -274,6 +278,7 @@ static void req_reset(hsdp_req *r, hsdp_group *g, void **share, hsdp_status (*th
     r->submit_ns = hsdp_now_ns();
     r->start_ns = r->end_ns = 0;
     r->backend_owned = 0;
+    r->now = 0;
 }
 
 /* The gather and `then` on this thread, recorded in r. */
@@ -332,6 +337,24 @@ hsdp_status hsdp_sendrecv_start(hsdp_req *r, hsdp_group *g, const void *send, si
     r->status = st;
     if (st != HSDP_OK) snprintf(r->err, sizeof r->err, "%s", hsdp_last_error());
     return HSDP_OK; /* its status is the wait's */
+}
+
+hsdp_status hsdp_gather_through_slot(hsdp_req *r, hsdp_group *g, void **share, const void *send, void *recv,
+                                     size_t nbytes, hsdp_status (*then)(void *), void *then_arg) {
+    req_reset(r, g, share, then, then_arg);
+    r->now = 1;
+    r->pending = 1;
+    if (g->backend->gather_start && nbytes) {
+        r->backend_owned = 1;
+        hsdp_status st = g->backend->gather_start(r, send, recv, nbytes);
+        if (st != HSDP_OK) {
+            r->pending = 0;
+            return st;
+        }
+    } else {
+        run_here(r, send, recv, nbytes);
+    }
+    return hsdp_gather_wait(r);
 }
 
 hsdp_status hsdp_gather_now(hsdp_req *r, hsdp_group *g, void **share, const void *send, void *recv,

@@ -172,6 +172,12 @@ hsdp_status hsdp_gather_start(hsdp_req *r, hsdp_group *g, void **share, const vo
                               size_t nbytes, hsdp_status (*then)(void *), void *then_arg);
 /* Waits for r and returns its status (its message becomes this thread's last error). */
 hsdp_status hsdp_gather_wait(hsdp_req *r);
+/* The same work, synchronously, through the backend's asynchronous slot (start, then wait),
+ * where `then` runs as a started gather's does (NCCL: on the device; MPI: on its worker's
+ * context, the float8 wire decoded as it lands). Told it is waited at once (r->now), MPI runs it
+ * on this thread while its worker is idle, as a synchronous call: no handoff. */
+hsdp_status hsdp_gather_through_slot(hsdp_req *r, hsdp_group *g, void **share, const void *send, void *recv,
+                                     size_t nbytes, hsdp_status (*then)(void *), void *then_arg);
 /* The same work, synchronously, through the backend's synchronous all_gather. */
 hsdp_status hsdp_gather_now(hsdp_req *r, hsdp_group *g, void **share, const void *send, void *recv,
                             size_t nbytes, hsdp_status (*then)(void *), void *then_arg);
@@ -204,6 +210,15 @@ hsdp_status hsdp_set_timeout(double seconds);
 enum { HSDP_AGREE_OFF = 0, HSDP_AGREE_ON = 1, HSDP_AGREE_SEPARATE = 2 };
 void hsdp_set_agreement_check(int mode);
 int hsdp_agreement_check(void);
+
+/* The float8 wire's pieces on MPI (mpi_agreement.c): a wire gather's chunk of more than this
+ * many bytes travels in pieces of at least this many (at most HSDP_WIRE_MAX_PIECES), each
+ * decoded as it lands. 0, the default: one message (over TCP on the 2-core test machine the
+ * pieces were slower, docs/performance.md). Each rank's ticket says how it splits, so ranks
+ * need not agree on it. */
+enum { HSDP_WIRE_MAX_PIECES = 32 };
+void hsdp_set_wire_piece_bytes(size_t bytes);
+size_t hsdp_wire_piece_bytes(void);
 
 /* Point to point (ring attention): sbytes from send to group rank dest, and exactly rbytes
  * into recv from group rank source; the peers' calls pair up in program order. dest ==

@@ -190,6 +190,7 @@ typedef struct hsdp_req {
     uint64_t ident;                       /* the unit's identity (hsdp_unit.ident), when share is set */
     int pending;                          /* started, not yet waited */
     int backend_owned;                    /* started through the backend's gather_start */
+    int now;                              /* waited at once (hsdp_gather_through_slot): it may run on this thread */
     hsdp_status status;                   /* of the collective and `then`, set when done */
     char err[512];                        /* its message, re-raised on the waiting thread */
     uint64_t submit_ns, start_ns, end_ns; /* CLOCK_MONOTONIC, for traces */
@@ -296,6 +297,19 @@ hsdp_status hsdp_unit_gather_now_wire(hsdp_unit *u, void *full, void *widened, v
 hsdp_gather_req *hsdp_unit_landing_request(hsdp_req *r);
 hsdp_status hsdp_unit_decode_landed(hsdp_gather_req *r, int s, const void *chunk, void (*poll)(void *),
                                     void *poll_arg);
+/* Where the decode of one rank's chunk stands, for one that lands in pieces: zeroed before the
+ * first call; done once the whole chunk is decoded. */
+typedef struct {
+    size_t slot, k;     /* the slot (layout order) and how far into the rank's part of it: weights, or bytes */
+    size_t bi, pay, at; /* blocks and payload bytes before the slot; bytes of the rank's chunk written */
+    int done;
+} hsdp_wire_cursor;
+/* The same as hsdp_unit_decode_landed for a chunk whose first `landed` bytes are in: decodes
+ * what they allow, from where *c stands (nothing before all the scales are in; a quantized
+ * parameter up to its last whole block in). The chunk counts as decoded once *c is done. The
+ * bytes written are the same however the chunk lands. */
+hsdp_status hsdp_unit_decode_prefix(hsdp_gather_req *r, int s, const void *chunk, size_t landed, hsdp_wire_cursor *c,
+                                    void (*poll)(void *), void *poll_arg);
 /* Bytes of the buffer a gather receives the encodings in (0 without a wire encoding). */
 size_t hsdp_unit_wire_bytes(const hsdp_unit *u);
 /* Synchronous gather + conversion through the same request (so traces see its times). */

@@ -140,6 +140,11 @@ static hsdp_status gather_job(void *p) {
 hsdp_status hsdp_mpi_gather_start(hsdp_req *r, const void *send, void *recv, size_t nbytes) {
     gather_task *t = (gather_task *)(void *)r->state;
     *t = (gather_task){.task = {.fn = gather_job, .arg = t}, .r = r, .send = send, .recv = recv, .nbytes = nbytes};
+    if (r->now) { /* waited at once: on this thread while the worker is idle, as a synchronous call */
+        (void)hsdp_exec_call(hsdp_mpi_worker, &t->task);
+        atomic_store(&t->task.state, HSDP_TASK_DONE); /* its status is hsdp_mpi_gather_wait's to read */
+        return HSDP_OK;
+    }
     /* With a worker this only queues; without one (thread level below SERIALIZED) it runs
      * here before returning. */
     hsdp_exec_submit(hsdp_mpi_worker, &t->task);

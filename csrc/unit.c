@@ -243,39 +243,63 @@ hsdp_status hsdp_unit_encode(hsdp_unit *u) {
  * backend polling its transfers in them keeps them moving (bench/bench_dequant.c). */
 enum { DECODE_SLICE = 512 * HSDP_WIRE_BLOCK };
 
-/* Rank s's encoded chunk `w` into its chunk of `full`, calling poll(poll_arg) (when not NULL)
- * after every DECODE_SLICE weights. */
-static hsdp_status decode_chunk(const hsdp_unit *u, const unsigned char *w, void *full, int s,
-                                void (*poll)(void *), void *poll_arg) {
+/* Rank s's encoded chunk `w` into its chunk of `full`, as far as its first `landed` bytes allow,
+ * resuming where *c stands (zeroed at the start) and calling poll(poll_arg) (when not NULL) after
+ * every DECODE_SLICE weights. Nothing is decoded before every scale has landed (they come
+ * first); a quantized run is decoded up to its last whole block landed (or its end), so every
+ * call of hsdp_dequantize_blocks starts on its own scale, and each weight's value depends only
+ * on its byte and its block's scale: the bytes come out the same however the chunk landed. */
+static hsdp_status decode_prefix(const hsdp_unit *u, const unsigned char *w, void *full, int s, size_t landed,
+                                 hsdp_wire_cursor *c, void (*poll)(void *), void *poll_arg) {
+    size_t head = u->wire_blocks[s] * sizeof(float);
+    if (c->done || landed < head) return HSDP_OK;
     const float *scales = (const float *)(const void *)w; /* memcpy'd inside: alignment not needed */
-    const unsigned char *pay = w + u->wire_blocks[s] * sizeof(float);
+    const unsigned char *payload = w + head;
     unsigned char *out = (unsigned char *)full + (size_t)s * u->layout.chunk_bytes;
-    size_t bi = 0, at = 0; /* at: how far into the chunk `out` is written */
-    for (size_t i = 0; i < u->layout.nslots; i++) {
-        size_t b, e, off;
+    for (; c->slot < u->layout.nslots; c->slot++, c->k = 0) {
+        size_t i = c->slot, b, e, off;
         if (!hsdp_layout_owned(&u->layout, i, s, &b, &e, &off)) continue;
         const hsdp_slot *p = &u->layout.slots[i];
-        if (off > at) memset(out + at, 0, off - at); /* the padding between slots */
+        if (off > c->at) { /* the padding between slots */
+            memset(out + c->at, 0, off - c->at);
+            c->at = off;
+        }
         size_t item = hsdp_dtype_size(p->dtype), n = (e - b) / item;
+        size_t avail = landed - head > c->pay ? landed - head - c->pay : 0; /* this slot's bytes landed */
+        const unsigned char *pay = payload + c->pay;
         if (u->quant[i]) {
+            size_t upto = avail < n ? avail / HSDP_WIRE_BLOCK * HSDP_WIRE_BLOCK : n;
             /* in slices of whole blocks, so each slice starts on its own scale */
-            for (size_t k = 0; k < n; k += DECODE_SLICE) {
-                size_t m = n - k < DECODE_SLICE ? n - k : DECODE_SLICE;
+            for (size_t k = c->k; k < upto; k += DECODE_SLICE) {
+                size_t m = upto - k < DECODE_SLICE ? upto - k : DECODE_SLICE;
                 hsdp_status st = hsdp_dequantize_blocks(out + off + k * item, p->dtype, pay + k,
-                                                        scales + bi + k / HSDP_WIRE_BLOCK, m);
+                                                        scales + c->bi + k / HSDP_WIRE_BLOCK, m);
                 if (st != HSDP_OK) return st;
+                c->k = k + m;
                 if (poll) poll(poll_arg);
             }
-            bi += (n + HSDP_WIRE_BLOCK - 1) / HSDP_WIRE_BLOCK;
-            pay += n;
+            if (c->k < n) return HSDP_OK; /* the rest has not landed */
+            c->bi += (n + HSDP_WIRE_BLOCK - 1) / HSDP_WIRE_BLOCK;
+            c->pay += n;
         } else {
-            memcpy(out + off, pay, e - b);
-            pay += e - b;
+            size_t upto = avail < e - b ? avail : e - b;
+            if (upto > c->k) memcpy(out + off + c->k, pay + c->k, upto - c->k);
+            c->k = upto > c->k ? upto : c->k;
+            if (c->k < e - b) return HSDP_OK;
+            c->pay += e - b;
         }
-        at = off + (e - b);
+        c->at = off + (e - b);
     }
-    if (u->layout.chunk_bytes > at) memset(out + at, 0, u->layout.chunk_bytes - at);
+    if (u->layout.chunk_bytes > c->at) memset(out + c->at, 0, u->layout.chunk_bytes - c->at);
+    c->done = 1;
     return HSDP_OK;
+}
+
+/* The whole of rank s's encoded chunk `w` into its chunk of `full`. */
+static hsdp_status decode_chunk(const hsdp_unit *u, const unsigned char *w, void *full, int s,
+                                void (*poll)(void *), void *poll_arg) {
+    hsdp_wire_cursor c = {0};
+    return decode_prefix(u, w, full, s, u->wire_chunk_bytes, &c, poll, poll_arg);
 }
 
 hsdp_status hsdp_unit_decode(const hsdp_unit *u, const void *wire, void *full) {
@@ -368,13 +392,12 @@ hsdp_status hsdp_unit_decode_landed(hsdp_gather_req *r, int s, const void *chunk
     return st;
 }
 
-/* The synchronous form on a backend with asynchronous slots: its gather_start, then its wait
- * (NCCL: the device decodes, and the wait orders the compute stream after it, the host does
- * not block; MPI: the worker decodes each chunk as it lands, hsdp_unit_landing_request). */
-static hsdp_status gather_now_on_device(hsdp_req *r, hsdp_group *g, void **share, const void *send, void *recv,
-                                        size_t nbytes, hsdp_status (*then)(void *), void *then_arg) {
-    hsdp_status st = hsdp_gather_start(r, g, share, send, recv, nbytes, then, then_arg);
-    return st == HSDP_OK ? hsdp_gather_wait(r) : st;
+hsdp_status hsdp_unit_decode_prefix(hsdp_gather_req *r, int s, const void *chunk, size_t landed, hsdp_wire_cursor *c,
+                                    void (*poll)(void *), void *poll_arg) {
+    int was = c->done;
+    hsdp_status st = decode_prefix(r->u, chunk, r->full, s, landed, c, poll, poll_arg);
+    if (st == HSDP_OK && c->done && !was) r->decoded++;
+    return st;
 }
 /* ---- end of the float8 wire on a device backend ---- */
 
@@ -395,10 +418,12 @@ static hsdp_status unit_gather_via(gather_via via, hsdp_unit *u, void *full, voi
     }
     void *recv = r->wire ? r->wire : full;
     size_t nbytes = r->wire ? u->wire_chunk_bytes : u->layout.chunk_bytes;
-    /* A synchronous wire gather on a backend with asynchronous slots goes through them too: on
-     * NCCL the device decodes; on MPI the worker decodes each chunk as it lands. */
+    /* A synchronous wire gather on a backend with asynchronous slots goes through them too
+     * (hsdp_gather_through_slot): on NCCL the device decodes, and the wait orders the compute
+     * stream after it (the host does not block); on MPI each chunk is decoded as it lands
+     * (hsdp_unit_landing_request), on this thread while the worker is idle. */
     gather_fn run = via == VIA_START                                                ? hsdp_gather_start
-                    : via == VIA_NOW && r->wire && u->group->backend->gather_start ? gather_now_on_device
+                    : via == VIA_NOW && r->wire && u->group->backend->gather_start ? hsdp_gather_through_slot
                                                                                    : hsdp_gather_now;
     st = drop_host(u, run(&r->req, u->group, &u->share, u->shard, recv, nbytes,
                          (r->widened || r->wire) ? convert_job : NULL, r));

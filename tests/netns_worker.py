@@ -53,21 +53,25 @@ def main() -> None:
             u.write(0, values)
             wire_units.append(u)
 
-        def gather(u):
+        def gather(u, piece: int = 0):
             def run() -> None:
+                _C._set_wire_piece_bytes(piece)  # 0, the default: one message
                 u.unshard()
                 u.reshard()
             return run
+
+        # --wire-piece=N,M: the float8 unit's gather also in pieces of N (and M) bytes
+        pieces = [int(v) for a in sys.argv if a.startswith("--wire-piece=") for v in a.split("=", 1)[1].split(",")]
 
         # the raw MPI_Allgather of the float8 bytes alone: what the link costs them
         wire_chunk = wire_units[1].wire_chunk_bytes
         send8, recv8 = _C.empty_aligned(wire_chunk), _C.empty_aligned(wire_chunk * world.size)
         fns = [ours, lambda: world.all_gather(send, recv), unchecked, *map(gather, wire_units),
-               lambda: world.all_gather(send8, recv8)]
+               lambda: world.all_gather(send8, recv8), *(gather(wire_units[1], p) for p in pieces)]
         interleaved(fns, 2, sync=world.barrier)
-        t_ours, t_raw, t_off, t_bf16, t_fp8, t_raw8 = interleaved(fns, 25, sync=world.barrier)
+        t_ours, t_raw, t_off, t_bf16, t_fp8, t_raw8, *t_pieces = interleaved(fns, 25, sync=world.barrier)
         res.update(ours_s=t_ours, raw_s=t_raw, off_s=t_off, bf16_s=t_bf16, fp8_s=t_fp8, raw8_s=t_raw8,
-                   wire_mib=wire_chunk * world.size / 2**20)
+                   wire_mib=wire_chunk * world.size / 2**20, pieces={str(p): t for p, t in zip(pieces, t_pieces)})
     print("RESULT " + json.dumps(res), flush=True)
 
 

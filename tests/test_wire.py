@@ -100,3 +100,14 @@ def test_unit_refusals():
     u, _ = _unit(quant=[False, False, False])  # nothing marked: the unit travels as stored
     assert u.wire_dtype is None and u.wire_chunk_bytes == u.chunk_bytes
 
+
+
+def test_wire_piece_knob():
+    """_C._set_wire_piece_bytes: the float8 wire's pieces on MPI (the protocol itself is tested
+    across 4 ranks in csrc/tests/test_mpi.c); off by default, returns the previous value."""
+    assert _C._set_wire_piece_bytes(1 << 18) == 0
+    assert _C._set_wire_piece_bytes(0) == 1 << 18
+    with pytest.raises(ValueError, match="bytes must be >= 0 .0: one message., got -1"):
+        _C._set_wire_piece_bytes(-1)
+    with pytest.raises(TypeError):
+        _C._set_wire_piece_bytes("64")

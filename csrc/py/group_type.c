@@ -571,6 +571,21 @@ static PyObject *mod_set_agreement_check(PyObject *m, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+/* _set_wire_piece_bytes(n): the float8 wire's piece on MPI (backend.h), for the benchmark and
+ * the tests of small pieces; returns the previous value. */
+static PyObject *mod_set_wire_piece_bytes(PyObject *m, PyObject *arg) {
+    (void)m;
+    Py_ssize_t n = PyNumber_AsSsize_t(arg, PyExc_OverflowError);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    if (n < 0) {
+        PyErr_Format(PyExc_ValueError, "_set_wire_piece_bytes: bytes must be >= 0 (0: one message), got %zd", n);
+        return NULL;
+    }
+    size_t was = hsdp_wire_piece_bytes();
+    hsdp_set_wire_piece_bytes((size_t)n);
+    return PyLong_FromSize_t(was);
+}
+
 static PyObject *mod_get_timeout(PyObject *m, PyObject *unused) {
     (void)m;
     (void)unused;
@@ -585,6 +600,9 @@ PyMethodDef hsdp_py_backend_functions[] = {
      "_set_agreement_check(on): whether collective unit gathers check that every rank gathers the same unit "
      "(default True; False only to measure the check, 'separate' to give it its own round trip; every rank "
      "alike)."},
+    {"_set_wire_piece_bytes", mod_set_wire_piece_bytes, METH_O,
+     "_set_wire_piece_bytes(n): a float8 wire chunk of more than n bytes crosses MPI in pieces of at least n, "
+     "each decoded as it lands (0: one message); returns the previous value."},
     {"backends", mod_backends, METH_NOARGS,
      "The registered backends: (name, usable, reason it is not usable or None) each."},
     {"device_info", mod_device_info, METH_O,

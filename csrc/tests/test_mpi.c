@@ -186,6 +186,42 @@ int main(void) {
         memset(g4, 0xCD, t4);
         CHECK(hsdp_unit_gather_now(&u4, g4, NULL, &r4) == HSDP_OK);
         CHECK(memcmp(f4, g4, t4) == 0 && r4.decoded == world->size);
+        /* in pieces of 64 bytes (a block is 128 weights: pieces end mid-block and before the
+         * scales are all in), each decoded as it lands; then each rank splitting its own way
+         * (the tickets say how; 0: one message): byte for byte the decode after the gather */
+        size_t was = hsdp_wire_piece_bytes();
+        for (int round = 0; round < 3; round++) {
+            size_t mine[] = {64, world->rank % 2 ? 64 : 0, 64 * (size_t)(world->rank + 1)};
+            hsdp_set_wire_piece_bytes(mine[round]);
+            memset(g4, 0xCD, t4);
+            CHECK(hsdp_unit_gather_start(&u4, g4, NULL, &r4) == HSDP_OK && hsdp_unit_gather_wait(&u4, &r4) == HSDP_OK);
+            CHECK(memcmp(f4, g4, t4) == 0 && r4.decoded == world->size);
+        }
+        /* rank 0 gathers u4 in pieces, the others a larger unit in more pieces: every rank
+         * fails on the tickets, none hangs; then they pair up again */
+        hsdp_set_wire_piece_bytes(64);
+        hsdp_unit u5;
+        size_t numels5[] = {4000, 3, 257};
+        float *src5 = calloc(4000, sizeof *src5); /* owned here */
+        CHECK(src5 && setenv("HSDP_DIRECT_GATHER", "0", 1) == 0);
+        CHECK(hsdp_unit_init(&u5, numels5, dts, NULL, 3, world, &st) == HSDP_OK);
+        for (size_t i = 0; i < 3; i++) CHECK(hsdp_unit_write(&u5, i, 0, numels5[i], src5, HSDP_F32) == HSDP_OK);
+        CHECK(hsdp_unit_set_wire(&u5, HSDP_F8E4M3, quant) == HSDP_OK);
+        size_t t5 = u5.layout.total_bytes;
+        unsigned char *f5 = hsdp_buffer_alloc(&st, t5); /* owned here */
+        hsdp_gather_req r5;
+        hsdp_status s5 = world->rank == 0 ? hsdp_unit_gather_start(&u4, g4, NULL, &r4)
+                                          : hsdp_unit_gather_start(&u5, f5, NULL, &r5);
+        if (s5 == HSDP_OK) s5 = world->rank == 0 ? hsdp_unit_gather_wait(&u4, &r4) : hsdp_unit_gather_wait(&u5, &r5);
+        CHECK(s5 == HSDP_ECOMM && strstr(hsdp_last_error(), "do not gather the same unit"));
+        CHECK(unsetenv("HSDP_DIRECT_GATHER") == 0);
+        memset(g4, 0xCD, t4);
+        CHECK(hsdp_unit_gather_start(&u4, g4, NULL, &r4) == HSDP_OK && hsdp_unit_gather_wait(&u4, &r4) == HSDP_OK);
+        CHECK(memcmp(f4, g4, t4) == 0 && r4.decoded == world->size);
+        hsdp_set_wire_piece_bytes(was);
+        hsdp_buffer_free(&st, f5, t5);
+        hsdp_unit_free(&u5);
+        free(src5);
         hsdp_buffer_free(&st, f4, t4);
         hsdp_buffer_free(&st, g4, t4);
         hsdp_unit_free(&u4);
