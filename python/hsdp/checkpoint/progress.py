@@ -96,7 +96,7 @@ class Progress:
             except Exception as exc:  # noqa: BLE001
                 # Progress runs on rank 0 alone: raising here would leave the other ranks
                 # waiting in the load's next collective. Report it and stop calling it.
-                log.warning("hsdp: the progress callback raised %s: %s; it is not called again for this load",
+                log.warning("the progress callback raised %s: %s; it is not called again for this load",
                             type(exc).__name__, exc)
                 self._callback = None
                 self._on = False

@@ -150,7 +150,7 @@ class Schedule:
                 self._budget_error = f"hsdp residency budget: {exc}"
                 raise
             if auto:
-                log.info("hsdp: resident_bytes='auto' resolved to %d bytes per rank (free memory less %d%%, at "
+                log.info("resident_bytes='auto' resolved to %d bytes per rank (free memory less %d%%, at "
                          "least %d bytes; the smallest over the shard group)", self.budget_bytes,
                          round(residency.AUTO_MARGIN * 100), residency.AUTO_MIN_MARGIN)
         chosen = residency.choose(self.order, self.budget_bytes, self.depth)
@@ -165,7 +165,7 @@ class Schedule:
                 u.reshard_after_forward = False
                 self._flipped.add(id(u))
         self.resident = chosen
-        log.info("hsdp: residency budget %d bytes keeps %d of %d units gathered (%d bytes): %s; rule: %s",
+        log.info("residency budget %d bytes keeps %d of %d units gathered (%d bytes): %s; rule: %s",
                  self.budget_bytes, len(chosen), len({id(u) for u in self.order}), self.resident_bytes,
                  ", ".join(u.label for u in chosen) or "none", residency.RULE)
         if trace.enabled:
@@ -362,11 +362,11 @@ def reserve_pool(held: Counter[int] | None = None) -> None:
     # host sizes are ints, device ones (size, device): ordered by size alike
     sizes = sorted(need.elements(), key=lambda k: k if isinstance(k, int) else k[0])
     if len(sizes) > _POOL_SLOTS:
-        log.warning("hsdp: a steady-state forward needs %d unsharded buffers, the pool keeps %d; "
+        log.warning("a steady-state forward needs %d unsharded buffers, the pool keeps %d; "
                     "later forwards will allocate", len(sizes), _POOL_SLOTS)
         sizes = sizes[:_POOL_SLOTS]
     missing = list((Counter(sizes) - (held or Counter())).elements())
     try:
         _C.pool_reserve(missing, len(sizes))
     except (ValueError, MemoryError) as exc:
-        log.warning("hsdp: could not reserve the buffer pool (%s); later forwards will allocate", exc)
+        log.warning("could not reserve the buffer pool (%s); later forwards will allocate", exc)

@@ -122,7 +122,7 @@ def _key_map(model: Any) -> Any:
 def _load_sharded(c: Component, hsdp_cfg: Any, device: Any, dtype: torch.dtype, progress: bool) -> Any:
     import hsdp
 
-    log.info("hsdp: streaming '%s' (%s) sharded, units %s", c.name, c.class_name, describe(c.conditions))
+    log.info("streaming '%s' (%s) sharded, units %s", c.name, c.class_name, describe(c.conditions))
     model = _empty(c, keep_fp32=dtype == torch.float16)
     key_map = _key_map(model) if c.library == "transformers" else None
     return hsdp.load_model_sharded(model, c.folder, hsdp_cfg, target_device=device, progress=progress,

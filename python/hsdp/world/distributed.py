@@ -112,7 +112,7 @@ def init_process_group(backend: str = "auto") -> ProcessGroup:
     mod = devices.loader(backend)  # a backend whose runtime Python prepares (NCCL) starts there
     _world = mod.init_world() if mod is not None else _C.ProcessGroup(backend)
     register_teardown(multi_process=_world.backend != "single")
-    log.debug("hsdp process group: backend=%s rank=%d size=%d", _world.backend, _world.rank, _world.size)
+    log.debug("process group: backend=%s rank=%d size=%d", _world.backend, _world.rank, _world.size)
     return _world
 
 
@@ -207,6 +207,6 @@ def destroy_process_group() -> None:
     _meshes.clear()
     _world = None
     if _failed:
-        log.error("hsdp: an uncaught exception ended this rank; leaving MPI unfinalised so the launcher ends the job")
+        log.error("an uncaught exception ended this rank; leaving MPI unfinalised so the launcher ends the job")
         return
     _C.finalize_backends()
