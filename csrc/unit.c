@@ -449,12 +449,14 @@ static hsdp_status unit_gather_via(gather_via via, hsdp_unit *u, void *full, voi
     }
     void *recv = r->wire ? r->wire : full;
     size_t nbytes = r->wire ? u->wire_chunk_bytes : u->layout.chunk_bytes;
-    /* A synchronous wire or widening gather on a backend with asynchronous slots goes through
-     * them too (hsdp_gather_through_slot): on NCCL the device decodes, and the wait orders the
-     * compute stream after it (the host does not block); on MPI each chunk is decoded as it
-     * lands (hsdp_unit_landing_request), or widened as it is read on the direct path
-     * (hsdp_unit_widen_request), on this thread while the worker is idle. */
-    int through_slot = via == VIA_NOW && (r->wire || r->widened) && u->group->backend->gather_start;
+    /* A synchronous wire gather on a backend with asynchronous slots goes through them too
+     * (hsdp_gather_through_slot): on NCCL the device decodes, and the wait orders the compute
+     * stream after it (the host does not block); on MPI each chunk is decoded as it lands
+     * (hsdp_unit_landing_request), on this thread while the worker is idle. So does a
+     * widening gather on a direct path: each chunk is widened as it is read
+     * (hsdp_unit_widen_request; a device backend's slots cannot convert on the host). */
+    int direct = r->widened && strcmp(hsdp_share_kind(u->group, u->share), "direct") == 0;
+    int through_slot = via == VIA_NOW && (r->wire || direct) && u->group->backend->gather_start;
     gather_fn run = via == VIA_START ? hsdp_gather_start : through_slot ? hsdp_gather_through_slot : hsdp_gather_now;
     st = drop_host(u, run(&r->req, u->group, &u->share, u->shard, recv, nbytes,
                          (r->widened || r->wire) ? convert_job : NULL, r));
