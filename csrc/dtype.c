@@ -327,6 +327,33 @@ static const char *safe_name(hsdp_dtype dt) {
     return s ? s : "<unknown dtype>";
 }
 
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) && __GNUC__ >= 11
+/* AVX-512 (x86-64-v4: 16 weights a vector, half the instructions of AVX2's 8; 0.17 against
+ * 0.33 ns per weight into bfloat16 on an AMD EPYC, bench/bench_dequant.c), AVX2, or SSE2:
+ * whichever the CPU has, chosen at load time */
+#define HSDP_VECTORIZE __attribute__((optimize("O3"), target_clones("arch=x86-64-v4", "avx2", "default")))
+#elif defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+/* AVX2 where the CPU has it (chosen at load time), SSE2 otherwise */
+#define HSDP_VECTORIZE __attribute__((optimize("O3"), target_clones("avx2", "default")))
+#elif defined(__GNUC__) && !defined(__clang__)
+#define HSDP_VECTORIZE __attribute__((optimize("O3")))
+#else
+#define HSDP_VECTORIZE
+#endif
+
+/* bfloat16 to float32, the widening NumPy's compute needs after every gather of a bfloat16
+ * unit: a shift, vectorised here (the -O2 build leaves hsdp_cast's loops scalar; 4 MiB of
+ * bfloat16 widened in 0.5-0.7 ms against 1.7-2.0 scalar, two processes at once on an AMD
+ * EPYC, docs/performance.md section 7). The same bits as bf16_to_bits, element for element. */
+HSDP_VECTORIZE static void widen_bf16(unsigned char *d, const unsigned char *s, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        uint16_t x;
+        memcpy(&x, s + sizeof x * i, sizeof x);
+        uint32_t y = bf16_to_bits(x);
+        memcpy(d + sizeof y * i, &y, sizeof y);
+    }
+}
+
 hsdp_status hsdp_cast(void *dst, hsdp_dtype dt, const void *src, hsdp_dtype st, size_t n) {
     if (!dtype_valid(dt) || !dtype_valid(st) ||
         (dt != st && !(hsdp_dtype_is_float(dt) && hsdp_dtype_is_float(st))))
@@ -345,8 +372,8 @@ hsdp_status hsdp_cast(void *dst, hsdp_dtype dt, const void *src, hsdp_dtype st, 
     unsigned char *d = dst;
     const unsigned char *s = src;
 
-    /* Hot pairs get their own loops (no per-element dtype switch); gcc -O3 vectorises the
-     * bf16 ones, the f16 ones branch per element on the range. One loop, written once: each
+    /* Hot pairs get their own loops (no per-element dtype switch); the widening from bf16 is
+     * vectorised (widen_bf16), the f16 ones branch per element on the range. One loop, written once: each
      * element's bits (from_t) through fn into to_t's, a macro so that every pair's loop is
      * compiled with its own fn inlined. */
 #define CAST_PAIR(from, to, from_t, to_t, fn)                                                                 \
@@ -359,7 +386,10 @@ hsdp_status hsdp_cast(void *dst, hsdp_dtype dt, const void *src, hsdp_dtype st, 
         }                                                                                                     \
         return HSDP_OK;                                                                                       \
     }
-    CAST_PAIR(HSDP_BF16, HSDP_F32, uint16_t, uint32_t, bf16_to_bits)
+    if (st == HSDP_BF16 && dt == HSDP_F32) {
+        widen_bf16(d, s, n);
+        return HSDP_OK;
+    }
     CAST_PAIR(HSDP_F32, HSDP_BF16, uint32_t, uint16_t, bf16_from_bits)
     CAST_PAIR(HSDP_F16, HSDP_F32, uint16_t, uint32_t, f16_to_bits)
     CAST_PAIR(HSDP_F32, HSDP_F16, uint32_t, uint16_t, f16_from_bits)
@@ -387,20 +417,6 @@ static inline float e4m3_mag(uint32_t a) {
     uint32_t is_sub = 0u - (uint32_t)(a < 8); /* all ones or zero: a select without a branch */
     return f32_from_bits((sub & is_sub) | (normal & ~is_sub));
 }
-
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) && __GNUC__ >= 11
-/* AVX-512 (x86-64-v4: 16 weights a vector, half the instructions of AVX2's 8; 0.17 against
- * 0.33 ns per weight into bfloat16 on an AMD EPYC, bench/bench_dequant.c), AVX2, or SSE2:
- * whichever the CPU has, chosen at load time */
-#define HSDP_VECTORIZE __attribute__((optimize("O3"), target_clones("arch=x86-64-v4", "avx2", "default")))
-#elif defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
-/* AVX2 where the CPU has it (chosen at load time), SSE2 otherwise */
-#define HSDP_VECTORIZE __attribute__((optimize("O3"), target_clones("avx2", "default")))
-#elif defined(__GNUC__) && !defined(__clang__)
-#define HSDP_VECTORIZE __attribute__((optimize("O3")))
-#else
-#define HSDP_VECTORIZE
-#endif
 
 /* One weight: e4m3(x) * scale, rounded once to bfloat16 / float32 / float16. */
 static inline uint16_t dequant_bf16_one(uint32_t x, float scale) {

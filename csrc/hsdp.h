@@ -275,6 +275,7 @@ typedef struct {
     void *wire;     /* the gathered encodings while in flight (hsdp_unit_wire_bytes) */
     int wire_owned; /* wire was allocated by the request: the wait frees it */
     int decoded;    /* chunks the backend decoded as they landed (hsdp_unit_decode_landed) */
+    int widened_landed; /* the backend widened every chunk as it read it (hsdp_unit_widen_piece) */
 } hsdp_gather_req;
 /* Asynchronous gather + conversion through the backend's asynchronous slots (with none, it
  * runs on the caller's thread before returning). req is owned by the caller and must stay
@@ -310,6 +311,16 @@ typedef struct {
  * bytes written are the same however the chunk lands. */
 hsdp_status hsdp_unit_decode_prefix(hsdp_gather_req *r, int s, const void *chunk, size_t landed, hsdp_wire_cursor *c,
                                     void (*poll)(void *), void *poll_arg);
+/* The gather behind r when its one conversion is a widening (a unit's, with `widened` and no
+ * wire), else NULL. A host backend that reads each rank's chunk itself (MPI's direct gathers)
+ * may then, instead of receiving into `full`, pass every byte of every chunk, in pieces, to
+ * hsdp_unit_widen_piece: bytes [at, at + n) of rank s's chunk at `src`, the converted slots'
+ * parts widened into `widened`, every other byte copied into `full` (so `full`'s bytes of the
+ * converted slots are left unwritten: no view reads them). at and n must be multiples of 64
+ * (n may end at the chunk's end). Once it has passed them all it sets widened_landed, and the
+ * gather's `then` converts nothing. */
+hsdp_gather_req *hsdp_unit_widen_request(hsdp_req *r);
+hsdp_status hsdp_unit_widen_piece(hsdp_gather_req *r, int s, size_t at, const void *src, size_t n);
 /* Bytes of the buffer a gather receives the encodings in (0 without a wire encoding). */
 size_t hsdp_unit_wire_bytes(const hsdp_unit *u);
 /* Synchronous gather + conversion through the same request (so traces see its times). */

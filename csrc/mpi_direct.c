@@ -121,6 +121,28 @@ hsdp_status hsdp_mpi_direct_setup(hsdp_group *g, void **share, const void *send,
     return HSDP_OK;
 }
 
+/* n bytes at offset off of rank j's shard into dst. */
+static hsdp_status read_peer(const direct_share *d, int j, void *dst, size_t off, size_t n) {
+    pid_t pid = (pid_t)d->peer[j].pid;
+    int err = hsdp_peer_read(pid, dst, d->peer[j].addr + off, n);
+    if (err)
+        return hsdp_fail(HSDP_ECOMM, "reading rank %d's shard (pid %d) failed: %s%s", j, (int)pid, strerror(err),
+                         err == ESRCH ? " (that rank has exited)" : "");
+    return HSDP_OK;
+}
+
+/* Read after the data: a tag still in place means rank j's shard was live all along. */
+static hsdp_status check_live(const direct_share *d, int j) {
+    pid_t pid = (pid_t)d->peer[j].pid;
+    uint64_t seen = 0;
+    int err = hsdp_peer_read(pid, &seen, d->peer[j].tag_addr, sizeof seen);
+    if (err || seen != d->peer[j].tag)
+        return hsdp_fail(HSDP_ECOMM,
+                         "rank %d (pid %d) no longer holds the unit this gather reads (it freed it): the ranks "
+                         "are out of step", j, (int)pid);
+    return HSDP_OK;
+}
+
 /* With `landing` (a float8 wire gather) each chunk is decoded right after it is read, while it
  * is still in cache; this rank's straight from its shard. */
 hsdp_status hsdp_mpi_direct_gather(hsdp_group *g, const direct_share *d, const void *send, void *recv, size_t nbytes,
@@ -136,24 +158,38 @@ hsdp_status hsdp_mpi_direct_gather(hsdp_group *g, const direct_share *d, const v
             }
             continue;
         }
-        pid_t pid = (pid_t)d->peer[j].pid;
-        int err = hsdp_peer_read(pid, dst, d->peer[j].addr, nbytes);
-        if (err)
-            return hsdp_fail(HSDP_ECOMM, "reading rank %d's shard (pid %d) failed: %s%s", j, (int)pid, strerror(err),
-                             err == ESRCH ? " (that rank has exited)" : "");
-        /* Read after the data: a tag still in place means the shard was live all along. */
-        uint64_t seen = 0;
-        err = hsdp_peer_read(pid, &seen, d->peer[j].tag_addr, sizeof seen);
-        if (err || seen != d->peer[j].tag)
-            return hsdp_fail(HSDP_ECOMM,
-                             "rank %d (pid %d) no longer holds the unit this gather reads (it freed it): the ranks "
-                             "are out of step", j, (int)pid);
-        if (landing) {
-            hsdp_status st = hsdp_unit_decode_landed(landing, j, dst, NULL, NULL);
-            if (st != HSDP_OK) return st;
-        }
+        hsdp_status st = read_peer(d, j, dst, 0, nbytes);
+        if (st == HSDP_OK) st = check_live(d, j);
+        if (st == HSDP_OK && landing) st = hsdp_unit_decode_landed(landing, j, dst, NULL, NULL);
+        if (st != HSDP_OK) return st;
     }
     return HSDP_OK;
+}
+
+/* Pieces of a peer's chunk widened from a bounce buffer: small enough to stay in cache
+ * between the read and the widening, large enough that the reads' calls cost little (64 KiB
+ * to 1 MiB measured alike, bench/bench_direct_widen.c). */
+enum { WIDEN_PIECE = 128 << 10 };
+
+hsdp_status hsdp_mpi_direct_widen(hsdp_group *g, const direct_share *d, const void *send, size_t nbytes,
+                                  hsdp_gather_req *wr) {
+    hsdp_status st = hsdp_unit_widen_piece(wr, g->rank, 0, send, nbytes); /* straight from the shard */
+    if (st != HSDP_OK) return st;
+    size_t piece = nbytes < WIDEN_PIECE ? nbytes : WIDEN_PIECE;
+    unsigned char *bounce = malloc(piece ? piece : 1); /* owned here, freed below */
+    if (!bounce) return hsdp_fail(HSDP_ENOMEM, "could not allocate the %zu-byte buffer a gather reads through", piece);
+    for (int j = 0; j < d->size && st == HSDP_OK; j++) {
+        if (j == g->rank) continue;
+        for (size_t at = 0; at < nbytes && st == HSDP_OK; at += piece) {
+            size_t n = nbytes - at < piece ? nbytes - at : piece;
+            st = read_peer(d, j, bounce, at, n);
+            if (st == HSDP_OK) st = hsdp_unit_widen_piece(wr, j, at, bounce, n);
+        }
+        if (st == HSDP_OK) st = check_live(d, j);
+    }
+    free(bounce);
+    if (st == HSDP_OK) wr->widened_landed = 1;
+    return st;
 }
 
 /* Freed shards a peer may still be reading. Ranks no longer move in lockstep once gathers are

@@ -70,6 +70,11 @@ typedef struct direct_share direct_share;
 hsdp_status hsdp_mpi_direct_setup(hsdp_group *g, void **share, const void *send, size_t nbytes);
 hsdp_status hsdp_mpi_direct_gather(hsdp_group *g, const direct_share *d, const void *send, void *recv, size_t nbytes,
                                    hsdp_gather_req *landing);
+/* The same for a unit gather whose one conversion is a widening (hsdp_unit_widen_request):
+ * every chunk widened as it is read (this rank's straight from `send`, the peers' through a
+ * small buffer), so the gathered buffer's bytes of the widened slots are never written. */
+hsdp_status hsdp_mpi_direct_widen(hsdp_group *g, const direct_share *d, const void *send, size_t nbytes,
+                                  hsdp_gather_req *wr);
 /* After a collective over g completed: frees the shards no peer can still read. */
 void hsdp_mpi_collective_done(hsdp_group *g);
 /* all: every deferred free (a collective over every rank, or the end of MPI); else g's. */

@@ -129,10 +129,13 @@ _Static_assert(sizeof(gather_task) <= HSDP_REQ_STATE_BYTES, "HSDP_REQ_STATE_BYTE
 static hsdp_status gather_job(void *p) {
     gather_task *t = p;
     hsdp_group *g = t->r->g;
-    hsdp_status st = t->r->share
-                         ? hsdp_mpi_fixed_gather(g, t->r->share, t->send, t->recv, t->nbytes, t->r->label, t->r->ident,
-                                                 hsdp_unit_landing_request(t->r))
-                         : hsdp_mpi_raw_all_gather(g, t->send, t->recv, t->nbytes);
+    void **share = t->r->share;
+    /* A NumPy unit's direct gather widens each chunk as it reads it (hsdp_mpi_direct_widen). */
+    hsdp_gather_req *wr = share && *share && *share != hsdp_share_collective() ? hsdp_unit_widen_request(t->r) : NULL;
+    hsdp_status st = wr      ? hsdp_mpi_direct_widen(g, *share, t->send, t->nbytes, wr)
+                     : share ? hsdp_mpi_fixed_gather(g, share, t->send, t->recv, t->nbytes, t->r->label, t->r->ident,
+                                                     hsdp_unit_landing_request(t->r))
+                             : hsdp_mpi_raw_all_gather(g, t->send, t->recv, t->nbytes);
     if (st == HSDP_OK && t->r->then) st = t->r->then(t->r->then_arg);
     return st;
 }

@@ -338,7 +338,7 @@ static hsdp_status convert_job(void *arg) {
         hsdp_status st = hsdp_unit_decode(r->u, r->wire, r->full);
         if (st != HSDP_OK) return st;
     }
-    return r->widened ? hsdp_unit_widen(r->u, r->full, r->widened) : HSDP_OK;
+    return r->widened && !r->widened_landed ? hsdp_unit_widen(r->u, r->full, r->widened) : HSDP_OK;
 }
 
 /* Sets up the request; with a wire encoding, encodes the shard (first gather) and takes the
@@ -352,6 +352,7 @@ static hsdp_status req_init(hsdp_gather_req *r, hsdp_unit *u, void *full, void *
     r->wire = NULL;
     r->wire_owned = 0;
     r->decoded = 0;
+    r->widened_landed = 0;
     atomic_fetch_add(&u->stats->gathers, 1);
     if (!u->quant || u->layout.total_bytes == 0) return HSDP_OK;
     hsdp_status st = hsdp_unit_encode(u);
@@ -401,6 +402,36 @@ hsdp_status hsdp_unit_decode_prefix(hsdp_gather_req *r, int s, const void *chunk
 }
 /* ---- end of the float8 wire on a device backend ---- */
 
+/* ---- widening as the chunks are read (hsdp.h: hsdp_unit_widen_request) ---- */
+hsdp_gather_req *hsdp_unit_widen_request(hsdp_req *r) {
+    if (r->then != convert_job) return NULL;
+    hsdp_gather_req *g = r->then_arg;
+    return g->widened && !g->wire ? g : NULL;
+}
+
+hsdp_status hsdp_unit_widen_piece(hsdp_gather_req *r, int s, size_t at, const void *src, size_t n) {
+    const hsdp_unit *u = r->u;
+    const unsigned char *in = src;
+    unsigned char *full = r->full;
+    /* In `full`'s offsets: [lo, hi) is the piece, [lo, done) what is already in place. */
+    size_t lo = (size_t)s * u->layout.chunk_bytes + at, hi = lo + n, done = lo;
+    for (size_t i = 0; i < u->layout.nslots && done < hi; i++) { /* slots lie in offset order */
+        const hsdp_slot *p = &u->layout.slots[i];
+        size_t b = p->offset > lo ? p->offset : lo, e = p->offset + p->nbytes < hi ? p->offset + p->nbytes : hi;
+        if (u->widen_offset[i] == SIZE_MAX || b >= e) continue;
+        if (b > done) memcpy(full + done, in + (done - lo), b - done);
+        /* 64-aligned piece and slot starts: b - offset and e - b are whole elements */
+        size_t item = hsdp_dtype_size(p->dtype), into = u->widen_offset[i] + (b - p->offset) / item *
+                                                                                 hsdp_dtype_size(u->compute[i]);
+        hsdp_status st = hsdp_cast((unsigned char *)r->widened + into, u->compute[i], in + (b - lo), p->dtype,
+                                   (e - b) / item);
+        if (st != HSDP_OK) return st;
+        done = e;
+    }
+    if (hi > done) memcpy(full + done, in + (done - lo), hi - done);
+    return HSDP_OK;
+}
+
 typedef hsdp_status (*gather_fn)(hsdp_req *, hsdp_group *, void **, const void *, void *, size_t,
                                  hsdp_status (*)(void *), void *);
 
@@ -421,10 +452,12 @@ static hsdp_status unit_gather_via(gather_via via, hsdp_unit *u, void *full, voi
     /* A synchronous wire gather on a backend with asynchronous slots goes through them too
      * (hsdp_gather_through_slot): on NCCL the device decodes, and the wait orders the compute
      * stream after it (the host does not block); on MPI each chunk is decoded as it lands
-     * (hsdp_unit_landing_request), on this thread while the worker is idle. */
-    gather_fn run = via == VIA_START                                                ? hsdp_gather_start
-                    : via == VIA_NOW && r->wire && u->group->backend->gather_start ? hsdp_gather_through_slot
-                                                                                   : hsdp_gather_now;
+     * (hsdp_unit_landing_request), on this thread while the worker is idle. So does a
+     * widening gather on a direct path: each chunk is widened as it is read
+     * (hsdp_unit_widen_request; a device backend's slots cannot convert on the host). */
+    int direct = r->widened && strcmp(hsdp_share_kind(u->group, u->share), "direct") == 0;
+    int through_slot = via == VIA_NOW && (r->wire || direct) && u->group->backend->gather_start;
+    gather_fn run = via == VIA_START ? hsdp_gather_start : through_slot ? hsdp_gather_through_slot : hsdp_gather_now;
     st = drop_host(u, run(&r->req, u->group, &u->share, u->shard, recv, nbytes,
                          (r->widened || r->wire) ? convert_job : NULL, r));
     /* nothing in flight after an error, nor after a synchronous gather */

@@ -35,6 +35,7 @@ def scenario_paths(expect: str) -> None:
         out = model(*x)
         assert np.array_equal(out, ref), np.abs(out - ref).max()
         assert {u.unit.gather_path for u in units} == {expect}, [u.unit.gather_path for u in units]
+    widened_as_read(expect)
     # once gathered a shard is fixed: peers may be reading it at any moment
     st = units[1]
     try:
@@ -43,6 +44,65 @@ def scenario_paths(expect: str) -> None:
         assert "fixed" in str(e), e
     else:
         raise AssertionError("writing a gathered unit's shard was accepted")
+
+
+def widened_as_read(expect: str) -> None:
+    """A NumPy unit's direct gathers widen each chunk as they read it, where the first
+    (collective) gather widens the whole gathered buffer: the same views, bit for bit, through
+    the worker (start_unshard + wait) and synchronous (unshard). Slots of every kind, larger
+    than the 128 KiB pieces, straddling the chunks; two units alike, so that each gathers into
+    buffers the other just left (a byte not written would show). The bfloat16 model's forward
+    matches its bfloat16-rounded reference."""
+    from hsdp import _C
+
+    rng = np.random.default_rng(7)
+    group = hsdp.init_device_mesh("cpu", (1, hsdp.distributed.get_world_size())).shard_group
+    kinds = [("bfloat16", "float32", (300_001,)), ("float32", "float32", (1001,)), ("float16", "float32", (70_003,)),
+             ("int32", "int32", (517,)), ("bfloat16", "float32", (3,)), ("bfloat16", "bfloat16", (65_537,)),
+             ("bfloat16", "float32", (5, 40_001))]
+    units, wants = [], []
+    for _ in range(2):
+        values = [(rng.standard_normal(s) * 100).astype(np.int32 if d == "int32" else np.float32) for d, _, s in kinds]
+        values[0][:4] = [np.inf, -np.inf, np.nan, -0.0]
+        u = _C.Unit(group, [d for d, _, _ in kinds], [s for _, _, s in kinds], compute_dtypes=[c for _, c, _ in kinds])
+        for i, v in enumerate(values):
+            u.write(i, v)
+        units.append(u)
+        wants.append([(v if d == "int32" else _C.round_to(v, d)) for (d, _, _), v in zip(kinds, values)])
+
+    def views(u, via_worker: bool) -> list[bytes]:
+        if via_worker:
+            u.start_unshard()
+            u.wait()
+        else:
+            u.unshard()
+        bufs = u.buffers()
+        out = []
+        for (which, off), (d, c, s) in zip(u.view_specs, kinds):
+            item = np.dtype(np.uint16 if c in ("bfloat16", "float16") else c).itemsize
+            out.append(bytes(memoryview(bufs[which])[off:off + item * int(np.prod(s))]))
+        del bufs
+        u.reshard()
+        return out
+
+    firsts = [views(u, False) for u in units]  # collective: sets the path
+    for u, first, want in zip(units, firsts, wants):
+        assert u.gather_path == expect, u.gather_path
+        for i, ((d, c, s), w) in enumerate(zip(kinds, want)):
+            w = _C.encode(w, "bfloat16").tobytes() if c == "bfloat16" else w.astype(c).tobytes()
+            assert first[i] == w, (i, kinds[i])
+    for via_worker in (True, False, True, True):
+        for u, first in zip(units, firsts):
+            assert views(u, via_worker) == first, via_worker
+
+    x = models.make_inputs(models.DiTConfig.preset("tiny"), seed=3)
+    ref = models.make_model("tiny", seed=0)
+    for q in ref.parameters():
+        q.data = _C.round_to(q.data, "bfloat16")
+    model = models.make_model("tiny", seed=0)
+    hsdp.apply_hsdp_to_model(model, hsdp.HSDPInferenceConfig(enabled=True, param_dtype="bfloat16"))
+    for _ in range(3):
+        assert np.array_equal(model(*x), ref(*x))
 
 
 def scenario_late_peer(expect: str) -> None:

@@ -592,6 +592,23 @@ static void test_cast(void) {
     CHECK(bad == 0);
     CHECK(conv[0x3F80] == 0x3C00 && conv[0x4780] == 0x7C00); /* 65536 -> inf */
 
+    /* bf16 -> f32 (the vectorised widening), all patterns, at every start and length that
+     * leaves a different tail past the vectors (and none at all), into unaligned storage: the scalar bits. */
+    static unsigned char wide[4 * 0x10000 + 4];
+    for (size_t start = 0; start < 3; start++)
+        for (size_t k = 0; k < 44; k++) {
+            size_t len = k < 40 ? k : 0x10000 - start - 13 * (k - 40); /* short ones, then all */
+            memset(wide, 0xAB, sizeof wide);
+            CHECK(hsdp_cast(wide + 1, HSDP_F32, all + start, HSDP_BF16, len) == HSDP_OK);
+            bad = 0;
+            for (size_t p = 0; p < len; p++) {
+                uint32_t w;
+                memcpy(&w, wide + 1 + 4 * p, 4);
+                if (w != fbits(hsdp_bf16_to_f32((uint16_t)(start + p)))) bad++;
+            }
+            CHECK(bad == 0 && wide[0] == 0xAB && wide[1 + 4 * len] == 0xAB); /* nothing outside written */
+        }
+
     /* float8 <-> float8 and float8 <-> bf16 on unaligned storage. */
     for (int p = 0; p < 256; p++) src[p] = (unsigned char)p;
     CHECK(hsdp_cast(mid, HSDP_F8E5M2, src, HSDP_F8E4M3, 256) == HSDP_OK);
