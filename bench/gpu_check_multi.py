@@ -461,27 +461,11 @@ def launch_dry(step: str, n: int, fake: Path, out_dir: Path, limit: float) -> st
     """n ranks forked from this process, each from a fresh unique id (a fresh shared world)."""
     from hsdp import _C
 
+    from hsdp.testing.forked import fork_ranks
+
     uid = _C.nccl_unique_id()
-    sys.stdout.flush(), sys.stderr.flush()
-    pids = []
-    for r in range(n):
-        pid = os.fork()
-        if pid == 0:
-            dry_rank(uid, r, n, step, fake, out_dir)
-        pids.append(pid)
-    deadline, left, codes = time.monotonic() + limit, set(pids), {}
-    while left and time.monotonic() < deadline:
-        for pid in list(left):
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                left.discard(pid)
-                codes[pids.index(pid)] = os.waitstatus_to_exitcode(status)
-        time.sleep(0.02)
-    for pid in left:  # ranks this call forked that are still there: a hang
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-    return f"ranks {sorted(pids.index(p) for p in left)} killed after {limit:.0f} s (a hang)" if left else \
-        f"exit statuses {codes}"
+    codes, hung = fork_ranks(n, lambda r: dry_rank(uid, r, n, step, fake, out_dir), limit)
+    return f"ranks {hung} killed after {limit:.0f} s (a hang)" if hung else f"exit statuses {codes}"
 
 
 def combine(per_rank: dict[int, dict | None], note: str) -> dict:

@@ -24,9 +24,7 @@ Prints "rank R: ..." lines from the workers and "all N ranks ok" for each world,
 from __future__ import annotations
 
 import os
-import signal
 import sys
-import time
 import traceback
 
 os.environ["FAKE_HOST_VIEW"] = "1"  # read by the fake when the backend loads it
@@ -40,6 +38,7 @@ import parallel_torch_ring  # noqa: E402
 import parallel_torch_worker  # noqa: E402
 import torch_worker  # noqa: E402
 from hsdp import _C, parallel  # noqa: E402
+from hsdp.testing.forked import fork_ranks  # noqa: E402
 from hsdp.engine.config import DiffusionParallelConfig  # noqa: E402
 from hsdp.world import distributed, nccl  # noqa: E402
 
@@ -89,26 +88,9 @@ def world(n: int) -> int:
     """Forks a world of n ranks over a fresh unique id (a shared region of its own), waits for
     them; 0 when every rank passed."""
     uid = _C.nccl_unique_id()
-    sys.stdout.flush(), sys.stderr.flush()
-    pids = []
-    for r in range(n):
-        pid = os.fork()
-        if pid == 0:
-            rank_main(uid, r, n)
-        pids.append(pid)
-    deadline, left, codes = time.monotonic() + LIMIT_S, set(pids), {}
-    while left and time.monotonic() < deadline:
-        for pid in list(left):
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                left.discard(pid)
-                codes[pids.index(pid)] = os.waitstatus_to_exitcode(status)
-        time.sleep(0.02)
-    for pid in left:  # a hang: end the ranks this process forked
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-    if left or any(codes.values()):
-        print(f"FAILED: exit statuses {codes}, hung ranks {sorted(pids.index(p) for p in left)}", flush=True)
+    codes, hung = fork_ranks(n, lambda r: rank_main(uid, r, n), LIMIT_S)
+    if hung or any(codes.values()):
+        print(f"FAILED: exit statuses {codes}, hung ranks {hung}", flush=True)
         return 1
     print(f"all {n} ranks ok", flush=True)
     return 0
