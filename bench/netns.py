@@ -85,8 +85,9 @@ def run_on_two_hosts(argv: list[str], cwd: Path, what: str, timeout: float = 600
     why = unavailable()
     if why:
         raise SystemExit(f"{what}: two network namespaces are not available here: {why}")
-    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-           "OMPI_MCA_mpi_yield_when_idle": "1"}
+    from hsdp.world.launch import plain_mpiexec_env
+
+    env = {**os.environ, **plain_mpiexec_env("openmpi")}  # the ranks as hsdp.launch starts them
     fwd = ["-x", "PYTHONPATH"] if os.environ.get("PYTHONPATH") else []
     with two_hosts() as prefix:
         proc = subprocess.run([*prefix, *fwd, "--wdir", str(cwd), sys.executable, *argv], cwd=cwd, env=env,

@@ -55,10 +55,16 @@ def main() -> None:
 
         def gather(u, piece: int = 0):
             def run() -> None:
-                _C._set_wire_piece_bytes(piece)  # 0, the default: one message
                 u.unshard()
                 u.reshard()
-            return run
+
+            def in_pieces() -> None:  # --wire-piece only; the default is one message
+                _C._set_wire_piece_bytes(piece)
+                try:
+                    run()
+                finally:
+                    _C._set_wire_piece_bytes(0)
+            return in_pieces if piece else run
 
         # --wire-piece=N,M: the float8 unit's gather also in pieces of N (and M) bytes
         pieces = [int(v) for a in sys.argv if a.startswith("--wire-piece=") for v in a.split("=", 1)[1].split(",")]

@@ -34,6 +34,14 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _fake_library() -> Path:
+    """The fake CUDA/NCCL library (csrc/tests/fake_cuda_nccl.c), built if it is not."""
+    built = subprocess.run(["make", "-s", "csrc/tests/bin/fake_cuda_nccl.so"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=120)
+    assert built.returncode == 0, built.stdout + built.stderr
+    return ROOT / "csrc" / "tests" / "bin" / "fake_cuda_nccl.so"
+
+
 def _clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("OMPI_", "PMI", "PMIX_", "TORCHELASTIC_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
@@ -254,11 +262,8 @@ def test_gpu_check_dry_run_against_the_fake():
     fake CUDA/NCCL (the DLPack stream argument and all_gather_device's stream among them: a
     consumer stream that does not wait reads a fresh buffer's zeros), and the others say
     they need one."""
-    root = Path(__file__).resolve().parent.parent
-    built = subprocess.run(["make", "-s", "csrc/tests/bin/fake_cuda_nccl.so"], cwd=root, capture_output=True,
-                           text=True, timeout=120)
-    assert built.returncode == 0, built.stdout + built.stderr
-    out = subprocess.run([sys.executable, str(root / "bench" / "gpu_check.py"), "--dry-run"], cwd=root,
+    _fake_library()  # the scripts find it where make puts it
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--dry-run"], cwd=ROOT,
                          capture_output=True, text=True, timeout=300, env=_clean_env())
     assert out.returncode == 0, out.stdout + out.stderr
     verdicts = dict(line.split()[:2] for line in out.stdout.splitlines()[1:])
@@ -273,11 +278,8 @@ def test_gpu_check_multi_dry_run_against_the_fake(tmp_path):
     and a split) pass bit for bit; the bandwidth and the Wan need a GPU and say so; the desync
     steps PASS: the agreement tickets that ride with every NCCL unit gather make every rank
     raise, and none returns weights."""
-    root = Path(__file__).resolve().parent.parent
-    built = subprocess.run(["make", "-s", "csrc/tests/bin/fake_cuda_nccl.so"], cwd=root, capture_output=True,
-                           text=True, timeout=120)
-    assert built.returncode == 0, built.stdout + built.stderr
-    out = subprocess.run([sys.executable, str(root / "bench" / "gpu_check_multi.py"), "--dry-run"], cwd=root,
+    _fake_library()  # the scripts find it where make puts it
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check_multi.py"), "--dry-run"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120, env=_clean_env(OUT=str(tmp_path)))
     assert out.returncode == 0, out.stdout + out.stderr
     lines = out.stdout.splitlines()
@@ -303,12 +305,9 @@ def test_fp8_wire_against_the_fake():
     (here the fake, by HSDP_NVRTC_LIBRARY / HSDP_CUDA_DRIVER_LIBRARY); then each gather moves
     fp8 + scales and the kernel's own source, run by the fake on the side stream, gives the
     same bytes as the host path. Untested on a GPU."""
-    root = Path(__file__).resolve().parent.parent
-    built = subprocess.run(["make", "-s", "csrc/tests/bin/fake_cuda_nccl.so"], cwd=root, capture_output=True,
-                           text=True, timeout=120)
-    assert built.returncode == 0, built.stdout + built.stderr
-    out = subprocess.run([sys.executable, str(root / "tests" / "nccl_wire_fake.py"),
-                          str(root / "csrc" / "tests" / "bin" / "fake_cuda_nccl.so")], cwd=root,
+    fake = _fake_library()
+    out = subprocess.run([sys.executable, str(ROOT / "tests" / "nccl_wire_fake.py"),
+                          str(fake)], cwd=ROOT,
                          capture_output=True, text=True, timeout=120, env=_clean_env())
     assert out.returncode == 0, out.stdout + out.stderr
     assert "device decode == host decode" in out.stdout
@@ -346,11 +345,9 @@ def test_torch_through_nccl_against_the_fake():
     three forwards (and their gathered state dicts); HSDP x Ulysses, ring attention (its k/v
     blocks by the backend's grouped ncclSend/ncclRecv between the ranks) and ring x CFG match
     within 1e-5 (the MPI tests' tolerance), CFG parallel alone bit for bit."""
-    built = subprocess.run(["make", "-s", "csrc/tests/bin/fake_cuda_nccl.so"], cwd=ROOT, capture_output=True,
-                           text=True, timeout=120)
-    assert built.returncode == 0, built.stdout + built.stderr
+    fake = _fake_library()
     out = subprocess.run([sys.executable, str(ROOT / "tests" / "nccl_torch_fake.py"),
-                          str(ROOT / "csrc" / "tests" / "bin" / "fake_cuda_nccl.so"), "2", "4"], cwd=ROOT,
+                          str(fake), "2", "4"], cwd=ROOT,
                          capture_output=True, text=True, timeout=280, env=_clean_env(OMP_NUM_THREADS="1"))
     assert out.returncode == 0, out.stdout + out.stderr
     cases = {2: ("ok wan float32 1x2 on nccl", "ok wan float32 2x1 on nccl", "ok wan bfloat16 1x2 on nccl",

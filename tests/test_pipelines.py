@@ -17,6 +17,7 @@ pytest.importorskip("transformers")
 from mpirun import run_ranks  # noqa: E402
 
 import hsdp.pipelines as hp  # noqa: E402
+from hsdp import _C  # noqa: E402
 from hsdp.engine.config import DiffusionParallelConfig  # noqa: E402
 from hsdp.testing.tiny_pipeline import make_tiny_pipeline  # noqa: E402
 
@@ -180,7 +181,7 @@ class _PeerIsRankZero:
     """CFG group of 2 seen from rank 1: rank 0's row is a float32 'cond' of sevens."""
 
     size, rank, backend = 2, 1, "mpi"
-    device_info = {"backend": "mpi", "kind": "host", "device": "host", "framework": "cpu", "dlpack": (1, 0)}
+    device_info = _C.device_info("mpi")  # the real table: hsdp.world.devices caches it per backend
 
     def all_gather(self, send, recv):
         recv[1] = send

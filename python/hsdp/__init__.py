@@ -40,8 +40,7 @@ _public.install()  # hsdp.distributed, hsdp.config, python -m hsdp.launch, ...: 
 
 def __getattr__(name: str) -> object:
     # Submodules that pull in more than the core are loaded on first use.
-    if name in ("nn", "models", "config", "distributed", "nccl", "checkpoint", "launch", "pipelines", "testing",
-                "parallel", "ring", "parallel_torch", "ring_torch"):
+    if name in ("nn", "models", "checkpoint", "pipelines", "testing", "parallel") or f"hsdp.{name}" in _public.PUBLIC_MODULES:
         import importlib
 
         return importlib.import_module(f".{name}", __name__)

@@ -66,6 +66,8 @@ class HSDPShardContext:
     schedule: Schedule | None = None
     # "float8_e4m3fn": shards held and gathered block-scaled (HSDPInferenceConfig.wire_dtype)
     wire_dtype: str | None = None
+    # where every unit's buffers live (devices.buffer_device), decided once for the model
+    buffer_device: str = devices.HOST
 
     @property
     def child_units(self) -> list[UnitState]:
@@ -217,7 +219,7 @@ def _build_unit(ctx: HSDPShardContext, module: Any, fqn: str, is_root: bool, cla
         name=fqn or "<root>",
         compute_dtypes=[ad.compute_dtype(d).name for d in dtypes],
         bind_attr=ad.bind_attr,
-        device=devices.buffer_device(ctx.mesh.shard_group, ad.device_type(ctx.target_device), ctx.target_device),
+        device=ctx.buffer_device,
         wire_dtype=ctx.wire_dtype if wire_params else None,
         wire_params=wire_params or None,
     )
@@ -306,9 +308,9 @@ def prepare_hsdp_shard_context(model: Any, hsdp_config: Any, target_device: Any 
     ad = _require_module(model)
     _check_config(hsdp_config)
     framework = ad.device_type(target_device)  # checks the value
-    world = distributed.world_for(framework if target_device is not None else None, f"target_device {target_device!r}")
+    world = distributed.world_for(framework, f"target_device {target_device!r}")
     ad.check_device(target_device)
-    buffers = devices.buffer_device(world, ad.device_type(target_device), target_device)
+    buffers = devices.buffer_device(world, framework, target_device)
     if hsdp_config.wire_dtype is not None:
         check_wire_dtype(hsdp_config.wire_dtype)
         if buffers != devices.HOST:
@@ -380,6 +382,7 @@ def prepare_hsdp_shard_context(model: Any, hsdp_config: Any, target_device: Any 
         max_unsharded_bytes=hsdp_config.max_unsharded_bytes,
         wire_dtype=hsdp_config.wire_dtype,
         resident_bytes=hsdp_config.resident_bytes,
+        buffer_device=buffers,
     )
     ctx.whole_bytes.append(_C.WholeBytes(ad.held_nbytes(ignored)))
     return ctx

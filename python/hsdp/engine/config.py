@@ -245,7 +245,7 @@ class DiffusionParallelConfig:
             return
         # Combined: the mesh reuses the ranks of the other parallelism and adds none. The
         # mesh-size rule (-1 resolved, R x S = world) is the C core's (mesh.c), asked here.
-        from hsdp._C import mesh_sizes  # lazy: importing this module needs no extension
+        from hsdp._C import mesh_sizes
 
         try:
             _, self.hsdp_shard_size = mesh_sizes(other_world, self.hsdp_replicate_size, self.hsdp_shard_size)

@@ -276,7 +276,7 @@ class Schedule:
                 self.prefetches += 1
                 self.prefetched.append(nxt)
                 if trace.enabled:
-                    nxt.prefetched_by_schedule()
+                    trace.prefetch_started(nxt)
 
     def _window(self, pos: int) -> list[UnitState]:
         """The next `depth` units from `pos` that gather every forward: units kept gathered

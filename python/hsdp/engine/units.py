@@ -150,11 +150,6 @@ class UnitState:
             return self.adapter.cast_output(output, self._output_dtype)
         return None
 
-    def prefetched_by_schedule(self) -> None:
-        """The schedule started this unit's gather ahead of its forward."""
-        if trace.enabled:
-            trace.prefetch_started(self)
-
     def release_prefetch(self) -> None:
         """A prefetched unit the forward did not reach: give its buffers back."""
         if not self._explicit:
