@@ -19,14 +19,14 @@ from mpirun import ROOT
 
 sys.path.insert(0, str(ROOT / "bench"))
 import netns  # noqa: E402
+from mpirun import MPI_ENV  # noqa: E402
 
 WHY = netns.unavailable()
 
 
 @pytest.mark.skipif(WHY is not None, reason=f"two network namespaces: {WHY}")
 def test_two_hosts_over_tcp_shard_exactly():
-    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-           "OMPI_MCA_mpi_yield_when_idle": "1", "HSDP_TIMEOUT": "60"}
+    env = {**os.environ, **MPI_ENV, "HSDP_TIMEOUT": "60"}
     with netns.two_hosts() as prefix:
         proc = subprocess.run([*prefix, "--wdir", str(ROOT), sys.executable, "tests/netns_worker.py"], cwd=ROOT,
                               env=env, capture_output=True, text=True, timeout=180)
@@ -42,8 +42,7 @@ def test_two_hosts_over_tcp_shard_exactly():
 def test_a_stalled_peer_on_another_host_is_named():
     """Rank 1 (on host hsdp-b) stalls before the first forward. Rank 0's watchdog cannot read
     it by pid; it asks it over TCP and names it, in no collective, instead of "unknown"."""
-    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-           "OMPI_MCA_mpi_yield_when_idle": "1", "HSDP_TIMEOUT": "2"}
+    env = {**os.environ, **MPI_ENV, "HSDP_TIMEOUT": "2"}
     with netns.two_hosts() as prefix:
         t0 = time.monotonic()
         proc = subprocess.run([*prefix, "--wdir", str(ROOT), sys.executable, "-m", "hsdp._rank",
