@@ -259,7 +259,12 @@ const char *hsdp_share_kind(const hsdp_group *g, const void *share) {
     if (!share) return "unset";
     if (share == &collective_share) return "collective";
     /* anything else a backend keeps there is how it reaches the chunks without the peers */
-    return g->backend->share_kind ? g->backend->share_kind(share) : "direct";
+    return g->backend->share_kind ? g->backend->share_kind(share) : "direct"; /* hsdp_share_is_direct */
+}
+
+int hsdp_share_is_direct(const hsdp_group *g, const void *share) {
+    /* a backend with no kind of its own reaches the peers' chunks directly (MPI's reads) */
+    return share && share != &collective_share && !g->backend->share_kind;
 }
 
 hsdp_status hsdp_share_read(hsdp_group *g, const void *share, void *out, size_t nbytes) {
@@ -295,9 +300,12 @@ static void run_here(hsdp_req *r, const void *send, void *recv, size_t nbytes) {
     if (st != HSDP_OK) snprintf(r->err, sizeof r->err, "%s", hsdp_last_error());
 }
 
-hsdp_status hsdp_gather_start(hsdp_req *r, hsdp_group *g, void **share, const void *send, void *recv,
-                              size_t nbytes, hsdp_status (*then)(void *), void *then_arg) {
+/* The started gather; `now`: its wait follows at once, so the backend may run it on the
+ * caller's thread (hsdp_gather_through_slot). */
+static hsdp_status gather_begin(hsdp_req *r, hsdp_group *g, void **share, const void *send, void *recv,
+                                size_t nbytes, hsdp_status (*then)(void *), void *then_arg, int now) {
     req_reset(r, g, share, then, then_arg);
+    r->now = now;
     r->pending = 1;
     if (g->backend->gather_start && nbytes) {
         r->backend_owned = 1;
@@ -307,6 +315,11 @@ hsdp_status hsdp_gather_start(hsdp_req *r, hsdp_group *g, void **share, const vo
     }
     run_here(r, send, recv, nbytes);
     return HSDP_OK; /* its status is the wait's */
+}
+
+hsdp_status hsdp_gather_start(hsdp_req *r, hsdp_group *g, void **share, const void *send, void *recv,
+                              size_t nbytes, hsdp_status (*then)(void *), void *then_arg) {
+    return gather_begin(r, g, share, send, recv, nbytes, then, then_arg, 0);
 }
 
 hsdp_status hsdp_gather_wait(hsdp_req *r) {
@@ -341,20 +354,8 @@ hsdp_status hsdp_sendrecv_start(hsdp_req *r, hsdp_group *g, const void *send, si
 
 hsdp_status hsdp_gather_through_slot(hsdp_req *r, hsdp_group *g, void **share, const void *send, void *recv,
                                      size_t nbytes, hsdp_status (*then)(void *), void *then_arg) {
-    req_reset(r, g, share, then, then_arg);
-    r->now = 1;
-    r->pending = 1;
-    if (g->backend->gather_start && nbytes) {
-        r->backend_owned = 1;
-        hsdp_status st = g->backend->gather_start(r, send, recv, nbytes);
-        if (st != HSDP_OK) {
-            r->pending = 0;
-            return st;
-        }
-    } else {
-        run_here(r, send, recv, nbytes);
-    }
-    return hsdp_gather_wait(r);
+    hsdp_status st = gather_begin(r, g, share, send, recv, nbytes, then, then_arg, 1);
+    return st != HSDP_OK ? st : hsdp_gather_wait(r);
 }
 
 hsdp_status hsdp_gather_now(hsdp_req *r, hsdp_group *g, void **share, const void *send, void *recv,

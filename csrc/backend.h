@@ -193,6 +193,8 @@ void hsdp_share_free(hsdp_group *g, void *share, void *memory);
 /* "unset" before the first gather; then "collective", or what the backend's share is
  * ("direct" for MPI peers read in place, "device" for NCCL's device copy). */
 const char *hsdp_share_kind(const hsdp_group *g, const void *share);
+/* Whether a unit's gathers read the peers' chunks directly ("direct" above). */
+int hsdp_share_is_direct(const hsdp_group *g, const void *share);
 /* The chunk a share holds a copy of, into host memory (see the share_read slot). */
 hsdp_status hsdp_share_read(hsdp_group *g, const void *share, void *out, size_t nbytes);
 

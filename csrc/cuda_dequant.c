@@ -37,7 +37,7 @@ _Static_assert(HSDP_WK_BLOCK == HSDP_WIRE_BLOCK, "one item of the kernel is one 
 static struct {
     pthread_mutex_t mu; /* the module's loading */
     void *nvrtc, *driver; /* dlopen handles, kept open for the process */
-    int loaded;
+    atomic_int loaded;    /* set (release) once everything below is in place */
     char *ptx;            /* owned here, for the process */
     hsdp_CUfunction fn;   /* the kernel, once loaded into the context */
     NVRTC_FNS(DECLARE)
@@ -48,7 +48,7 @@ static struct {
  * asks for the kernel twice (its check, its decode) and takes no lock. */
 static _Atomic(hsdp_CUfunction) ready_fn;
 
-int hsdp_wire_cuda_loaded(void) { return K.loaded; }
+int hsdp_wire_cuda_loaded(void) { return atomic_load(&K.loaded); }
 const char *hsdp_wire_cuda_ptx(void) { return K.ptx; }
 
 static int resolve(void *lib, const char *name, void *slot) {
@@ -88,8 +88,18 @@ static hsdp_status compile(const char *nvrtc_path) {
     return st;
 }
 
+static hsdp_status load_locked(const char *nvrtc_path, const char *driver_path);
+
+/* Loads once, under K.mu: threads that load at once (the GIL is released) wait for the first. */
 hsdp_status hsdp_wire_cuda_load(const char *nvrtc_path, const char *driver_path) {
-    if (K.loaded) return HSDP_OK;
+    if (atomic_load(&K.loaded)) return HSDP_OK;
+    pthread_mutex_lock(&K.mu);
+    hsdp_status st = atomic_load(&K.loaded) ? HSDP_OK : load_locked(nvrtc_path, driver_path);
+    pthread_mutex_unlock(&K.mu);
+    return st;
+}
+
+static hsdp_status load_locked(const char *nvrtc_path, const char *driver_path) {
     if (!nvrtc_path || !*nvrtc_path || !driver_path || !*driver_path)
         return hsdp_fail(HSDP_EINVAL, "the float8 wire on the GPU needs the paths of libnvrtc and the CUDA driver");
     const char *missing = NULL, *in = NULL;
@@ -121,15 +131,15 @@ hsdp_status hsdp_wire_cuda_load(const char *nvrtc_path, const char *driver_path)
     }
     st = compile(nvrtc_path);
     if (st != HSDP_OK) goto fail;
-    K.loaded = 1;
+    atomic_store(&K.loaded, 1);
     return HSDP_OK;
-fail:
+fail: /* nothing is left half loaded: the handles and the PTX go, and `loaded` stays 0, so
+       * the function pointers (never called before it is set) are filled again next time */
     if (K.nvrtc) dlclose(K.nvrtc);
     if (K.driver) dlclose(K.driver);
     free(K.ptx);
-    pthread_mutex_t mu = K.mu;
-    memset(&K, 0, sizeof K); /* nothing is left half loaded */
-    K.mu = mu;
+    K.nvrtc = K.driver = NULL;
+    K.ptx = NULL;
     return st;
 }
 
@@ -141,7 +151,7 @@ static hsdp_status cu_fail(hsdp_CUresult rc, const char *what) {
 
 /* The kernel in the current context, loaded at first use (any thread; once, under K.mu). */
 static hsdp_status kernel(hsdp_CUfunction *out) {
-    if (!K.loaded)
+    if (!atomic_load(&K.loaded))
         return hsdp_fail(HSDP_EUNSUPPORTED, "the float8 wire's GPU kernel is not loaded (hsdp_wire_cuda_load): NVRTC "
                          "and the CUDA driver are needed to dequantize on the GPU");
     *out = atomic_load_explicit(&ready_fn, memory_order_acquire);

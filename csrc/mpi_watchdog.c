@@ -4,6 +4,7 @@
  * outlives HSDP_TIMEOUT, naming what waited and who is missing. Direct gathers need no peer
  * and are not watched. */
 #if defined(HSDP_HAVE_MPI)
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <unistd.h>
@@ -25,10 +26,14 @@ void hsdp_mpi_watch_start_thread(void) {
     hsdp_watch_start_thread(rank, expire);
 }
 
-/* Collective over the world, like the dup of MPI_COMM_WORLD it runs beside. */
+/* Collective over the world, like the dup of MPI_COMM_WORLD it runs beside. Whether it runs
+ * must be the same on every rank, so it is decided by this call's own history, never by
+ * hsdp_peers_known() (another backend, or a failed malloc on one rank, may set that on some
+ * ranks only); hsdp_peers_learn ignores every call after the first. */
 void hsdp_mpi_learn_world_peers(void) {
+    static atomic_int done;
     int n = 0, me = 0;
-    if (hsdp_peers_known() || MPI_Comm_size(MPI_COMM_WORLD, &n) != MPI_SUCCESS || n < 2) return;
+    if (MPI_Comm_size(MPI_COMM_WORLD, &n) != MPI_SUCCESS || n < 2 || atomic_exchange(&done, 1)) return;
     MPI_Comm_rank(MPI_COMM_WORLD, &me);
     uint64_t mine[HSDP_PEER_WORDS];
     hsdp_peers_mine(mine);

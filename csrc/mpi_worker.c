@@ -131,7 +131,7 @@ static hsdp_status gather_job(void *p) {
     hsdp_group *g = t->r->g;
     void **share = t->r->share;
     /* A NumPy unit's direct gather widens each chunk as it reads it (hsdp_mpi_direct_widen). */
-    hsdp_gather_req *wr = share && *share && *share != hsdp_share_collective() ? hsdp_unit_widen_request(t->r) : NULL;
+    hsdp_gather_req *wr = share && hsdp_share_is_direct(g, *share) ? hsdp_unit_widen_request(t->r) : NULL;
     hsdp_status st = wr      ? hsdp_mpi_direct_widen(g, *share, t->send, t->nbytes, wr)
                      : share ? hsdp_mpi_fixed_gather(g, share, t->send, t->recv, t->nbytes, t->r->label, t->r->ident,
                                                      hsdp_unit_landing_request(t->r))

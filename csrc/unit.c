@@ -455,7 +455,7 @@ static hsdp_status unit_gather_via(gather_via via, hsdp_unit *u, void *full, voi
      * (hsdp_unit_landing_request), on this thread while the worker is idle. So does a
      * widening gather on a direct path: each chunk is widened as it is read
      * (hsdp_unit_widen_request; a device backend's slots cannot convert on the host). */
-    int direct = r->widened && strcmp(hsdp_share_kind(u->group, u->share), "direct") == 0;
+    int direct = r->widened && hsdp_share_is_direct(u->group, u->share);
     int through_slot = via == VIA_NOW && (r->wire || direct) && u->group->backend->gather_start;
     gather_fn run = via == VIA_START ? hsdp_gather_start : through_slot ? hsdp_gather_through_slot : hsdp_gather_now;
     st = drop_host(u, run(&r->req, u->group, &u->share, u->shard, recv, nbytes,

@@ -92,14 +92,23 @@ static void *watchdog(void *arg) {
         uint64_t t0 = atomic_load(&watch_start), limit = hsdp_timeout_ns();
         if (!t0 || !limit || hsdp_now_ns() - t0 <= limit) continue;
         char what[sizeof watch_what];
+        /* The group's ranks are copied under the lock: the group (and its rank array) may be
+         * freed once the collective completes, while the peers are asked (up to 4 s). Owner:
+         * this loop iteration. */
         pthread_mutex_lock(&watch_mu);
         memcpy(what, watch_what, sizeof what);
-        const int *ranks = watch_group;
-        int size = watch_group_size;
+        int size = watch_group ? watch_group_size : 0;
+        int *ranks = size > 0 ? malloc(sizeof *ranks * (size_t)size) : NULL;
+        if (ranks) memcpy(ranks, watch_group, sizeof *ranks * (size_t)size);
         pthread_mutex_unlock(&watch_mu);
-        if (atomic_load(&watch_start) != t0) continue; /* it completed meanwhile */
+        if (atomic_load(&watch_start) != t0) { /* it completed meanwhile */
+            free(ranks);
+            continue;
+        }
         char missing[640];
-        hsdp_who_is_missing(missing, sizeof missing, what, ranks, size);
+        hsdp_who_is_missing(missing, sizeof missing, what, ranks, ranks ? size : 0);
+        free(ranks);
+        if (atomic_load(&watch_start) != t0) continue; /* it completed while the peers were asked */
         fprintf(stderr,
                 "hsdp: rank %d: %s has waited more than %.3g s (HSDP_TIMEOUT): some rank of the group has not "
                 "reached it (stalled, hung, or at a different step)%s; ending the job\n",
