@@ -86,7 +86,9 @@ def main() -> None:
     with open("/proc/loadavg") as f:
         load = f.read().split()[0]
     print(f"2 ranks over TCP (veth); load average {load} on {os.cpu_count()} cores at the end")
-    for r in sorted((json.loads(m) for m in re.findall(r"RESULT (\{.*\})", out)), key=lambda r: r["rank"]):
+    # each rank's RESULT object, read where it starts: the ranks' lines may run into each other
+    for r in sorted((json.JSONDecoder().raw_decode(out, m.end())[0] for m in re.finditer(r"RESULT ", out)),
+                    key=lambda r: r["rank"]):
         print(f"rank {r['rank']}: median ms " + ", ".join(f"{k} {v}" for k, v in r["ms"].items()))
         for k in r["ms"]:
             print(f"  {k}: {r[k]['cores']} cores busy, {r[k]['cpu_ms']} CPU ms each, "

@@ -85,6 +85,11 @@ float hsdp_f8e5m2_to_f32(uint8_t b);
 #define HSDP_F8E4M3_MAX 448.0f
 hsdp_status hsdp_quantize_blocks(uint8_t *q, float *scales, const void *src, hsdp_dtype st, size_t n);
 hsdp_status hsdp_dequantize_blocks(void *dst, hsdp_dtype dt, const uint8_t *q, const float *scales, size_t n);
+/* The same bytes with streaming (non-temporal) stores where the decode has them (the AVX512
+ * one, dtype.c): for a destination larger than the caches, whose next reader would miss them
+ * anyway; the stores are fenced before it returns. */
+hsdp_status hsdp_dequantize_blocks_streaming(void *dst, hsdp_dtype dt, const uint8_t *q, const float *scales,
+                                             size_t n);
 
 /* Casts n elements from src (dtype st) to dst (dtype dt). Same dtype: a copy. Between
  * floating dtypes: a conversion (through double when either side is f64, else float).

@@ -239,9 +239,15 @@ hsdp_status hsdp_unit_encode(hsdp_unit *u) {
     return HSDP_OK;
 }
 
-/* Weights decoded between two calls of a decode's poll: about 10-20 us of work, so that a
- * backend polling its transfers in them keeps them moving (bench/bench_dequant.c). */
+/* Weights decoded between two calls of a decode's poll: about 3-20 us of work (AVX512-BF16 or
+ * not), so that a backend polling its transfers in them keeps them moving (bench/bench_dequant.c). */
 enum { DECODE_SLICE = 512 * HSDP_WIRE_BLOCK };
+
+/* A gathered unit from this size on is decoded with streaming stores: larger than a core's
+ * caches, so its first lines are gone from them by the time it is read, and streaming spares
+ * the reads of the destination's lines (over TCP, bench/bench_tcp.py: a 16 MiB unit's float8
+ * gather 0.15-0.45 ms faster; docs/performance.md). */
+enum { DECODE_STREAM_BYTES = 8 << 20 };
 
 /* Rank s's encoded chunk `w` into its chunk of `full`, as far as its first `landed` bytes allow,
  * resuming where *c stands (zeroed at the start) and calling poll(poll_arg) (when not NULL) after
@@ -272,8 +278,9 @@ static hsdp_status decode_prefix(const hsdp_unit *u, const unsigned char *w, voi
             /* in slices of whole blocks, so each slice starts on its own scale */
             for (size_t k = c->k; k < upto; k += DECODE_SLICE) {
                 size_t m = upto - k < DECODE_SLICE ? upto - k : DECODE_SLICE;
-                hsdp_status st = hsdp_dequantize_blocks(out + off + k * item, p->dtype, pay + k,
-                                                        scales + c->bi + k / HSDP_WIRE_BLOCK, m);
+                hsdp_status st = (u->layout.total_bytes >= DECODE_STREAM_BYTES ? hsdp_dequantize_blocks_streaming
+                                                                                 : hsdp_dequantize_blocks)(
+                    out + off + k * item, p->dtype, pay + k, scales + c->bi + k / HSDP_WIRE_BLOCK, m);
                 if (st != HSDP_OK) return st;
                 c->k = k + m;
                 if (poll) poll(poll_arg);

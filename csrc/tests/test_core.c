@@ -397,6 +397,57 @@ static void test_peer_status(void) {
     CHECK(hsdp_status_ask(&card, 500, &active, what, sizeof what) == 0); /* nobody listens now */
 }
 
+/* A gathered unit of 8 MiB or more is decoded with streaming stores (unit.c,
+ * DECODE_STREAM_BYTES): on 2 ranks, each chunk decodes to the bytes the block functions give,
+ * the second parameter's piece starting off a 64-byte line. */
+static void test_unit_wire_streaming(void) {
+    enum { S = 2 };
+    size_t numels[] = {(4u << 20) + 77, 300};
+    hsdp_dtype dts[] = {HSDP_BF16, HSDP_BF16};
+    unsigned char quant[] = {1, 1};
+    size_t most = numels[0];
+    float *src = malloc(most * sizeof *src); /* owned here */
+    for (size_t k = 0; k < most; k++) src[k] = (float)sin((double)k * 0.37) * (k % 97 == 0 ? 40.0f : 0.05f);
+    hsdp_stats st;
+    hsdp_stats_init(&st);
+    hsdp_group groups[S];
+    hsdp_unit units[S];
+    for (int s = 0; s < S; s++) {
+        groups[s] = (hsdp_group){.backend = &fake_backend, .rank = s, .size = S};
+        CHECK(hsdp_unit_init(&units[s], numels, dts, NULL, 2, &groups[s], &st) == HSDP_OK);
+        for (size_t i = 0; i < 2; i++) CHECK(hsdp_unit_write(&units[s], i, 0, numels[i], src, HSDP_F32) == HSDP_OK);
+        CHECK(hsdp_unit_set_wire(&units[s], HSDP_F8E4M3, quant) == HSDP_OK);
+    }
+    hsdp_unit *u = &units[0];
+    size_t chunk = u->layout.chunk_bytes, W = u->wire_chunk_bytes, total = u->layout.total_bytes;
+    CHECK(total >= (8u << 20));
+    unsigned char *want = calloc(1, total); /* owned here */
+    for (int s = 0; s < S; s++) {
+        for (size_t i = 0; i < 2; i++) {
+            size_t b, e, off;
+            if (!hsdp_layout_owned(&units[s].layout, i, s, &b, &e, &off)) continue;
+            size_t n = (e - b) / 2;
+            uint8_t *q = malloc(n);                                      /* owned here */
+            float *sc = malloc((n / HSDP_WIRE_BLOCK + 1) * sizeof *sc); /* owned here */
+            CHECK(hsdp_quantize_blocks(q, sc, units[s].shard + off, dts[i], n) == HSDP_OK);
+            CHECK(hsdp_dequantize_blocks(want + (size_t)s * chunk + off, dts[i], q, sc, n) == HSDP_OK);
+            free(q);
+            free(sc);
+        }
+    }
+    for (int s = 0; s < S; s++) CHECK(hsdp_unit_encode(&units[s]) == HSDP_OK);
+    unsigned char *wire = malloc(W * S), *full = hsdp_buffer_alloc(&st, total); /* owned here */
+    for (int s = 0; s < S; s++) memcpy(wire + (size_t)s * W, units[s].shard, W);
+    memset(full, 0xAB, total);
+    CHECK(hsdp_unit_decode(u, wire, full) == HSDP_OK);
+    CHECK(memcmp(full, want, total) == 0);
+    free(wire);
+    hsdp_buffer_free(&st, full, total);
+    free(want);
+    free(src);
+    for (int s = 0; s < S; s++) hsdp_unit_free(&units[s]);
+}
+
 /* A unit with a float8 wire: each rank's chunk is encoded alone, blocks start at each
  * parameter's piece, the decode of all the encodings rebuilds every piece exactly as the
  * block functions give it, slots not marked come back bit for bit, padding comes back zero,
@@ -535,6 +586,7 @@ int main(void) {
     test_unit_ranks();
     test_unit_single();
     test_unit_wire();
+    test_unit_wire_streaming();
     test_unit_read();
     return check_report();
 }

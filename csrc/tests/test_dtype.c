@@ -859,7 +859,9 @@ static void test_blocks_exhaustive(void) {
                            0x1p-145f, 65504.0f / 448.0f, 65520.0f / 448.0f, 146.3f,
                            0x1.fffffep127f / 448.0f, 0x1.fffffep127f / 400.0f, 0x1.fffffep127f, 0.02f / 448.0f,
                            1.0f / 3.0f, 0x1.000002p0f, 0x1.7ffffep0f, 0.0f, -0.0f, -0.75f, INFINITY, NAN,
-                           0x1p-133f * 3.0f, 0x1p-9f, 0x1p-15f * 1.5f};
+                           0x1p-133f * 3.0f, 0x1p-9f, 0x1p-15f * 1.5f,
+                           /* the bounds of the AVX512-BF16 decode's scales (dtype.c) */
+                           0x1p-117f, 0x1.fffffep-118f, 0x1.000002p-117f, 0x1p-116f * 1.75f};
     for (size_t i = 0; i < sizeof fixed / sizeof fixed[0]; i++) scales[ns++] = fixed[i];
     uint64_t seed = 0xD1B54A32D192ED03u;
     while (ns < sizeof scales / sizeof scales[0]) {
@@ -877,17 +879,34 @@ static void test_blocks_exhaustive(void) {
         float sc[3] = {scales[k], scales[k], scales[k]};
         for (size_t t = 0; t < 3; t++) {
             size_t item = hsdp_dtype_size(dts[t]);
-            for (size_t skew = 0; skew < 2; skew++) {
+            for (size_t skew = 0; skew < 4; skew++) { /* 2, 3: streaming stores (the same bytes) */
                 _Alignas(64) unsigned char out[(N + 1) * 4];
-                CHECK(hsdp_dequantize_blocks(out + skew * item, dts[t], q, sc, N) == HSDP_OK);
+                CHECK((skew < 2 ? hsdp_dequantize_blocks : hsdp_dequantize_blocks_streaming)(
+                          out + skew % 2 * item, dts[t], q, sc, N) == HSDP_OK);
                 for (size_t i = 0; i < N; i++) {
                     uint32_t got = 0;
-                    memcpy(&got, out + (skew + i) * item, item);
+                    memcpy(&got, out + (skew % 2 + i) * item, item);
                     uint32_t want = decode_ref(q[i], sc[0], dts[t]);
                     if (got != want && bad++ < 5)
                         fprintf(stderr, "code 0x%02X scale %a to %s: 0x%X, want 0x%X\n", q[i], (double)sc[0],
                                 hsdp_dtype_name(dts[t]), got, want);
                 }
+            }
+        }
+    }
+    CHECK(bad == 0);
+    /* blocks that take the AVX512 decode (dtype.c) and blocks that do not, in one call */
+    const float mixed[3] = {0.02f / 448.0f, 0x1p-126f, -0.75f};
+    for (size_t t = 0; t < 3; t++) {
+        for (int stream = 0; stream < 2; stream++) {
+            size_t item = hsdp_dtype_size(dts[t]);
+            _Alignas(64) unsigned char out[N * 4];
+            CHECK((stream ? hsdp_dequantize_blocks_streaming : hsdp_dequantize_blocks)(out, dts[t], q, mixed, N) ==
+                  HSDP_OK);
+            for (size_t i = 0; i < N; i++) {
+                uint32_t got = 0;
+                memcpy(&got, out + i * item, item);
+                bad += got != decode_ref(q[i], mixed[i / HSDP_WIRE_BLOCK], dts[t]);
             }
         }
     }
