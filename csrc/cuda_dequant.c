@@ -225,24 +225,18 @@ hsdp_status hsdp_wire_cuda_decode(const hsdp_unit *u, const void *wire, void *fu
      * or copied), zeros in the padding between them and after the last. */
     for (int s = 0; st == HSDP_OK && s < u->layout.shard; s++) {
         const unsigned char *w = (const unsigned char *)wire + (size_t)s * u->wire_chunk_bytes;
-        const unsigned char *scales = w, *pay = w + u->wire_blocks[s] * sizeof(float);
+        const unsigned char *scales = w, *payload = w + u->wire_blocks[s] * sizeof(float);
         unsigned char *out = (unsigned char *)full + (size_t)s * u->layout.chunk_bytes;
-        size_t bi = 0, at = 0;
-        for (size_t i = 0; st == HSDP_OK && i < u->layout.nslots; i++) {
-            size_t bb, e, off;
-            if (!hsdp_layout_owned(&u->layout, i, s, &bb, &e, &off)) continue;
-            hsdp_dtype dt = u->layout.slots[i].dtype;
-            if (off > at) st = add(&b, out + at, NULL, NULL, off - at, HSDP_WK_ZERO);
-            size_t n = (e - bb) / hsdp_dtype_size(dt);
-            if (st == HSDP_OK && u->quant[i]) {
-                st = add(&b, out + off, pay, scales + bi * sizeof(float), n, kind_of(dt));
-                bi += (n + HSDP_WIRE_BLOCK - 1) / HSDP_WIRE_BLOCK;
-                pay += n;
-            } else if (st == HSDP_OK) {
-                st = add(&b, out + off, pay, NULL, e - bb, HSDP_WK_COPY);
-                pay += e - bb;
-            }
-            at = off + (e - bb);
+        size_t at = 0;
+        hsdp_wire_piece p = {0};
+        while (st == HSDP_OK && hsdp_wire_next(u, s, &p)) {
+            if (p.off > at) st = add(&b, out + at, NULL, NULL, p.off - at, HSDP_WK_ZERO);
+            if (st == HSDP_OK && p.quant)
+                st = add(&b, out + p.off, payload + p.pay, scales + p.block * sizeof(float), p.n,
+                         kind_of(u->layout.slots[p.slot].dtype));
+            else if (st == HSDP_OK)
+                st = add(&b, out + p.off, payload + p.pay, NULL, p.bytes, HSDP_WK_COPY);
+            at = p.off + p.bytes;
         }
         if (st == HSDP_OK && u->layout.chunk_bytes > at)
             st = add(&b, out + at, NULL, NULL, u->layout.chunk_bytes - at, HSDP_WK_ZERO);

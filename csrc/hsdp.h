@@ -303,12 +303,24 @@ hsdp_status hsdp_unit_gather_now_wire(hsdp_unit *u, void *full, void *widened, v
 hsdp_gather_req *hsdp_unit_landing_request(hsdp_req *r);
 hsdp_status hsdp_unit_decode_landed(hsdp_gather_req *r, int s, const void *chunk, void (*poll)(void *),
                                     void *poll_arg);
+/* One piece of rank s's encoded chunk: slot `slot`'s part of the rank's chunk, at `off` in
+ * it, `bytes` long (`n` elements); in the encoding, `pay` bytes into the payload (which
+ * follows the scales) and, when `quant`, n float8 bytes whose first scale is number `block`
+ * (the others: their stored bytes). */
+typedef struct {
+    size_t slot, off, bytes, n, block, pay;
+    int quant, started;
+} hsdp_wire_piece;
+/* The walk every reader and writer of the encoding takes: with *p zeroed, each call moves to
+ * the next piece of rank s's chunk in layout order and returns 1, or 0 once none is left; then
+ * p->block and p->pay are the whole chunk's blocks and payload bytes. */
+int hsdp_wire_next(const hsdp_unit *u, int s, hsdp_wire_piece *p);
 /* Where the decode of one rank's chunk stands, for one that lands in pieces: zeroed before the
  * first call; done once the whole chunk is decoded. */
 typedef struct {
-    size_t slot, k;     /* the slot (layout order) and how far into the rank's part of it: weights, or bytes */
-    size_t bi, pay, at; /* blocks and payload bytes before the slot; bytes of the rank's chunk written */
-    int done;
+    hsdp_wire_piece p; /* the piece being decoded, when `have` */
+    size_t k, at;      /* how far into it (weights, or bytes); bytes of the rank's chunk written */
+    int have, done;
 } hsdp_wire_cursor;
 /* The same as hsdp_unit_decode_landed for a chunk whose first `landed` bytes are in: decodes
  * what they allow, from where *c stands (nothing before all the scales are in; a quantized

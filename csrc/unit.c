@@ -147,22 +147,33 @@ hsdp_status hsdp_unit_read_shard(hsdp_unit *u, void *out) {
  * differ between ranks; every rank sends wire_chunk_bytes, the largest rounded up to
  * HSDP_ALIGN, so the all-gather keeps fixed-size blocks. */
 
+int hsdp_wire_next(const hsdp_unit *u, int s, hsdp_wire_piece *p) {
+    if (p->started) { /* past the piece it stands on */
+        p->block += p->quant ? (p->n + HSDP_WIRE_BLOCK - 1) / HSDP_WIRE_BLOCK : 0;
+        p->pay += p->quant ? p->n : p->bytes;
+        p->slot++;
+    }
+    p->started = 1;
+    for (; p->slot < u->layout.nslots; p->slot++) {
+        size_t b, e, off;
+        if (!hsdp_layout_owned(&u->layout, p->slot, s, &b, &e, &off)) continue;
+        p->off = off;
+        p->bytes = e - b;
+        p->n = (e - b) / hsdp_dtype_size(u->layout.slots[p->slot].dtype);
+        p->quant = u->quant[p->slot];
+        return 1;
+    }
+    p->bytes = p->n = 0, p->quant = 0; /* nothing more to step past */
+    return 0;
+}
+
 /* Rank s's blocks and encoded bytes (scales included). */
 static size_t wire_size(const hsdp_unit *u, int s, size_t *nblocks) {
-    size_t nb = 0, payload = 0;
-    for (size_t i = 0; i < u->layout.nslots; i++) {
-        size_t b, e, off;
-        if (!hsdp_layout_owned(&u->layout, i, s, &b, &e, &off)) continue;
-        size_t n = (e - b) / hsdp_dtype_size(u->layout.slots[i].dtype);
-        if (u->quant[i]) {
-            nb += (n + HSDP_WIRE_BLOCK - 1) / HSDP_WIRE_BLOCK;
-            payload += n;
-        } else {
-            payload += e - b;
-        }
+    hsdp_wire_piece p = {0};
+    while (hsdp_wire_next(u, s, &p)) {
     }
-    *nblocks = nb;
-    return nb * sizeof(float) + payload;
+    *nblocks = p.block;
+    return p.block * sizeof(float) + p.pay;
 }
 
 hsdp_status hsdp_unit_set_wire(hsdp_unit *u, hsdp_dtype wire, const unsigned char *quant) {
@@ -211,24 +222,18 @@ hsdp_status hsdp_unit_encode(hsdp_unit *u) {
     if (!enc) return hsdp_fail(HSDP_ENOMEM, "could not allocate an encoded shard of %zu bytes", W);
     memset(enc, 0, W);
     float *scales = (float *)(void *)enc; /* aligned: enc is */
-    unsigned char *pay = enc + nb * sizeof(float);
-    size_t bi = 0;
-    for (size_t i = 0; i < u->layout.nslots; i++) {
-        size_t b, e, off;
-        if (!hsdp_layout_owned(&u->layout, i, u->s, &b, &e, &off)) continue;
-        const hsdp_slot *p = &u->layout.slots[i];
-        size_t n = (e - b) / hsdp_dtype_size(p->dtype);
-        if (u->quant[i]) {
-            st = hsdp_quantize_blocks(pay, scales + bi, u->shard + off, p->dtype, n);
-            if (st != HSDP_OK) {
-                free(enc);
-                return st;
-            }
-            bi += (n + HSDP_WIRE_BLOCK - 1) / HSDP_WIRE_BLOCK;
-            pay += n;
-        } else {
-            memcpy(pay, u->shard + off, e - b);
-            pay += e - b;
+    unsigned char *payload = enc + nb * sizeof(float);
+    hsdp_wire_piece p = {0};
+    while (hsdp_wire_next(u, u->s, &p)) {
+        if (!p.quant) {
+            memcpy(payload + p.pay, u->shard + p.off, p.bytes);
+            continue;
+        }
+        st = hsdp_quantize_blocks(payload + p.pay, scales + p.block, u->shard + p.off,
+                                  u->layout.slots[p.slot].dtype, p.n);
+        if (st != HSDP_OK) {
+            free(enc);
+            return st;
         }
     }
     free(u->shard); /* never gathered (checked above), so no peer holds it */
@@ -262,40 +267,40 @@ static hsdp_status decode_prefix(const hsdp_unit *u, const unsigned char *w, voi
     const float *scales = (const float *)(const void *)w; /* memcpy'd inside: alignment not needed */
     const unsigned char *payload = w + head;
     unsigned char *out = (unsigned char *)full + (size_t)s * u->layout.chunk_bytes;
-    for (; c->slot < u->layout.nslots; c->slot++, c->k = 0) {
-        size_t i = c->slot, b, e, off;
-        if (!hsdp_layout_owned(&u->layout, i, s, &b, &e, &off)) continue;
-        const hsdp_slot *p = &u->layout.slots[i];
-        if (off > c->at) { /* the padding between slots */
-            memset(out + c->at, 0, off - c->at);
-            c->at = off;
+    int stream = u->layout.total_bytes >= DECODE_STREAM_BYTES;
+    for (;;) {
+        if (!c->have) {
+            if (!hsdp_wire_next(u, s, &c->p)) break;
+            c->have = 1, c->k = 0;
+            if (c->p.off > c->at) { /* the padding between slots */
+                memset(out + c->at, 0, c->p.off - c->at);
+                c->at = c->p.off;
+            }
         }
-        size_t item = hsdp_dtype_size(p->dtype), n = (e - b) / item;
-        size_t avail = landed - head > c->pay ? landed - head - c->pay : 0; /* this slot's bytes landed */
-        const unsigned char *pay = payload + c->pay;
-        if (u->quant[i]) {
-            size_t upto = avail < n ? avail / HSDP_WIRE_BLOCK * HSDP_WIRE_BLOCK : n;
+        const hsdp_wire_piece *p = &c->p;
+        hsdp_dtype dt = u->layout.slots[p->slot].dtype;
+        size_t avail = landed - head > p->pay ? landed - head - p->pay : 0; /* this piece's bytes landed */
+        const unsigned char *pay = payload + p->pay;
+        if (p->quant) {
+            size_t item = hsdp_dtype_size(dt), upto = avail < p->n ? avail / HSDP_WIRE_BLOCK * HSDP_WIRE_BLOCK : p->n;
             /* in slices of whole blocks, so each slice starts on its own scale */
             for (size_t k = c->k; k < upto; k += DECODE_SLICE) {
                 size_t m = upto - k < DECODE_SLICE ? upto - k : DECODE_SLICE;
-                hsdp_status st = (u->layout.total_bytes >= DECODE_STREAM_BYTES ? hsdp_dequantize_blocks_streaming
-                                                                                 : hsdp_dequantize_blocks)(
-                    out + off + k * item, p->dtype, pay + k, scales + c->bi + k / HSDP_WIRE_BLOCK, m);
+                hsdp_status st = (stream ? hsdp_dequantize_blocks_streaming : hsdp_dequantize_blocks)(
+                    out + p->off + k * item, dt, pay + k, scales + p->block + k / HSDP_WIRE_BLOCK, m);
                 if (st != HSDP_OK) return st;
                 c->k = k + m;
                 if (poll) poll(poll_arg);
             }
-            if (c->k < n) return HSDP_OK; /* the rest has not landed */
-            c->bi += (n + HSDP_WIRE_BLOCK - 1) / HSDP_WIRE_BLOCK;
-            c->pay += n;
+            if (c->k < p->n) return HSDP_OK; /* the rest has not landed */
         } else {
-            size_t upto = avail < e - b ? avail : e - b;
-            if (upto > c->k) memcpy(out + off + c->k, pay + c->k, upto - c->k);
+            size_t upto = avail < p->bytes ? avail : p->bytes;
+            if (upto > c->k) memcpy(out + p->off + c->k, pay + c->k, upto - c->k);
             c->k = upto > c->k ? upto : c->k;
-            if (c->k < e - b) return HSDP_OK;
-            c->pay += e - b;
+            if (c->k < p->bytes) return HSDP_OK;
         }
-        c->at = off + (e - b);
+        c->at = p->off + p->bytes;
+        c->have = 0;
     }
     if (u->layout.chunk_bytes > c->at) memset(out + c->at, 0, u->layout.chunk_bytes - c->at);
     c->done = 1;
