@@ -486,13 +486,14 @@ HSDP_DEQUANT_RUN(dequant_f32, float, dequant_f32_one)
 HSDP_DEQUANT_RUN(dequant_f16, uint16_t, dequant_f16_one)
 
 #if defined(__x86_64__) && defined(__linux__) && \
-    ((defined(__clang__) && __clang_major__ >= 9) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 10))
+    ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
 #define HSDP_DEQUANT_VBMI 1
 /* With AVX512-VBMI and AVX512-BF16 (AMD Zen 4, Intel Sapphire Rapids and later), chosen at
  * run time: 64 codes at a time, their exact bfloat16 magnitudes looked up in two 128-entry
- * byte tables (one vpermi2b each for the low and the high byte), with the sign, widened to
- * float32 by placing them in the high half and multiplied by the block's scale: the product
- * the scalar loops form. Into float32 it is stored; into float16, rounded by vcvtps2ph (to
+ * byte tables (one vpermi2b each for the low and the high byte), widened to float32 by
+ * placing them in the high half and multiplied by the block's scale: the magnitude's product
+ * the scalar loops form (whatever the FPU rounding mode), the code's sign OR'd on after the
+ * rounding, as they do. Into float32 it is stored; into float16, rounded by vcvtps2ph (to
  * nearest even, as f16_from_bits); into bfloat16, by vcvtne2ps2bf16, which is the integer
  * rounding of dequant_bf16_one (to nearest even; a NaN stays the quiet NaN) for every normal
  * float32 but flushes subnormal ones to zero, so it takes only blocks whose every nonzero
@@ -525,25 +526,26 @@ static const uint8_t e4m3_bf16_hi[128] = {
 };
 
 /* Whether a block's scale takes the vector decode into dt: for bfloat16, from 2^-117 to FLT_MAX
- * (see above); for float32 and float16, from +0 to FLT_MAX, where the product's sign is the
- * code's, as the scalar loops give it (a negative, infinite or NaN scale: those loops). */
+ * (see above); for float32 and float16, from +0 to FLT_MAX (a negative, infinite or NaN scale:
+ * the scalar loops). */
 static int vbmi_takes(float sc, hsdp_dtype dt) {
     uint32_t b = f32_bits(sc);
     return b < 0x7F800000u && (dt != HSDP_BF16 || b >= 0x05000000u);
 }
 
-#define HSDP_VBMI_TARGET __attribute__((target("avx512f,avx512bw,avx512vbmi,avx512bf16")))
+#define HSDP_VBMI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx512bf16")))
 
 /* The tables and the code order dequant_vbmi works with, loaded once per call. */
 typedef struct {
-    __m512i lo0, lo1, hi0, hi1, sign, zero, perm;
+    __m512i lo0, lo1, hi0, hi1, zero, perm;
 } vbmi_consts;
 
-/* 64 codes at q times the scale in s, as float32: codes 0-15, 16-31, 32-47, 48-63 in p[0..3]. */
+/* The magnitudes of the 64 codes at q times the scale in s, as float32: codes 0-15, 16-31,
+ * 32-47, 48-63 in p[0..3]. */
 HSDP_VBMI_TARGET static inline void vbmi_products(const vbmi_consts *c, const uint8_t *q, __m512 s, __m512 p[4]) {
     __m512i x = _mm512_permutexvar_epi8(c->perm, _mm512_loadu_si512(q));
     __m512i lo = _mm512_permutex2var_epi8(c->lo0, x, c->lo1); /* bit 7, the sign, is not an index bit */
-    __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(c->hi0, x, c->hi1), x, c->sign, 0xF8); /* | sign */
+    __m512i hi = _mm512_permutex2var_epi8(c->hi0, x, c->hi1);
     __m512i w0 = _mm512_unpacklo_epi8(lo, hi), w1 = _mm512_unpackhi_epi8(lo, hi);
     p[0] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(c->zero, w0)), s);
     p[1] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(c->zero, w0)), s);
@@ -567,8 +569,9 @@ HSDP_VBMI_TARGET static void dequant_vbmi(void *dst, hsdp_dtype dt, const uint8_
             for (int j = 0; j < 4; j++) order[16 * L + 4 * k + j] = (uint8_t)(16 * k + 4 * L + j);
     const vbmi_consts c = {.lo0 = _mm512_loadu_si512(e4m3_bf16_lo), .lo1 = _mm512_loadu_si512(e4m3_bf16_lo + 64),
                            .hi0 = _mm512_loadu_si512(e4m3_bf16_hi), .hi1 = _mm512_loadu_si512(e4m3_bf16_hi + 64),
-                           .sign = _mm512_set1_epi8((char)0x80), .zero = _mm512_setzero_si512(),
-                           .perm = _mm512_load_si512(order)};
+                           .zero = _mm512_setzero_si512(), .perm = _mm512_load_si512(order)};
+    const __m512i sign16 = _mm512_set1_epi16((short)0x8000), sign32 = _mm512_set1_epi32((int)0x80000000u);
+    const __m256i sign16h = _mm256_set1_epi16((short)0x8000);
     unsigned char *out = dst;
     size_t item = hsdp_dtype_size(dt);
     stream = stream && ((uintptr_t)out & 63) == 0;
@@ -589,21 +592,34 @@ HSDP_VBMI_TARGET static void dequant_vbmi(void *dst, hsdp_dtype dt, const uint8_
         const __m512 s = _mm512_set1_ps(sc);
         __m512 p[4];
         /* one loop per destination and kind of store, so that none branches inside */
+/* the codes' signs (bit 7) OR'd onto the rounded magnitudes: 32 bfloat16, 16 float16, 16 float32 */
 #define HSDP_VBMI_LOOP(STEP, ...)                                                   \
     for (size_t k = 0; k < HSDP_WIRE_BLOCK; k += 64, o += (STEP)) {                \
-        vbmi_products(&c, q + k0 + k, s, p);                                        \
+        const uint8_t *qk = q + k0 + k;                                             \
+        vbmi_products(&c, qk, s, p);                                                \
         __VA_ARGS__;                                                                \
     }
-#define HSDP_BF16_PAIR(v) ((__m512i)_mm512_cvtne2ps_pbh(p[2 * (v) + 1], p[2 * (v)]))
-#define HSDP_F16_QUAD(v) _mm512_cvtps_ph(p[v], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define HSDP_BF16_PAIR(v)                                                                                     \
+    _mm512_ternarylogic_epi32((__m512i)_mm512_cvtne2ps_pbh(p[2 * (v) + 1], p[2 * (v)]),                      \
+                              _mm512_slli_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256((const void *)(qk + 32 * (v)))), 8), \
+                              sign16, 0xF8)
+#define HSDP_F16_QUAD(v)                                                                                      \
+    _mm256_ternarylogic_epi32(_mm512_cvtps_ph(p[v], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),          \
+                              _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const void *)(qk + 16 * (v)))), 8), \
+                              sign16h, 0xF8)
+#define HSDP_F32_QUAD(v)                                                                                      \
+    _mm512_castsi512_ps(_mm512_ternarylogic_epi32(                                                            \
+        _mm512_castps_si512(p[v]),                                                                            \
+        _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const void *)(qk + 16 * (v)))), 24), sign32, 0xF8))
         if (dt == HSDP_BF16 && stream) {
             HSDP_VBMI_LOOP(128, for (int v = 0; v < 2; v++) _mm512_stream_si512((void *)(o + 64 * v), HSDP_BF16_PAIR(v)))
         } else if (dt == HSDP_BF16) {
             HSDP_VBMI_LOOP(128, for (int v = 0; v < 2; v++) _mm512_storeu_si512(o + 64 * v, HSDP_BF16_PAIR(v)))
         } else if (dt == HSDP_F32 && stream) {
-            HSDP_VBMI_LOOP(256, for (int v = 0; v < 4; v++) _mm512_stream_ps((float *)(void *)(o + 64 * v), p[v]))
+            HSDP_VBMI_LOOP(256, for (int v = 0; v < 4; v++) _mm512_stream_ps((float *)(void *)(o + 64 * v),
+                                                                                HSDP_F32_QUAD(v)))
         } else if (dt == HSDP_F32) {
-            HSDP_VBMI_LOOP(256, for (int v = 0; v < 4; v++) _mm512_storeu_ps(o + 64 * v, p[v]))
+            HSDP_VBMI_LOOP(256, for (int v = 0; v < 4; v++) _mm512_storeu_ps(o + 64 * v, HSDP_F32_QUAD(v)))
         } else if (stream) {
             HSDP_VBMI_LOOP(128, for (int v = 0; v < 4; v++) _mm256_stream_si256((__m256i *)(void *)(o + 32 * v),
                                                                                  HSDP_F16_QUAD(v)))
@@ -611,6 +627,7 @@ HSDP_VBMI_TARGET static void dequant_vbmi(void *dst, hsdp_dtype dt, const uint8_
             HSDP_VBMI_LOOP(128, for (int v = 0; v < 4; v++) _mm256_storeu_si256((__m256i *)(void *)(o + 32 * v),
                                                                                   HSDP_F16_QUAD(v)))
         }
+#undef HSDP_F32_QUAD
 #undef HSDP_F16_QUAD
 #undef HSDP_BF16_PAIR
 #undef HSDP_VBMI_LOOP
@@ -623,7 +640,8 @@ HSDP_VBMI_TARGET static void dequant_vbmi(void *dst, hsdp_dtype dt, const uint8_
 static void dequant_run(void *dst, hsdp_dtype dt, const uint8_t *q, const float *scales, size_t n, int stream) {
     size_t full = 0, item = hsdp_dtype_size(dt);
 #ifdef HSDP_DEQUANT_VBMI
-    if (__builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bf16")) {
+    if (__builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+        __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bf16")) {
         full = n / HSDP_WIRE_BLOCK * HSDP_WIRE_BLOCK;
         dequant_vbmi(dst, dt, q, scales, full / HSDP_WIRE_BLOCK, stream);
     }

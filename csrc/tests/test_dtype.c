@@ -5,6 +5,7 @@
  * The conversions are checked against a slow, obviously-correct reference (find the two
  * representable neighbours by value, compare with their exact midpoint) over every bit
  * pattern of each narrow format, every midpoint, and many random inputs. */
+#include <fenv.h>
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
@@ -875,6 +876,10 @@ static void test_blocks_exhaustive(void) {
     for (size_t i = 0; i < N; i++) q[i] = (uint8_t)(i * 7 + 3); /* the first 256: every code once */
     const hsdp_dtype dts[] = {HSDP_BF16, HSDP_F16, HSDP_F32};
     int bad = 0;
+    /* in every rounding mode: the product (the one step that rounds by it) is the same */
+    const int modes[] = {FE_TONEAREST, FE_UPWARD, FE_DOWNWARD, FE_TOWARDZERO};
+    for (size_t mode = 0; mode < sizeof modes / sizeof modes[0]; mode++) {
+    CHECK(fesetround(modes[mode]) == 0);
     for (size_t k = 0; k < ns; k++) {
         float sc[3] = {scales[k], scales[k], scales[k]};
         for (size_t t = 0; t < 3; t++) {
@@ -888,12 +893,14 @@ static void test_blocks_exhaustive(void) {
                     memcpy(&got, out + (skew % 2 + i) * item, item);
                     uint32_t want = decode_ref(q[i], sc[0], dts[t]);
                     if (got != want && bad++ < 5)
-                        fprintf(stderr, "code 0x%02X scale %a to %s: 0x%X, want 0x%X\n", q[i], (double)sc[0],
-                                hsdp_dtype_name(dts[t]), got, want);
+                        fprintf(stderr, "code 0x%02X scale %a to %s, rounding mode %zu: 0x%X, want 0x%X\n", q[i],
+                                (double)sc[0], hsdp_dtype_name(dts[t]), mode, got, want);
                 }
             }
         }
     }
+    }
+    fesetround(FE_TONEAREST);
     CHECK(bad == 0);
     /* blocks that take the AVX512 decode (dtype.c) and blocks that do not, in one call */
     const float mixed[3] = {0.02f / 448.0f, 0x1p-126f, -0.75f};
