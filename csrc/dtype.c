@@ -502,28 +502,32 @@ HSDP_DEQUANT_RUN(dequant_f16, uint16_t, dequant_f16_one)
  * test_dtype.c checks every code against the reference under scales of every kind. */
 #include <immintrin.h>
 
-/* The bfloat16 bits of each e4m3fn magnitude a = 0..127 (a = 0x7F: the quiet NaN 0x7FC0),
- * low and high byte: exact, as e4m3fn's 3 mantissa bits and its exponents fit bfloat16's. */
-static const uint8_t e4m3_bf16_lo[128] = {
-    0x00, 0x00, 0x80, 0xC0, 0x00, 0x20, 0x40, 0x60, 0x80, 0x90, 0xA0, 0xB0, 0xC0, 0xD0, 0xE0, 0xF0,
-    0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xA0, 0xB0, 0xC0, 0xD0, 0xE0, 0xF0,
-    0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xA0, 0xB0, 0xC0, 0xD0, 0xE0, 0xF0,
-    0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xA0, 0xB0, 0xC0, 0xD0, 0xE0, 0xF0,
-    0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xA0, 0xB0, 0xC0, 0xD0, 0xE0, 0xF0,
-    0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xA0, 0xB0, 0xC0, 0xD0, 0xE0, 0xF0,
-    0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xA0, 0xB0, 0xC0, 0xD0, 0xE0, 0xF0,
-    0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xA0, 0xB0, 0xC0, 0xD0, 0xE0, 0xC0,
-};
-static const uint8_t e4m3_bf16_hi[128] = {
-    0x00, 0x3B, 0x3B, 0x3B, 0x3C, 0x3C, 0x3C, 0x3C, 0x3C, 0x3C, 0x3C, 0x3C, 0x3C, 0x3C, 0x3C, 0x3C,
-    0x3D, 0x3D, 0x3D, 0x3D, 0x3D, 0x3D, 0x3D, 0x3D, 0x3D, 0x3D, 0x3D, 0x3D, 0x3D, 0x3D, 0x3D, 0x3D,
-    0x3E, 0x3E, 0x3E, 0x3E, 0x3E, 0x3E, 0x3E, 0x3E, 0x3E, 0x3E, 0x3E, 0x3E, 0x3E, 0x3E, 0x3E, 0x3E,
-    0x3F, 0x3F, 0x3F, 0x3F, 0x3F, 0x3F, 0x3F, 0x3F, 0x3F, 0x3F, 0x3F, 0x3F, 0x3F, 0x3F, 0x3F, 0x3F,
-    0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40,
-    0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41,
-    0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42,
-    0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x7F,
-};
+#include <pthread.h>
+
+/* What dequant_vbmi looks up, made once from e4m3_mag (the scalar loops' own decode) by
+ * vbmi_tables_make: the bfloat16 bits of each e4m3fn magnitude a = 0..127 (a = 0x7F: the
+ * quiet NaN 0x7FC0), low and high byte, exact, as e4m3fn's 3 mantissa bits and its exponents
+ * fit bfloat16's; and the order of the codes (below). */
+static struct {
+    _Alignas(64) uint8_t lo[128];
+    _Alignas(64) uint8_t hi[128];
+    _Alignas(64) uint8_t order[64];
+} vbmi_tables;
+static pthread_once_t vbmi_tables_once = PTHREAD_ONCE_INIT;
+
+static void vbmi_tables_make(void) {
+    for (uint32_t a = 0; a < 128; a++) {
+        uint32_t b = a == 0x7Fu ? 0x7FC00000u : f32_bits(e4m3_mag(a));
+        vbmi_tables.lo[a] = (uint8_t)(b >> 16);
+        vbmi_tables.hi[a] = (uint8_t)(b >> 24);
+    }
+    /* The byte and word unpacks work within 128-bit lanes: code 16L + 4k + j of the permuted
+     * vector ends up in float32 vector k, lane L, element j. Permuted so that it is code
+     * 16k + 4L + j, the four float32 vectors hold codes 0-15, 16-31, 32-47, 48-63. */
+    for (int L = 0; L < 4; L++)
+        for (int k = 0; k < 4; k++)
+            for (int j = 0; j < 4; j++) vbmi_tables.order[16 * L + 4 * k + j] = (uint8_t)(16 * k + 4 * L + j);
+}
 
 /* Whether a block's scale takes the vector decode into dt: for bfloat16, from 2^-117 to FLT_MAX
  * (see above); for float32 and float16, from +0 to FLT_MAX (a negative, infinite or NaN scale:
@@ -557,19 +561,14 @@ HSDP_VBMI_TARGET static inline void vbmi_products(const vbmi_consts *c, const ui
  * whose scale vbmi_takes refuses goes to the scalar loop instead. `stream`: non-temporal
  * stores where dst is 64-byte aligned (each block's output is 256 or 512 bytes on from the
  * last), fenced at the end; they skip reading the destination's lines before writing them
- * (8M weights decoded out of cache in 0.52 against 0.79 ms, bench/bench_dequant.c cold). */
+ * (8M weights into bfloat16 decoded out of cache in 0.52 against 0.73 ms, bench/bench_dequant.c
+ * cold). */
 HSDP_VBMI_TARGET static void dequant_vbmi(void *dst, hsdp_dtype dt, const uint8_t *q, const float *scales,
                                           size_t nblocks, int stream) {
-    /* The byte and word unpacks work within 128-bit lanes: code 16L + 4k + j of the permuted
-     * vector ends up in float32 vector k, lane L, element j. Permuted so that it is code
-     * 16k + 4L + j, the four float32 vectors hold codes 0-15, 16-31, 32-47, 48-63. */
-    _Alignas(64) uint8_t order[64];
-    for (int L = 0; L < 4; L++)
-        for (int k = 0; k < 4; k++)
-            for (int j = 0; j < 4; j++) order[16 * L + 4 * k + j] = (uint8_t)(16 * k + 4 * L + j);
-    const vbmi_consts c = {.lo0 = _mm512_loadu_si512(e4m3_bf16_lo), .lo1 = _mm512_loadu_si512(e4m3_bf16_lo + 64),
-                           .hi0 = _mm512_loadu_si512(e4m3_bf16_hi), .hi1 = _mm512_loadu_si512(e4m3_bf16_hi + 64),
-                           .zero = _mm512_setzero_si512(), .perm = _mm512_load_si512(order)};
+    pthread_once(&vbmi_tables_once, vbmi_tables_make);
+    const vbmi_consts c = {.lo0 = _mm512_load_si512(vbmi_tables.lo), .lo1 = _mm512_load_si512(vbmi_tables.lo + 64),
+                           .hi0 = _mm512_load_si512(vbmi_tables.hi), .hi1 = _mm512_load_si512(vbmi_tables.hi + 64),
+                           .zero = _mm512_setzero_si512(), .perm = _mm512_load_si512(vbmi_tables.order)};
     const __m512i sign16 = _mm512_set1_epi16((short)0x8000), sign32 = _mm512_set1_epi32((int)0x80000000u);
     const __m256i sign16h = _mm256_set1_epi16((short)0x8000);
     unsigned char *out = dst;

@@ -250,8 +250,8 @@ enum { DECODE_SLICE = 512 * HSDP_WIRE_BLOCK };
 
 /* A gathered unit from this size on is decoded with streaming stores: larger than a core's
  * caches, so its first lines are gone from them by the time it is read, and streaming spares
- * the reads of the destination's lines (over TCP, bench/bench_tcp.py: a 16 MiB unit's float8
- * gather 0.15-0.45 ms faster; docs/performance.md). */
+ * the reads of the destination's lines (over TCP a 16 MiB unit's float8 gather was 0.12-0.45
+ * ms faster with them in 11 rank-runs of a temporary A/B in the same processes). */
 enum { DECODE_STREAM_BYTES = 8 << 20 };
 
 /* Rank s's encoded chunk `w` into its chunk of `full`, as far as its first `landed` bytes allow,

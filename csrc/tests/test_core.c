@@ -397,6 +397,36 @@ static void test_peer_status(void) {
     CHECK(hsdp_status_ask(&card, 500, &active, what, sizeof what) == 0); /* nobody listens now */
 }
 
+/* What a wire gather of units[0..S) must give, before they are encoded: every rank's stored
+ * piece of each slot, quantized and dequantized by the block functions where quant[i] is set,
+ * copied where not, zeros in the padding. Returns a calloc'd buffer of layout.total_bytes,
+ * the caller's to free. */
+static unsigned char *wire_reference(const hsdp_unit *units, int S, size_t nslots, const hsdp_dtype *dts,
+                                     const unsigned char *quant) {
+    size_t chunk = units[0].layout.chunk_bytes;
+    unsigned char *want = calloc(1, units[0].layout.total_bytes);
+    CHECK(want != NULL);
+    for (int s = 0; s < S && want; s++) {
+        for (size_t i = 0; i < nslots; i++) {
+            size_t b, e, off;
+            if (!hsdp_layout_owned(&units[s].layout, i, s, &b, &e, &off)) continue;
+            unsigned char *dst = want + (size_t)s * chunk + off;
+            size_t n = (e - b) / hsdp_dtype_size(dts[i]);
+            if (!quant[i]) {
+                memcpy(dst, units[s].shard + off, e - b);
+                continue;
+            }
+            uint8_t *q = malloc(n);                                      /* owned here */
+            float *sc = malloc((n / HSDP_WIRE_BLOCK + 1) * sizeof *sc); /* owned here */
+            CHECK(hsdp_quantize_blocks(q, sc, units[s].shard + off, dts[i], n) == HSDP_OK);
+            CHECK(hsdp_dequantize_blocks(dst, dts[i], q, sc, n) == HSDP_OK);
+            free(q);
+            free(sc);
+        }
+    }
+    return want;
+}
+
 /* A gathered unit of 8 MiB or more is decoded with streaming stores (unit.c,
  * DECODE_STREAM_BYTES): on 2 ranks, each chunk decodes to the bytes the block functions give,
  * the second parameter's piece starting off a 64-byte line. */
@@ -419,22 +449,9 @@ static void test_unit_wire_streaming(void) {
         CHECK(hsdp_unit_set_wire(&units[s], HSDP_F8E4M3, quant) == HSDP_OK);
     }
     hsdp_unit *u = &units[0];
-    size_t chunk = u->layout.chunk_bytes, W = u->wire_chunk_bytes, total = u->layout.total_bytes;
+    size_t W = u->wire_chunk_bytes, total = u->layout.total_bytes;
     CHECK(total >= (8u << 20));
-    unsigned char *want = calloc(1, total); /* owned here */
-    for (int s = 0; s < S; s++) {
-        for (size_t i = 0; i < 2; i++) {
-            size_t b, e, off;
-            if (!hsdp_layout_owned(&units[s].layout, i, s, &b, &e, &off)) continue;
-            size_t n = (e - b) / 2;
-            uint8_t *q = malloc(n);                                      /* owned here */
-            float *sc = malloc((n / HSDP_WIRE_BLOCK + 1) * sizeof *sc); /* owned here */
-            CHECK(hsdp_quantize_blocks(q, sc, units[s].shard + off, dts[i], n) == HSDP_OK);
-            CHECK(hsdp_dequantize_blocks(want + (size_t)s * chunk + off, dts[i], q, sc, n) == HSDP_OK);
-            free(q);
-            free(sc);
-        }
-    }
+    unsigned char *want = wire_reference(units, S, 2, dts, quant); /* owned here */
     for (int s = 0; s < S; s++) CHECK(hsdp_unit_encode(&units[s]) == HSDP_OK);
     unsigned char *wire = malloc(W * S), *full = hsdp_buffer_alloc(&st, total); /* owned here */
     for (int s = 0; s < S; s++) memcpy(wire + (size_t)s * W, units[s].shard, W);
@@ -474,26 +491,7 @@ static void test_unit_wire(void) {
         size_t chunk = u->layout.chunk_bytes, W = u->wire_chunk_bytes, total = u->layout.total_bytes;
         CHECK(W % HSDP_ALIGN == 0 && W < chunk);
         /* the stored copy of every rank's piece, decoded the slow way, before encoding */
-        unsigned char *want = malloc(total); /* owned here */
-        memset(want, 0, total);
-        for (int s = 0; s < S; s++) {
-            for (size_t i = 0; i < 5; i++) {
-                size_t b, e, off;
-                if (!hsdp_layout_owned(&units[s].layout, i, s, &b, &e, &off)) continue;
-                unsigned char *dst = want + (size_t)s * chunk + off;
-                size_t n = (e - b) / hsdp_dtype_size(dts[i]);
-                if (!quant[i]) {
-                    memcpy(dst, units[s].shard + off, e - b);
-                    continue;
-                }
-                uint8_t *q = malloc(n);                                                 /* owned here */
-                float *sc = malloc((n / HSDP_WIRE_BLOCK + 1) * sizeof *sc);            /* owned here */
-                CHECK(hsdp_quantize_blocks(q, sc, units[s].shard + off, dts[i], n) == HSDP_OK);
-                CHECK(hsdp_dequantize_blocks(dst, dts[i], q, sc, n) == HSDP_OK);
-                free(q);
-                free(sc);
-            }
-        }
+        unsigned char *want = wire_reference(units, S, 5, dts, quant); /* owned here */
         for (int s = 0; s < S; s++) CHECK(hsdp_unit_encode(&units[s]) == HSDP_OK && units[s].wire_encoded);
         CHECK(hsdp_unit_encode(&units[0]) == HSDP_OK); /* twice: nothing more */
         CHECK(st.sharded_bytes == W * (size_t)S && hsdp_unit_shard_bytes(u) == W);
