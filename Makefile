@@ -127,11 +127,13 @@ ctest: $(TESTBIN)/test_dtype $(TESTBIN)/test_core $(TESTBIN)/test_layout $(TESTB
 	  ASAN_OPTIONS=detect_leaks=0 $(TESTBIN)/test_nccl "$$nccl" "$$cudart" || exit 1; \
 	else echo "test_nccl: SKIPPED the real libraries: no libnccl.so.2 and libcudart in $(VENV)'s nvidia wheels"; fi
 	ASAN_OPTIONS=detect_leaks=0 $(TESTBIN)/test_nccl --fake $(TESTBIN)/fake_cuda_nccl.so
+	ASAN_OPTIONS=detect_leaks=0 $(TESTBIN)/test_nccl --fake $(TESTBIN)/fake_cuda_nccl.so clean   # finalize with a group held
 	FAKE_NCCL_VERSION=22700 ASAN_OPTIONS=detect_leaks=0 $(TESTBIN)/test_nccl --fake \
 	  $(TESTBIN)/fake_cuda_nccl.so race   # before 2.28.3: all_to_all as grouped sends and receives
 	ASAN_OPTIONS=detect_leaks=0 $(TESTBIN)/test_nccl --fake $(TESTBIN)/fake_cuda_nccl.so ranks 3
 	FAKE_NCCL_VERSION=22700 ASAN_OPTIONS=detect_leaks=0 $(TESTBIN)/test_nccl --fake \
 	  $(TESTBIN)/fake_cuda_nccl.so ranks 3 desync   # the grouped all-to-all between ranks too
+	ASAN_OPTIONS=detect_leaks=0 $(TESTBIN)/test_nccl --fake $(TESTBIN)/fake_cuda_nccl.so ranks 2 desync-sizes
 	@nvrtc="$$(find -L $(VENV)/ /usr/local/cuda/lib64/ -name 'libnvrtc.so.1[0-9]' 2>/dev/null | head -1)"; \
 	driver="$$(find -L /usr/lib/x86_64-linux-gnu /usr/lib64 /usr/local/cuda/lib64/stubs -maxdepth 1 -name 'libcuda.so*' 2>/dev/null | head -1)"; \
 	if [ -n "$$nvrtc" ] && [ -n "$$driver" ]; then \
@@ -164,6 +166,7 @@ ctest-clang: clang
 	$(CLANGBIN)/test_core
 	$(CLANGBIN)/test_layout
 	ASAN_OPTIONS=detect_leaks=0 $(CLANGBIN)/test_nccl --fake $(CLANGBIN)/fake_cuda_nccl.so stall
+	ASAN_OPTIONS=detect_leaks=0 $(CLANGBIN)/test_nccl --fake $(CLANGBIN)/fake_cuda_nccl.so clean
 	FAKE_NCCL_VERSION=22700 ASAN_OPTIONS=detect_leaks=0 $(CLANGBIN)/test_nccl --fake $(CLANGBIN)/fake_cuda_nccl.so race
 	ASAN_OPTIONS=detect_leaks=0 $(CLANGBIN)/test_nccl --fake $(CLANGBIN)/fake_cuda_nccl.so ranks 3
 	FAKE_NCCL_VERSION=22700 ASAN_OPTIONS=detect_leaks=0 $(CLANGBIN)/test_nccl --fake $(CLANGBIN)/fake_cuda_nccl.so ranks 3 desync

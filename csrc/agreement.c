@@ -23,13 +23,17 @@ int hsdp_ticket_same(const hsdp_ticket *a, const hsdp_ticket *b) {
            memcmp(a->label, b->label, sizeof a->label) == 0;
 }
 
-hsdp_status hsdp_tickets_check(const hsdp_group *g, const hsdp_ticket *all) {
+hsdp_status hsdp_tickets_check(const hsdp_group *g, const hsdp_ticket *all) { return hsdp_tickets_check_late(g, all, 0); }
+
+hsdp_status hsdp_tickets_check_late(const hsdp_group *g, const hsdp_ticket *all, int late) {
     int differ = 0;
     for (int j = 1; j < g->size; j++) differ |= !hsdp_ticket_same(&all[j], &all[0]);
     if (!differ) return HSDP_OK;
     char msg[900];
-    size_t used = (size_t)snprintf(msg, sizeof msg, "the %d ranks of a group do not gather the same unit, so none of "
-                                   "them gathers:", g->size);
+    size_t used = (size_t)snprintf(msg, sizeof msg, "the %d ranks of a group do not gather the same unit, %s:", g->size,
+                                   late ? "found after the gather's wait had returned (its buffer holds mixed weights: "
+                                          "the forward that read it is void)"
+                                        : "so none of them gathers");
     for (int j = 0, shown = 0; j < g->size && used < sizeof msg; j++) {
         /* every rank that differs from rank 0, and rank 0, at most 6 in all */
         if (j && hsdp_ticket_same(&all[j], &all[0])) continue;

@@ -34,6 +34,8 @@ int hsdp_ticket_same(const hsdp_ticket *a, const hsdp_ticket *b);
 /* HSDP_OK when every one of the g->size tickets is the same as rank 0's; else HSDP_ECOMM naming what
  * each rank that differs (and rank 0) asked for. */
 hsdp_status hsdp_tickets_check(const hsdp_group *g, const hsdp_ticket *all);
+/* The same, for tickets compared after the gather's wait returned (late): the message says so. */
+hsdp_status hsdp_tickets_check_late(const hsdp_group *g, const hsdp_ticket *all, int late);
 /* The tickets in their own all-gather (through `gather`, the backend's), checked, before the
  * data is gathered: one round trip more, but it works on any backend. */
 typedef hsdp_status (*hsdp_gather_fn)(hsdp_group *g, const void *send, void *recv, size_t nbytes);

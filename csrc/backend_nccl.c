@@ -69,6 +69,7 @@ hsdp_status hsdp_nccl_set_bootstrap(const unsigned char id[HSDP_NCCL_ID_BYTES], 
 void hsdp_nccl_set_compute_stream(void *stream) { (void)stream; }
 void hsdp_nccl_set_oom_handler(hsdp_nccl_oom_fn fn, void *arg) { (void)fn, (void)arg; }
 void *hsdp_nccl_comm_stream(void) { return NULL; }
+hsdp_status hsdp_nccl_agreement_drain(void) { return HSDP_OK; }
 
 static int nccl_usable(const char **why) {
     *why = not_built;
@@ -98,6 +99,9 @@ const hsdp_backend hsdp_backend_nccl = {.name = "nccl", .usable = nccl_usable, .
     X(cudaStreamWaitEvent) X(cudaStreamSynchronize) X(cudaEventCreateWithFlags) X(cudaEventDestroy)         \
     X(cudaEventRecord) X(cudaEventQuery) X(cudaPointerGetAttributes) X(cudaGetErrorString) X(cudaGetLastError) \
     X(cudaHostAlloc) X(cudaFreeHost)
+/* Resolved when present: every CUDA runtime hsdp supports has it, but a missing one only
+ * loses the refusal of graph capture (refuse_capture). */
+#define CUDA_OPTIONAL(X) X(cudaStreamIsCapturing)
 
 #define DECLARE(name) hsdp_##name##_fn name;
 static struct {
@@ -107,6 +111,7 @@ static struct {
     NCCL_REQUIRED(DECLARE)
     NCCL_OPTIONAL(DECLARE)
     CUDA_REQUIRED(DECLARE)
+    CUDA_OPTIONAL(DECLARE)
 } api;
 #undef DECLARE
 static const hsdp_device_i nccl_device, nccl_host_device; /* the device tables, defined below */
@@ -155,6 +160,9 @@ hsdp_status hsdp_nccl_load(const char *nccl_path, const char *cudart_path) {
     NCCL_REQUIRED(REQ_NCCL)
     CUDA_REQUIRED(REQ_CUDA)
     NCCL_OPTIONAL(OPT_NCCL)
+#define OPT_CUDA(name) (void)resolve(api.cudart, #name, &api.name);
+    CUDA_OPTIONAL(OPT_CUDA)
+#undef OPT_CUDA
 #undef REQ_NCCL
 #undef REQ_CUDA
 #undef OPT_NCCL
@@ -248,7 +256,7 @@ static struct {
     int watchdog_on;
     atomic_int stop;
     atomic_int failed;
-    char why[512];
+    char why[1024];
     struct {
         unsigned char id[HSDP_NCCL_ID_BYTES];
         int rank, size, device, set;
@@ -341,13 +349,26 @@ __attribute__((format(printf, 1, 2))) static void abort_all_locked(const char *f
     fprintf(stderr, "hsdp: rank %d (NCCL): %s; aborting the NCCL communicators\n", S.boot.rank, S.why);
 }
 
-/* After a failure: aborts every live communicator not yet aborted (S.calls and S.mu held). */
+static void abort_one_locked(nccl_comm *c) {
+    if (c->aborted) return;
+    api.ncclCommAbort(c->comm);
+    c->aborted = 1;
+}
+
+/* After a failure: aborts every live communicator not yet aborted (S.calls and S.mu held).
+ * [Note: abort order] ncclCommAbort frees the communicator's device memory, and cudaFree waits
+ * for every kernel on the device: aborting a communicator while another one's collective is
+ * stuck waiting for a peer hangs (NVIDIA/nccl issue #829). The side stream runs in order, so
+ * the collective that can be stuck is the oldest in flight, and each one behind it starts
+ * once the one before is aborted: the communicators of the collectives in flight are aborted
+ * oldest first, then the rest. */
 static void abort_comms_locked(void) {
-    for (nccl_comm *c = S.live; c; c = c->next)
-        if (!c->aborted) {
-            api.ncclCommAbort(c->comm);
-            c->aborted = 1;
-        }
+    for (unsigned i = 0; i < S.count; i++) {
+        const nccl_comm *of = S.ring[(S.head + i) % RING].comm;
+        for (nccl_comm *c = S.live; of && c; c = c->next) /* still live: not freed since */
+            if (c == of) abort_one_locked(c);
+    }
+    for (nccl_comm *c = S.live; c; c = c->next) abort_one_locked(c);
 }
 
 /* Every section that issues NCCL calls ends here: after a failure, its thread aborts. */
@@ -376,16 +397,41 @@ static void nap(unsigned *us) {
     if (*us < 1000) *us *= 2;
 }
 
+/* S.calls and S.mu held: the live communicators' asynchronous errors (but skip's, polled by its
+ * caller); one fails them all. */
+static void poll_errors_locked(const nccl_comm *skip) {
+    for (nccl_comm *c = S.live; c && !atomic_load(&S.failed); c = c->next) {
+        hsdp_ncclResult_t state = hsdp_ncclInProgress;
+        if (c == skip || c->aborted || api.ncclCommGetAsyncError(c->comm, &state) != hsdp_ncclSuccess) continue;
+        if (state != hsdp_ncclSuccess && state != hsdp_ncclInProgress)
+            abort_all_locked("NCCL reported an asynchronous error: %s", nccl_text(state, c));
+    }
+}
+/* S.calls held: the other communicators' errors, which the watchdog polls only when S.calls
+ * is free ([Note: who polls a communicator]). */
+static void poll_others(const nccl_comm *self) {
+    pthread_mutex_lock(&S.mu);
+    poll_errors_locked(self);
+    pthread_mutex_unlock(&S.mu);
+}
+
 /* An NCCL call's result on a non-blocking communicator: hsdp_ncclInProgress is polled until the
- * call is done, within the timeout. */
+ * call is done, within the timeout. S.calls held: the only thread that polls c now (see
+ * [Note: who polls a communicator]). A poll that itself fails leaves `state` untouched (NCCL's
+ * CommCheck returns first), so it starts as "in progress" and the poll's own result is read:
+ * a failed poll is never taken for a finished call. */
 static hsdp_status nccl_done(nccl_comm *c, hsdp_ncclResult_t rc, const char *what) {
     uint64_t t0 = hsdp_now_ns(), limit = hsdp_timeout_ns();
     unsigned us = 10;
     while (rc == hsdp_ncclInProgress) {
-        hsdp_ncclResult_t state = hsdp_ncclSuccess;
-        api.ncclCommGetAsyncError(c->comm, &state);
+        hsdp_ncclResult_t state = hsdp_ncclInProgress;
+        hsdp_ncclResult_t qrc = api.ncclCommGetAsyncError(c->comm, &state);
+        if (qrc != hsdp_ncclSuccess)
+            return ABORT_ALL("%s: ncclCommGetAsyncError failed with NCCL error %d (%s)", what, (int)qrc,
+                             api.ncclGetErrorString(qrc));
         rc = state;
         if (rc != hsdp_ncclInProgress) break;
+        if (us >= 1000) poll_others(c); /* a while in progress: the watchdog cannot poll now, this thread does */
         if (atomic_load(&S.failed)) return failed_status(); /* aborted on the way out (issue_unlock) */
         if (limit && hsdp_now_ns() - t0 > limit)
             return ABORT_ALL("%s did not complete within %g s (HSDP_TIMEOUT)", what, timeout_s());
@@ -422,19 +468,45 @@ static void name_missing(char *out, size_t n) {
     free(ranks);
 }
 
-/* Retires finished collectives from the front of the ring (S.mu held). */
+/* CUDA's errors for a query made while a stream is being captured into a graph (900-908,
+ * cudaErrorStreamCaptureUnsupported ... cudaErrorStreamCaptureWrongThread): the event is not
+ * known to be done, nothing failed on the GPU. */
+static int capture_error(hsdp_cudaError_t e) { return e >= 900 && e <= 908; }
+
+/* A stream being captured into a CUDA graph (torch.cuda.graph, torch.compile with
+ * mode="reduce-overhead") cannot be ordered after hsdp's gathers: they run on the side stream,
+ * outside the graph, and a replay would read whatever the pooled buffer holds then. Refused,
+ * saying so, before anything is enqueued on it. */
+static hsdp_status refuse_capture(hsdp_cudaStream_t stream, const char *what) {
+    unsigned status = hsdp_cudaStreamCaptureStatusNone;
+    hsdp_cudaError_t e = api.cudaStreamIsCapturing ? CUDA(cudaStreamIsCapturing, stream, &status) : hsdp_cudaSuccess;
+    if (!capture_error(e) && (e != hsdp_cudaSuccess || status == hsdp_cudaStreamCaptureStatusNone)) return HSDP_OK;
+    return hsdp_fail(HSDP_EUNSUPPORTED, "%s: the stream it orders is being captured into a CUDA graph "
+                     "(torch.cuda.graph, or torch.compile with mode=\"reduce-overhead\"); hsdp's gathers run on a side "
+                     "stream outside the graph and cannot be captured: capture a model that is not sharded, or run the "
+                     "sharded one outside the capture", what);
+}
+
+/* Retires finished collectives from the front of the ring (S.mu held). A collective's clock
+ * (t0, for the timeout) starts no earlier than the one before it retired: the side stream
+ * runs in order, so one queued behind others has not begun while they run (a deep prefetch
+ * behind a long forward would otherwise age while it waits its turn). */
 static void retire_locked(void) {
     unsigned before = S.count;
     while (S.count) {
         flight *f = &S.ring[S.head];
         hsdp_cudaError_t e = CUDA(cudaEventQuery, f->ev);
-        if (e == hsdp_cudaErrorNotReady) break;
+        if (e == hsdp_cudaErrorNotReady || capture_error(e)) break;
         if (e != hsdp_cudaSuccess)
             abort_all_locked("%s failed on the GPU: CUDA error %d (%s)", f->what, (int)e, api.cudaGetErrorString(e));
         S.head = (S.head + 1) % RING;
         S.count--;
     }
-    if (S.count != before) publish_locked();
+    if (S.count != before) {
+        uint64_t now = hsdp_now_ns();
+        if (S.count && S.ring[S.head].t0 < now) S.ring[S.head].t0 = now;
+        publish_locked();
+    }
 }
 
 static void watch_once(void) {
@@ -456,11 +528,16 @@ static void watch_once(void) {
                                  timeout_s(), missing);
         }
     }
-    for (nccl_comm *c = S.live; c && !atomic_load(&S.failed); c = c->next) {
-        hsdp_ncclResult_t state = hsdp_ncclSuccess;
-        if (c->aborted || api.ncclCommGetAsyncError(c->comm, &state) != hsdp_ncclSuccess) continue;
-        if (state != hsdp_ncclSuccess && state != hsdp_ncclInProgress)
-            abort_all_locked("NCCL reported an asynchronous error: %s", nccl_text(state, c));
+    /* [Note: who polls a communicator] NCCL's ncclCommGetAsyncError is not safe from two
+     * threads on one communicator: every call on a non-blocking communicator leaves a "group
+     * job" linked to it, and the poll that sees it done completes it (init.cc
+     * ncclCommGetAsyncError -> group.cc ncclGroupJobComplete), dropping its reference without
+     * a lock: two pollers at that moment free it twice. Every call and its polls run under
+     * S.calls, so the watchdog polls only when it can take S.calls without waiting: while a
+     * thread is in a call, that thread polls (nccl_done) and sees what the watchdog would. */
+    if (!atomic_load(&S.failed) && pthread_mutex_trylock(&S.calls) == 0) {
+        poll_errors_locked(NULL);
+        pthread_mutex_unlock(&S.calls);
     }
     int abort_now = 0;
     for (nccl_comm *c = S.live; c && atomic_load(&S.failed); c = c->next) abort_now |= !c->aborted;
@@ -521,7 +598,7 @@ static hsdp_status host_wait(hsdp_cudaEvent_t ev, const char *what) {
     for (;;) {
         hsdp_cudaError_t e = CUDA(cudaEventQuery, ev);
         if (e == hsdp_cudaSuccess) return HSDP_OK;
-        if (e != hsdp_cudaErrorNotReady) return cuda_fail(e, what);
+        if (e != hsdp_cudaErrorNotReady && !capture_error(e)) return cuda_fail(e, what);
         if (atomic_load(&S.failed)) return failed_status();
         if (limit && hsdp_now_ns() - t0 > limit) {
             char missing[640];
@@ -639,9 +716,11 @@ static hsdp_status run_sync(hsdp_group *g, op_kind op, const void *send, void *r
     size_t recv_n = op == OP_GATHER || op == OP_ALLTOALL ? nbytes * n : op == OP_BCAST ? nbytes : sizeof(float);
     int direct = op != OP_BARRIER && on_device(send) && on_device(recv);
     hsdp_cudaStream_t order = call_stream_set ? call_stream : S.compute; /* the consumer's stream */
+    hsdp_status st = direct ? refuse_capture(order, what) : HSDP_OK;
+    if (st != HSDP_OK) return st;
     pthread_mutex_lock(&S.issue);
     issuing = c;
-    hsdp_status st = begin();
+    st = begin();
     void *base = NULL;
     const void *s = send;
     void *r = recv;
@@ -790,24 +869,38 @@ static hsdp_status fixed_source(void **share, const void *send, size_t nbytes, c
 /* ---------------------------------------------------------------- agreement */
 /* Every unit gather carries its ticket (agreement.h) in the same NCCL group as its data: a
  * second ncclAllGather, of 64 bytes per rank, in place in a slot of device memory, filled
- * from pinned host memory before and copied back after, on the side stream. The wait (the
- * request's, or the synchronous gather's before it returns) waits on the host for that copy,
- * within the timeout, and compares: a mismatch fails on every rank, and the gathered buffer
- * is not handed out. The host therefore waits for each unit gather at its wait (the compute
- * stream already did); HSDP_AGREE_OFF leaves that out. A mismatch of sizes also aborts the
+ * from pinned host memory before and copied back after, on the side stream.
+ * [Note: tickets checked late] A synchronous gather waits on the host for that copy (within
+ * the timeout) and compares before it returns: a mismatch fails on every rank and the buffer
+ * is not handed out. A started gather's wait does not: it orders the compute stream after the
+ * gather and returns, and its tickets join a queue, compared in order once they have landed:
+ * at every later wait (those already landed, without waiting), when the slots run out, and
+ * in full at hsdp_nccl_agreement_drain, which the end of every sharded forward calls (and a
+ * synchronous gather, a group's free and finalize). So the host runs ahead of the GPU by as
+ * many units as it likes, and a mismatch found late cannot be taken back: the compute stream
+ * may have read the buffer, so it aborts every communicator, and the forward raises at its
+ * end on every rank instead of returning numbers. A mismatch of sizes also aborts the
  * communicators: NCCL does not check that the ranks' counts match, and an all-gather of
  * unequal counts may leave a communicator out of step, so no later collective may trust it
  * (or it hangs, and the watchdog ends it). Host units, and HSDP_AGREE_SEPARATE, exchange the
  * tickets in their own staged all-gather first (hsdp_agree). Slots are taken at the start
  * and given back at the wait, so at most TICKET_SLOTS unit gathers are in flight at once. */
 enum { TICKET_SLOTS = 64 };
+typedef struct {
+    int slot;
+    hsdp_group *g;  /* a group is freed only after the queue is drained (nccl_free) */
+    char what[160]; /* the gather, for the message */
+} ticket_due;
 static struct {
+    pthread_mutex_t mu;             /* the queue below; taken before S.mu, never with it held */
+    ticket_due due[TICKET_SLOTS];   /* waited gathers whose tickets are not compared yet, oldest first */
+    unsigned due_head, due_count;
     hsdp_ticket *host; /* pinned (cudaHostAlloc): TICKET_SLOTS slots of `ranks` tickets; freed at finalize */
     char *dev;         /* the same on the device (dev_malloc); freed at finalize */
     int ranks;         /* tickets per slot: the world's size */
     hsdp_cudaEvent_t ev[TICKET_SLOTS]; /* each slot's copy back to the host */
-    atomic_int used[TICKET_SLOTS];     /* taken at a gather's start (S.issue), given back at its wait */
-} T;
+    atomic_int used[TICKET_SLOTS];     /* taken at a gather's start (S.issue), given back once compared */
+} T = {.mu = PTHREAD_MUTEX_INITIALIZER};
 
 static void tickets_free(void) {
     for (int i = 0; i < TICKET_SLOTS; i++) {
@@ -846,6 +939,8 @@ static hsdp_status tickets_ready(int size) {
     return HSDP_OK;
 }
 
+static hsdp_status tickets_settle(int block, int oldest_only);
+
 /* S.issue held: this rank's ticket for a unit gather on g, in a free slot (*slot), copied to
  * the device on the side stream. */
 static hsdp_status ticket_begin(hsdp_group *g, const char *label, uint64_t ident, size_t nbytes, int *slot) {
@@ -854,6 +949,11 @@ static hsdp_status ticket_begin(hsdp_group *g, const char *label, uint64_t ident
     if (st != HSDP_OK) return st;
     int i = 0;
     while (i < TICKET_SLOTS && atomic_load(&T.used[i])) i++;
+    if (i == TICKET_SLOTS && T.due_count) { /* slots wait in the queue: compare the oldest */
+        st = tickets_settle(1, 1);
+        if (st != HSDP_OK) return st;
+        for (i = 0; i < TICKET_SLOTS && atomic_load(&T.used[i]);) i++;
+    }
     if (i == TICKET_SLOTS)
         return hsdp_fail(HSDP_ESTATE, "more than %d unit gathers are in flight on the NCCL backend: wait some before "
                          "starting more", TICKET_SLOTS);
@@ -893,16 +993,17 @@ static hsdp_status enqueue_unit(hsdp_group *g, int slot, const void *send, void 
 }
 
 /* Waits on the host (within the timeout) for slot's tickets, compares them, and gives the
- * slot back. A slot of a gather that failed before is given back as is (st). */
-static hsdp_status ticket_check(hsdp_group *g, int slot, hsdp_status st, const char *what) {
+ * slot back. A slot of a gather that failed before is given back as is (st). late: the
+ * gather's buffer was handed out already, so a mismatch aborts every communicator. */
+static hsdp_status ticket_check(hsdp_group *g, int slot, hsdp_status st, const char *what, int late) {
     if (slot < 0) return st;
     if (st == HSDP_OK) st = host_wait(T.ev[slot], what);
     if (st == HSDP_OK) {
         const hsdp_ticket *all = T.host + (size_t)slot * (size_t)T.ranks;
-        st = hsdp_tickets_check(g, all);
+        st = hsdp_tickets_check_late(g, all, late);
         int sizes_differ = 0;
         for (int j = 1; st != HSDP_OK && j < g->size; j++) sizes_differ |= all[j].nbytes != all[0].nbytes;
-        if (sizes_differ) {
+        if (st != HSDP_OK && (sizes_differ || late)) {
             char msg[sizeof S.why];
             snprintf(msg, sizeof msg, "%s", hsdp_last_error());
             st = ABORT_ALL("%s", msg);
@@ -912,10 +1013,50 @@ static hsdp_status ticket_check(hsdp_group *g, int slot, hsdp_status st, const c
     return st;
 }
 
+/* Compares the queued tickets in order (T.mu taken here): those landed, or (block) every one,
+ * waiting for each; oldest_only: just the oldest (a slot is needed). The first failure stops
+ * it; the rest are given back as they are (the communicators are aborted by then). */
+static hsdp_status tickets_settle(int block, int oldest_only) {
+    hsdp_status st = HSDP_OK;
+    pthread_mutex_lock(&T.mu);
+    while (T.due_count) {
+        ticket_due *d = &T.due[T.due_head];
+        if (st == HSDP_OK && !block) {
+            hsdp_cudaError_t e = CUDA(cudaEventQuery, T.ev[d->slot]);
+            if (e == hsdp_cudaErrorNotReady || capture_error(e)) break;
+        }
+        st = ticket_check(d->g, d->slot, st, d->what, 1);
+        T.due_head = (T.due_head + 1) % TICKET_SLOTS;
+        T.due_count--;
+        if (oldest_only) break;
+    }
+    pthread_mutex_unlock(&T.mu);
+    return st;
+}
+
+/* The tickets of a waited gather join the queue (its slot stays taken until compared). */
+static void tickets_due(hsdp_group *g, int slot, const char *what) {
+    pthread_mutex_lock(&T.mu);
+    ticket_due *d = &T.due[(T.due_head + T.due_count) % TICKET_SLOTS];
+    d->slot = slot;
+    d->g = g;
+    snprintf(d->what, sizeof d->what, "%s", what);
+    T.due_count++; /* at most one entry per slot: never more than TICKET_SLOTS */
+    pthread_mutex_unlock(&T.mu);
+}
+
+hsdp_status hsdp_nccl_agreement_drain(void) {
+    if (!S.world_up) return HSDP_OK;
+    device_guard();
+    hsdp_status st = tickets_settle(1, 0);
+    return st == HSDP_OK ? failed_status_if_failed() : st;
+}
+
 /* A gather's own state (a request's, or a synchronous gather's on the stack): the event its
  * reader is ordered after (reader_after), and its tickets. */
 typedef struct {
     hsdp_cudaEvent_t ev;
+    hsdp_cudaStream_t stream; /* the reader's: the thread's call stream when set, else the compute stream */
     int slot;       /* a unit gather's tickets (agreement), or -1 */
     char what[160]; /* what it gathers, for the tickets' wait */
 } nccl_task;
@@ -974,18 +1115,32 @@ static hsdp_status issue_device(nccl_task *t, hsdp_group *g, void **share, const
         (void)host_wait(T.ev[t->slot], t->what);
         st = hsdp_fail(st, "%s", why);
     }
-    if (st != HSDP_OK) (void)ticket_check(g, t->slot, st, t->what); /* no wait follows: the slot goes back now */
+    if (st != HSDP_OK) (void)ticket_check(g, t->slot, st, t->what, 0); /* no wait follows: the slot goes back now */
     if (st != HSDP_OK) t->slot = -1;
     return st;
 }
 
 /* Ends what a gather began: its reader ordered after it (the device's reader_after: the
  * compute stream waits, the host does not; over a host view the host waits), then its
- * tickets waited for on the host and compared. */
-static hsdp_status task_wait(hsdp_group *g, nccl_task *t) {
+ * tickets: now, waited for on the host (now: a synchronous gather), or queued, compared once
+ * landed ([Note: tickets checked late]). */
+static hsdp_status task_wait(hsdp_group *g, nccl_task *t, int now) {
     hsdp_status st = atomic_load(&S.failed) ? failed_status() : HSDP_OK;
-    if (st == HSDP_OK && t->ev) st = device_now()->reader_after(t->ev, S.compute, t->what);
-    st = ticket_check(g, t->slot, st, t->what); /* the host waits for the tickets, and compares */
+    if (st == HSDP_OK && t->ev) st = refuse_capture(t->stream, t->what);
+    if (st == HSDP_OK && t->ev) st = device_now()->reader_after(t->ev, t->stream, t->what);
+    if (t->slot < 0) return st;
+    if (st != HSDP_OK || now) {
+        hsdp_status before = st == HSDP_OK ? tickets_settle(1, 0) : st; /* in order: the queue first */
+        st = ticket_check(g, t->slot, before, t->what, 0);
+    } else {
+        /* the earlier gathers' tickets that have landed, without waiting; this one's is compared
+         * by a later call, so a wait returns the same on every rank however fast its copy is */
+        st = tickets_settle(0, 0);
+        if (st == HSDP_OK)
+            tickets_due(g, t->slot, t->what);
+        else
+            (void)ticket_check(g, t->slot, st, t->what, 0);
+    }
     t->slot = -1;
     return st;
 }
@@ -1001,6 +1156,7 @@ static hsdp_status gather_begin(nccl_task *t, hsdp_group *g, void **share, const
                                 size_t nbytes, const char *label, uint64_t ident, int check, int dev,
                                 const hsdp_gather_req *wr) {
     t->ev = NULL;
+    t->stream = call_stream_set ? call_stream : S.compute;
     t->slot = -1;
     t->what[0] = '\0';
     int mode = share && check && g->size > 1 ? hsdp_agreement_check() : HSDP_AGREE_OFF;
@@ -1026,7 +1182,7 @@ static hsdp_status gather_fixed_as(hsdp_group *g, void **share, const void *send
     int dev = on_device(recv);
     nccl_task t;
     hsdp_status st = gather_begin(&t, g, share, send, recv, nbytes, label, ident, check, dev, NULL);
-    return st == HSDP_OK && dev ? task_wait(g, &t) : st;
+    return st == HSDP_OK && dev ? task_wait(g, &t, 1) : st;
 }
 
 static hsdp_status nccl_gather_fixed(hsdp_group *g, void **share, const void *send, void *recv, size_t nbytes,
@@ -1102,7 +1258,7 @@ static hsdp_status nccl_gather_start(hsdp_req *r, const void *send, void *recv, 
 
 static void nccl_gather_wait(hsdp_req *r) {
     device_guard();
-    hsdp_status st = task_wait(r->g, (nccl_task *)r->state);
+    hsdp_status st = task_wait(r->g, (nccl_task *)r->state, 0);
     r->end_ns = hsdp_now_ns();
     r->status = st;
     if (st != HSDP_OK) snprintf(r->err, sizeof r->err, "%s", hsdp_last_error());
@@ -1129,9 +1285,12 @@ static hsdp_status nccl_sendrecv_start(hsdp_req *r, const void *send, size_t sby
              rbytes, source, r->g->size);
     memcpy(t->what, what, sizeof t->what); /* for its wait */
     hsdp_cudaStream_t order = call_stream_set ? call_stream : S.compute; /* the consumer's stream */
+    t->stream = order; /* its wait orders the same stream */
+    hsdp_status st = refuse_capture(order, what);
+    if (st != HSDP_OK) return st;
     pthread_mutex_lock(&S.issue);
     issuing = c;
-    hsdp_status st = begin();
+    st = begin();
     if (st == HSDP_OK) {
         /* the send buffer was written on the consumer's stream: read it after */
         hsdp_cudaError_t e = CUDA(cudaEventRecord, S.ready, order);
@@ -1453,16 +1612,34 @@ static hsdp_status nccl_split(hsdp_group *g, int color, int key, hsdp_group **ou
     hsdp_ncclConfig_t cfg = comm_config();
     char what[96];
     snprintf(what, sizeof what, "ncclCommSplit (color %d, key %d)", color, key);
+    /* [Note: a split's handle] Under a non-blocking parent, ncclCommSplit sets *newcomm to NULL,
+     * returns, and makes the child on a thread of its own, which stores the child's handle into
+     * *newcomm when done (init.cc ncclCommInitChildComm, ncclCommInitRankFunc); the parent says
+     * ncclInProgress until then. So the handle goes to a slot on the heap that outlives this
+     * frame, the PARENT is polled to its end (under S.calls, as every call on it), and only then
+     * is the slot read, and the child polled. A parent that fails or times out is aborted with
+     * the rest (issue_unlock), which joins the split's thread: the slot is freed after that. */
+    hsdp_ncclComm_t *slot = calloc(1, sizeof *slot); /* owned here; freed once NCCL can no longer write it */
+    if (!slot) return hsdp_fail(HSDP_ENOMEM, "could not allocate the handle of a split NCCL communicator");
     pthread_mutex_lock(&S.issue);
+    issuing = c;
     pthread_mutex_lock(&S.calls);
     hsdp_status st = failed_status_if_failed();
     if (st == HSDP_OK) {
-        hsdp_ncclResult_t rc = api.ncclCommSplit(c->comm, color, key, &comm, &cfg); /* writes comm: see nccl_world */
-        st = join_done(comm, rc, what);
+        hsdp_ncclResult_t rc = api.ncclCommSplit(c->comm, color, key, slot, &cfg);
+        if (rc == hsdp_ncclSuccess) rc = hsdp_ncclInProgress; /* the parent says when it is done */
+        st = nccl_done(c, rc, what);
+        if (st != HSDP_OK && !atomic_load(&S.failed)) /* the split's thread may still write the slot */
+            (void)ABORT_ALL("%s", hsdp_last_error());
     }
     pthread_mutex_unlock(&S.calls);
-    issue_unlock();
-    if (st != HSDP_OK) return st;
+    issue_unlock(); /* after a failure: every communicator aborted, the parent's split thread joined */
+    comm = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
+    free(slot);
+    if (st == HSDP_OK && !comm && color >= 0)
+        st = hsdp_fail(HSDP_ECOMM, "%s finished without a communicator", what);
+    if (st == HSDP_OK && comm) st = join_done(comm, hsdp_ncclInProgress, what); /* the child, polled to its end */
+    if (st != HSDP_OK || !comm) return st;
     int rank = -1, size = -1;
     if (api.ncclCommUserRank(comm, &rank) != hsdp_ncclSuccess || api.ncclCommCount(comm, &size) != hsdp_ncclSuccess) {
         api.ncclCommAbort(comm);
@@ -1483,6 +1660,7 @@ static hsdp_status nccl_split(hsdp_group *g, int color, int key, hsdp_group **ou
 static void nccl_free(hsdp_group *g) {
     device_guard();
     nccl_comm *c = g->impl;
+    (void)tickets_settle(1, 0); /* the queue may name this group */
     if (c) {
         if (!atomic_load(&S.failed) && S.comm) {
             hsdp_cudaEvent_t ev = NULL;
@@ -1512,7 +1690,18 @@ static hsdp_status nccl_finalize(void) {
         pthread_join(S.watchdog, NULL);
         S.watchdog_on = 0;
     }
+    (void)tickets_settle(1, 0); /* the slots go below */
     if (S.comm && !atomic_load(&S.failed)) (void)CUDA(cudaStreamSynchronize, S.comm);
+    /* Every communicator still live is torn down now, while CUDA and NCCL are whole: the groups
+     * that hold them (a DeviceMesh, a model's context) may be freed only at interpreter exit,
+     * when the CUDA runtime may be unloading, and NCCL's proxy threads would outlive the job.
+     * The side stream is drained, so each abort (ncclCommAbort, which also needs no peer) has
+     * nothing in flight; the groups' own frees later release only memory (nccl_free). */
+    pthread_mutex_lock(&S.calls);
+    pthread_mutex_lock(&S.mu);
+    abort_comms_locked();
+    pthread_mutex_unlock(&S.mu);
+    pthread_mutex_unlock(&S.calls);
     if (S.scratch) CUDA(cudaFree, S.scratch);
     S.scratch = NULL;
     tickets_free();

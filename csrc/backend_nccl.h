@@ -35,6 +35,11 @@ typedef int (*hsdp_nccl_oom_fn)(void *arg);
 void hsdp_nccl_set_oom_handler(hsdp_nccl_oom_fn fn, void *arg);
 /* The side stream gathers run on (NULL before the world exists), for timing with events. */
 void *hsdp_nccl_comm_stream(void);
+/* Compares every unit gather's agreement tickets still queued, waiting for each to land
+ * (backend_nccl.c, [Note: tickets checked late]); fails, naming what each rank asked for,
+ * when ranks gathered different units (the communicators are then aborted). The end of a
+ * sharded forward calls it. HSDP_OK when the NCCL world is not up. */
+hsdp_status hsdp_nccl_agreement_drain(void);
 /* Its device (CUDA: allocation, DLPack export, streams) is the backend table's device slot. */
 
 #endif

@@ -34,7 +34,10 @@ enum {
     hsdp_cudaErrorMemoryAllocation = 2,
     hsdp_cudaErrorInvalidDevice = 101,
     hsdp_cudaErrorNotReady = 600,
+    hsdp_cudaErrorStreamCaptureUnsupported = 900, /* 900..908: the stream-capture errors */
+    hsdp_cudaErrorStreamCaptureWrongThread = 908,
 };
+enum { hsdp_cudaStreamCaptureStatusNone = 0 }; /* enum cudaStreamCaptureStatus: 1 active, 2 invalidated */
 enum { hsdp_cudaMemcpyDefault = 4 };
 enum {
     hsdp_cudaMemoryTypeUnregistered = 0,
@@ -77,6 +80,7 @@ typedef const char *(*hsdp_cudaGetErrorString_fn)(hsdp_cudaError_t error);
 typedef hsdp_cudaError_t (*hsdp_cudaGetLastError_fn)(void);
 typedef hsdp_cudaError_t (*hsdp_cudaHostAlloc_fn)(void **ptr, size_t size, unsigned int flags);
 typedef hsdp_cudaError_t (*hsdp_cudaFreeHost_fn)(void *ptr);
+typedef hsdp_cudaError_t (*hsdp_cudaStreamIsCapturing_fn)(hsdp_cudaStream_t stream, unsigned int *status);
 /* The functions taking one of the structs above, written once over the struct's type so that
  * the check can instantiate them with the real struct and compare with the real prototypes. */
 #define HSDP_CUDA_STRUCT_FNS(PREFIX, ATTRIBUTES) \

@@ -59,6 +59,17 @@ static PyObject *mod_nccl_set_stream(PyObject *m, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+/* nccl_agreement_drain(): the queued agreement tickets compared (GIL released: it may wait). */
+static PyObject *mod_nccl_agreement_drain(PyObject *m, PyObject *unused) {
+    (void)m, (void)unused;
+    hsdp_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = hsdp_nccl_agreement_drain();
+    Py_END_ALLOW_THREADS
+    if (st != HSDP_OK) return hsdp_py_raise(st);
+    Py_RETURN_NONE;
+}
+
 static PyObject *mod_nccl_comm_stream(PyObject *m, PyObject *unused) {
     (void)m, (void)unused;
     return PyLong_FromVoidPtr(hsdp_nccl_comm_stream());
@@ -139,5 +150,8 @@ PyMethodDef hsdp_py_nccl_functions[] = {
     {"nccl_set_stream", mod_nccl_set_stream, METH_O,
      "The CUDA stream (an int handle; 0: the legacy default) the gathers' consumers run on."},
     {"nccl_comm_stream", mod_nccl_comm_stream, METH_NOARGS, "The side stream gathers run on, as an int handle."},
+    {"nccl_agreement_drain", mod_nccl_agreement_drain, METH_NOARGS,
+     "Compares the unit gathers' agreement tickets still queued (NCCL checks them late); raises when ranks "
+     "gathered different units. A no-op without an NCCL world."},
     {NULL, NULL, 0, NULL},
 };

@@ -38,10 +38,12 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "cuda_abi.h"
 #include "wire_kernel.h"
@@ -447,35 +449,64 @@ typedef struct {
 } shared_world;
 
 enum { MAX_COMMS = 64 };
+/* What a non-blocking communicator has in flight: NCCL's "group job" (group.cc,
+ * ncclGroupEndInternal: for a non-blocking communicator every group end starts a thread,
+ * sets the communicator's asyncResult to ncclInProgress and returns ncclInProgress; the job
+ * is joined by the ncclCommGetAsyncError that first sees it done, init.cc
+ * ncclCommGetAsyncError: "if there is linked group job, we should complete it"). */
+typedef enum { JOB_NONE, JOB_POLLS, JOB_SPLIT } job_kind;
+struct fake_comm;
 typedef struct {
+    job_kind kind;
+    int polls_left;               /* JOB_POLLS: ncclInProgress for this many more polls */
+    pthread_t thread;             /* JOB_SPLIT: the child's init, as NCCL runs it (its own thread) */
+    atomic_int done;              /* JOB_SPLIT: the thread has ended */
+    hsdp_ncclResult_t result;     /* JOB_SPLIT: how it ended */
+    struct fake_comm *child;      /* JOB_SPLIT: the new communicator, once made */
+    hsdp_ncclComm_t *out;         /* JOB_SPLIT: where the caller asked for it */
+    int color, key, child_blocking;
+} fake_job;
+typedef struct fake_comm {
     int rank, size, index;
     shared_world *world; /* NULL in a world of one */
     int channel;         /* its part of the shared world */
+    int blocking;        /* its config's: a blocking one completes every call before returning */
     uint64_t seq;        /* collectives enqueued on it (under G) */
-    int polls_left;        /* a non-blocking init or split: ncclInProgress for this many polls */
+    fake_job job;        /* under G */
     atomic_int dead;       /* aborted: any use from now on is counted */
     atomic_int in_call;    /* threads inside a call on it (an abort then races with them) */
+    atomic_int polling;    /* threads inside ncclCommGetAsyncError on it */
+    atomic_int running;    /* its collectives a stream is running now (abort's device sync waits for them) */
     const void *sent;      /* the grouped send to self, matched by the next receive */
     size_t sent_n;
     uint64_t p2p_sent[MAX_RANKS], p2p_received[MAX_RANKS]; /* messages to and from each peer (under G) */
 } fake_comm;
 static fake_comm *comms[MAX_COMMS]; /* every communicator made, by index; freed at unload */
-static atomic_int ncomms, violations;
+static atomic_int ncomms, violations, join_hold_us;
 static hsdp_ncclResult_t async_error[MAX_COMMS];
 static atomic_int hang[MAX_COMMS];
 
+/* A violation of NCCL's rules by the caller: counted for the test, and said on stderr. */
+static void violation(const char *what, const fake_comm *c) {
+    atomic_fetch_add(&violations, 1);
+    fprintf(stderr, "fake_cuda_nccl: VIOLATION: %s (communicator #%d)\n", what, c ? c->index : -1);
+}
+
 /* Every call on a communicator: a dead one, or one being aborted, is a violation. */
 static fake_comm *enter(hsdp_ncclComm_t h);
-/* A call that needs the communicator ready: one whose non-blocking init has not been seen
- * to finish (ncclCommGetAsyncError still said ncclInProgress) is a violation too. */
+/* A call that needs the communicator ready (init.cc ncclCommEnsureReady, called by every
+ * collective, enqueue.cc ncclEnqueueCheck, by ncclCommSplit, ncclCommCount and
+ * ncclCommUserRank): one whose last non-blocking call has not been polled to its end
+ * (ncclCommGetAsyncError still said ncclInProgress) gets ncclInvalidArgument ("Attempt to use
+ * communicator before the previous operation returned ncclSuccess"); a violation here. */
 static fake_comm *enter_ready(hsdp_ncclComm_t h) {
     fake_comm *c = enter(h);
     if (!c) return NULL;
     pthread_mutex_lock(&G);
-    int ready = c->polls_left == 0;
+    int ready = c->job.kind == JOB_NONE;
     pthread_mutex_unlock(&G);
     if (!ready) {
-        atomic_fetch_add(&violations, 1);
+        violation("a call on a communicator whose last non-blocking call was not polled to its end", c);
         atomic_fetch_sub(&c->in_call, 1);
         return NULL;
     }
@@ -486,7 +517,7 @@ static fake_comm *enter(hsdp_ncclComm_t h) {
     if (!c) return NULL;
     atomic_fetch_add(&c->in_call, 1);
     if (atomic_load(&c->dead)) {
-        atomic_fetch_add(&violations, 1);
+        violation("a call on an aborted communicator", c);
         atomic_fetch_sub(&c->in_call, 1);
         return NULL;
     }
@@ -494,6 +525,12 @@ static fake_comm *enter(hsdp_ncclComm_t h) {
 }
 static void leave(fake_comm *c) {
     if (c) atomic_fetch_sub(&c->in_call, 1);
+}
+/* The end of a non-blocking call (G held): the communicator is busy until polled. */
+static hsdp_ncclResult_t in_progress(fake_comm *c, int polls) {
+    if (c->blocking) return hsdp_ncclSuccess;
+    c->job = (fake_job){.kind = JOB_POLLS, .polls_left = polls};
+    return hsdp_ncclInProgress;
 }
 
 hsdp_ncclResult_t ncclGetVersion(int *v) {
@@ -519,42 +556,59 @@ hsdp_ncclResult_t ncclGetUniqueId(hsdp_ncclUniqueId *id) {
     memcpy(id->internal + ID_WORLD_AT, &w, sizeof w);
     return hsdp_ncclSuccess;
 }
-static hsdp_ncclResult_t new_comm(hsdp_ncclComm_t *out, int n, int rank, int polls, shared_world *world,
-                                  int channel) {
-    if (!out) return hsdp_ncclInvalidArgument;
-    if (n < 1 || n > MAX_RANKS || rank < 0 || rank >= n || (n > 1 && !world) || channel >= MAX_CHANNELS)
-        return hsdp_ncclInvalidArgument;
+/* A communicator of n ranks (NULL: past the fake's limits). */
+static fake_comm *make_comm(int n, int rank, int blocking, shared_world *world, int channel) {
+    if (n < 1 || n > MAX_RANKS || rank < 0 || rank >= n || (n > 1 && !world) || channel >= MAX_CHANNELS) return NULL;
     int index = atomic_fetch_add(&ncomms, 1);
-    if (index >= MAX_COMMS) return hsdp_ncclSystemError;
-    fake_comm *c = calloc(1, sizeof *c);
-    if (!c) return hsdp_ncclSystemError;
+    if (index >= MAX_COMMS) return NULL;
+    fake_comm *c = calloc(1, sizeof *c); /* owned by comms[], freed at unload (free_comms) */
+    if (!c) return NULL;
     c->size = n;
     c->rank = rank;
     c->world = n > 1 ? world : NULL;
     c->channel = channel;
     c->index = index;
-    c->polls_left = polls;
+    c->blocking = blocking;
     comms[index] = c;
-    *out = (hsdp_ncclComm_t)c; /* set at once, as NCCL does, so a non-blocking init can be polled */
-    return polls ? hsdp_ncclInProgress : hsdp_ncclSuccess;
+    return c;
 }
 static int config_ok(const hsdp_ncclConfig_t *cfg) { /* what NCCL checks first */
     return cfg && cfg->magic == HSDP_NCCL_API_MAGIC && cfg->version >= 21400;
+}
+/* A config's blocking, as NCCL reads it: NCCL_COMM_BLOCKING overrides (init.cc envConfigOverride). */
+static int blocking_of(const hsdp_ncclConfig_t *cfg) {
+    const char *env = getenv("NCCL_COMM_BLOCKING");
+    if (env && *env) return atoi(env) != 0;
+    return cfg->blocking == HSDP_NCCL_CONFIG_UNDEF_INT ? 1 : cfg->blocking != 0;
 }
 static shared_world *world_of(const hsdp_ncclUniqueId *id) {
     shared_world *w;
     memcpy(&w, id->internal + ID_WORLD_AT, sizeof w);
     return w;
 }
+/* Init sets *newcomm at once (init.cc ncclCommInitRankDev: "*newcomm = comm" before the job
+ * is launched), so a non-blocking one is polled on the communicator it returned. */
+static hsdp_ncclResult_t init_comm(hsdp_ncclComm_t *out, int n, hsdp_ncclUniqueId id, int rank, int blocking) {
+    if (!out) return hsdp_ncclInvalidArgument;
+    *out = NULL;
+    if (n < 1 || n > MAX_RANKS || rank < 0 || rank >= n) return hsdp_ncclInvalidArgument;
+    fake_comm *c = make_comm(n, rank, blocking, world_of(&id), 0);
+    if (!c) return hsdp_ncclSystemError;
+    *out = (hsdp_ncclComm_t)c;
+    pthread_mutex_lock(&G);
+    hsdp_ncclResult_t rc = in_progress(c, 3);
+    pthread_mutex_unlock(&G);
+    return rc;
+}
 hsdp_ncclResult_t ncclCommInitRank(hsdp_ncclComm_t *c, int n, hsdp_ncclUniqueId id, int rank) {
     context();
-    return new_comm(c, n, rank, 0, world_of(&id), 0);
+    return init_comm(c, n, id, rank, 1);
 }
 hsdp_ncclResult_t ncclCommInitRankConfig(hsdp_ncclComm_t *c, int n, hsdp_ncclUniqueId id, int rank,
                                          hsdp_ncclConfig_t *cfg) {
     context();
     if (!config_ok(cfg)) return hsdp_ncclInvalidArgument;
-    return new_comm(c, n, rank, cfg->blocking ? 0 : 3, world_of(&id), 0);
+    return init_comm(c, n, id, rank, blocking_of(cfg));
 }
 static int all_reached(shared_world *w, uint64_t of[MAX_RANKS], fake_comm *c, uint64_t seq);
 /* A split of a world of several ranks, on the host: every rank's (color, key) is exchanged
@@ -609,22 +663,73 @@ static hsdp_ncclResult_t split_shared(fake_comm *c, int color, int key, int *ran
     *channel = base + index;
     return *channel < MAX_CHANNELS ? hsdp_ncclSuccess : hsdp_ncclSystemError; /* the fake's limit */
 }
+/* A split's child init, on a thread of its own as NCCL runs it (init.cc ncclCommInitChildComm
+ * queues ncclCommInitRankFunc as an async job of the parent; group.cc ncclGroupEndInternal
+ * starts its thread when the parent is non-blocking): the (color, key) exchange over the parent,
+ * then the child. */
+static void *split_job(void *arg) {
+    fake_comm *c = arg;
+    pthread_mutex_lock(&G);
+    int color = c->job.color, key = c->job.key, blocking = c->job.child_blocking;
+    pthread_mutex_unlock(&G);
+    int rank = 0, size = 1, channel = 0;
+    hsdp_ncclResult_t rc = c->world ? split_shared(c, color, key, &rank, &size, &channel) : hsdp_ncclSuccess;
+    fake_comm *child = NULL;
+    if (rc == hsdp_ncclSuccess && color >= 0 && !(child = make_comm(size, rank, blocking, c->world, channel)))
+        rc = hsdp_ncclSystemError;
+    pthread_mutex_lock(&G);
+    c->job.child = child;
+    c->job.result = rc;
+    atomic_store(&c->job.done, 1);
+    pthread_cond_broadcast(&C);
+    pthread_mutex_unlock(&G);
+    return NULL;
+}
 /* Ranks with the same color form a communicator, ordered by key (a channel of their own in a
- * shared world); color < 0 (NCCL_SPLIT_NOCOLOR) takes part and gets none. */
+ * shared world); color < 0 (NCCL_SPLIT_NOCOLOR) takes part and gets none. As NCCL does it
+ * (init.cc ncclCommSplit -> ncclCommInitChildComm):
+ * - the parent must be ready (ncclCommEnsureReady), and *newcomm is set to NULL at once
+ *   ("*newcomm should be NCCL_COMM_NULL until comm split fully complete");
+ * - the child is made by an async job of the PARENT, so the group's mode is the parent's
+ *   config.blocking (group.cc ncclAsyncLaunch: "ncclGroupBlocking = comm->config.blocking");
+ * - under a non-blocking parent the call returns ncclSuccess (the group end's ncclInProgress
+ *   passes NCCLCHECK, checks.h, and ncclCommSplit returns its own res), the parent's
+ *   asyncResult is ncclInProgress until the job ends, and the job's thread stores the child
+ *   into *newcomm when it is done (init.cc ncclCommInitRankFunc, exit: "assign it to user
+ *   pointer", COMPILER_ATOMIC_STORE(job->newcomm, comm)), which is before the parent's
+ *   asyncResult leaves ncclInProgress (group.cc groupLaunch -> ncclCommSetAsyncError(job->comm)).
+ *   The fake stores it at the latest moment that order allows: the poll of the parent that
+ *   says the split is done. A caller that polls the NULL it was given, or reads *newcomm
+ *   before polling the parent to its end, fails as it would on NCCL; one that let *newcomm go
+ *   out of scope would have it written after its end there. */
 hsdp_ncclResult_t ncclCommSplit(hsdp_ncclComm_t h, int color, int key, hsdp_ncclComm_t *out, hsdp_ncclConfig_t *cfg) {
     context();
-    fake_comm *c = enter_ready(h);
-    if (!c || !out || !config_ok(cfg)) {
+    fake_comm *c = enter(h); /* CommCheck */
+    if (!c) return hsdp_ncclInvalidArgument;
+    if (!out || !config_ok(cfg)) { /* PtrCheck, parseCommConfig */
         leave(c);
         return hsdp_ncclInvalidArgument;
     }
-    int rank = 0, size = 1, channel = 0;
-    hsdp_ncclResult_t rc = c->world ? split_shared(c, color, key, &rank, &size, &channel) : hsdp_ncclSuccess;
-    if (rc == hsdp_ncclSuccess && color < 0) *out = NULL;
-    else if (rc == hsdp_ncclSuccess)
-        rc = new_comm(out, size, rank, cfg->blocking ? 0 : 2, size > 1 ? c->world : NULL, channel);
     leave(c);
-    return rc;
+    if (!(c = enter_ready(h))) return hsdp_ncclInvalidArgument; /* ncclCommEnsureReady */
+    *out = NULL;
+    pthread_mutex_lock(&G);
+    c->job = (fake_job){.kind = JOB_SPLIT, .out = out, .color = color, .key = key, .child_blocking = blocking_of(cfg)};
+    int rc = pthread_create(&c->job.thread, NULL, split_job, c);
+    if (rc != 0) c->job.kind = JOB_NONE;
+    pthread_mutex_unlock(&G);
+    hsdp_ncclResult_t res = rc == 0 ? hsdp_ncclSuccess : hsdp_ncclSystemError;
+    if (rc == 0 && c->blocking) { /* a blocking group: done before returning */
+        pthread_mutex_lock(&G);
+        while (!atomic_load(&c->job.done)) pthread_cond_wait(&C, &G);
+        pthread_join(c->job.thread, NULL);
+        *out = (hsdp_ncclComm_t)c->job.child;
+        res = c->job.result;
+        c->job.kind = JOB_NONE;
+        pthread_mutex_unlock(&G);
+    }
+    leave(c);
+    return res;
 }
 hsdp_ncclResult_t ncclCommUserRank(const hsdp_ncclComm_t h, int *r) {
     fake_comm *c = enter_ready(h);
@@ -640,27 +745,99 @@ hsdp_ncclResult_t ncclCommCount(const hsdp_ncclComm_t h, int *n) {
     leave(c);
     return hsdp_ncclSuccess;
 }
+/* init.cc ncclCommGetAsyncError: CommCheck (a NULL communicator is ncclInvalidArgument, *e
+ * untouched), then the communicator's asyncResult; and "if there is linked group job, we
+ * should complete it": when it reads ncclSuccess with a group job linked, it joins the job's
+ * thread and drops the communicator's reference to it (group.cc ncclGroupJobComplete:
+ * the join is guarded by an atomic exchange, the reference count and `comm->groupJob = NULL`
+ * are not), so two threads polling one communicator as its job ends both drop the reference:
+ * the job is freed twice. That is counted as a violation; join_hold_us (fake_join_hold)
+ * widens the window as a thread that takes a while to end would. */
 hsdp_ncclResult_t ncclCommGetAsyncError(hsdp_ncclComm_t h, hsdp_ncclResult_t *e) {
     fake_comm *c = enter(h);
-    if (!c) return hsdp_ncclInvalidArgument; /* *e untouched, as NCCL leaves it */
+    if (!c) return hsdp_ncclInvalidArgument;
+    if (!e) {
+        leave(c);
+        return hsdp_ncclInvalidArgument;
+    }
+    int others = atomic_fetch_add(&c->polling, 1);
     pthread_mutex_lock(&G);
-    if (c->polls_left > 0) {
-        c->polls_left--;
-        *e = hsdp_ncclInProgress;
+    fake_job *j = &c->job;
+    int pending = j->kind != JOB_NONE, hangs = atomic_load(&hang[c->index]), complete = 0;
+    hsdp_ncclResult_t state = hsdp_ncclSuccess;
+    if (j->kind == JOB_POLLS && (hangs || j->polls_left > 0)) {
+        if (!hangs) j->polls_left--;
+        state = hsdp_ncclInProgress;
+    } else if (j->kind == JOB_SPLIT && !atomic_load(&j->done)) {
+        state = hsdp_ncclInProgress;
     } else {
-        *e = async_error[c->index] ? async_error[c->index]
-             : atomic_load(&hang[c->index]) ? hsdp_ncclInProgress : hsdp_ncclSuccess;
+        complete = pending;
     }
     pthread_mutex_unlock(&G);
+    if (others > 0 && pending)
+        violation("ncclCommGetAsyncError from two threads at once on a communicator with a group job: NCCL "
+                  "completes the job in both (init.cc ncclCommGetAsyncError -> group.cc ncclGroupJobComplete)", c);
+    if (complete) {
+        int hold = atomic_load(&join_hold_us);
+        if (hold > 0) usleep((useconds_t)hold);
+        pthread_mutex_lock(&G);
+        if (j->kind == JOB_SPLIT) {
+            pthread_join(j->thread, NULL);
+            if (j->child) __atomic_store_n(j->out, (hsdp_ncclComm_t)j->child, __ATOMIC_RELEASE);
+            state = j->result;
+        }
+        j->kind = JOB_NONE;
+        pthread_mutex_unlock(&G);
+    }
+    if (state == hsdp_ncclSuccess && async_error[c->index]) state = async_error[c->index];
+    if (state == hsdp_ncclSuccess && hangs) state = hsdp_ncclInProgress;
+    *e = state;
+    atomic_fetch_sub(&c->polling, 1);
     leave(c);
     return hsdp_ncclSuccess;
 }
+/* ncclCommAbort frees the communicator's device memory (init.cc commReclaim -> commFree), and
+ * cudaFree synchronizes the device: the abort waits for every kernel still running, those of
+ * other communicators too. One stuck in a collective that a peer never joins, of a
+ * communicator not aborted yet, makes the abort hang (NVIDIA/nccl issue #829, PR #564). The
+ * fake waits FAKE_ABORT_SYNC_MS (default 3000) for them, then counts a violation instead of
+ * hanging. */
+static void device_sync_for_abort(const fake_comm *c) {
+    const char *s = getenv("FAKE_ABORT_SYNC_MS");
+    int limit_ms = s ? atoi(s) : 3000;
+    for (int waited = 0;; waited++) {
+        const fake_comm *stuck = NULL;
+        for (int i = 0; i < atomic_load(&ncomms) && i < MAX_COMMS && !stuck; i++)
+            if (comms[i] && comms[i] != c && !atomic_load(&comms[i]->dead) && atomic_load(&comms[i]->running))
+                stuck = comms[i];
+        if (!stuck) return;
+        if (waited >= limit_ms) {
+            violation("ncclCommAbort would hang: its cudaFree synchronizes the device behind a collective of a "
+                      "communicator not aborted yet, which waits for a peer", stuck);
+            return;
+        }
+        usleep(1000);
+    }
+}
 hsdp_ncclResult_t ncclCommAbort(hsdp_ncclComm_t h) {
+    if (!h) return hsdp_ncclSuccess; /* init.cc ncclCommAbort: a NULL communicator is ncclSuccess */
     fake_comm *c = enter(h);
     if (!c) return hsdp_ncclInvalidArgument;
     /* another thread inside a call on it: NCCL would free the communicator under it */
-    if (atomic_load(&c->in_call) > 1) atomic_fetch_add(&violations, 1);
+    if (atomic_load(&c->in_call) > 1) violation("ncclCommAbort racing with another call on the communicator", c);
     atomic_store(&c->dead, 1);
+    /* the abort joins a job still running (ncclCommEnsureReady -> ncclGroupJobAbort); a split's
+     * exchange ends once the parent is dead, and its child is never handed out */
+    pthread_mutex_lock(&G);
+    if (c->job.kind == JOB_SPLIT) {
+        pthread_mutex_unlock(&G);
+        pthread_join(c->job.thread, NULL);
+        pthread_mutex_lock(&G);
+        if (c->job.child) atomic_store(&c->job.child->dead, 1);
+    }
+    c->job.kind = JOB_NONE;
+    pthread_mutex_unlock(&G);
+    device_sync_for_abort(c);
     leave(c);
     return hsdp_ncclSuccess;
 }
@@ -671,6 +848,22 @@ const char *ncclGetLastError(hsdp_ncclComm_t c) {
 }
 
 static size_t nbytes(size_t count, hsdp_ncclDataType_t t) { return count * (t == hsdp_ncclFloat32 ? 4 : 1); }
+
+/* Groups (group.cc): the calls between ncclGroupStart and ncclGroupEnd are one group, a call
+ * outside them a group of its own. At a group's end every non-blocking communicator in it is
+ * busy (its asyncResult ncclInProgress) until polled, and the end says ncclInProgress
+ * (ncclGroupEndInternal: "nonblocking group" starts a thread and returns ncclInProgress). */
+enum { MAX_GROUP_COMMS = 8 };
+static _Thread_local int group_depth;
+static _Thread_local fake_comm *group_comms[MAX_GROUP_COMMS];
+static _Thread_local int group_ncomms;
+static hsdp_ncclResult_t group_close(void);
+static hsdp_ncclResult_t group_call(fake_comm *c) {
+    int known = 0;
+    for (int i = 0; i < group_ncomms; i++) known |= group_comms[i] == c;
+    if (!known && group_ncomms < MAX_GROUP_COMMS) group_comms[group_ncomms++] = c;
+    return group_depth > 0 ? hsdp_ncclSuccess : group_close();
+}
 
 typedef enum { C_GATHER, C_BCAST, C_SUM, C_ALLTOALL } coll_kind;
 typedef struct {
@@ -709,6 +902,7 @@ static void run_coll(void *arg) { /* on the stream's worker, outside G */
     shared_world *w = c->world;
     int ch = c->channel, me = c->rank, n = c->size;
     size_t in = k->kind == C_ALLTOALL ? k->n * (size_t)n : k->n;
+    atomic_fetch_add(&c->running, 1);
     pthread_mutex_lock(&w->mu);
     if (k->send && (k->kind != C_BCAST || me == k->root)) memcpy(w->slot[ch][me], k->send, in);
     w->arrived[ch][me] = k->seq;
@@ -730,6 +924,7 @@ static void run_coll(void *arg) { /* on the stream's worker, outside G */
         (void)all_reached(w, w->left[ch], c, k->seq);
     }
     pthread_mutex_unlock(&w->mu); /* k is the op's, freed with it */
+    atomic_fetch_sub(&c->running, 1);
 }
 
 /* Enqueues a collective of a world of several ranks on stream st. */
@@ -767,7 +962,7 @@ static hsdp_ncclResult_t collective(hsdp_ncclComm_t h, coll_kind kind, const voi
         rc = enqueue_coll(c, kind, s, r, n, root, st);
     else if (s && r && s != r && copy_on(st, r, s, n) != hsdp_cudaSuccess) /* a world of one: a copy */
         rc = hsdp_ncclSystemError;
-    if (rc == hsdp_ncclSuccess && atomic_load(&hang[c->index])) rc = hsdp_ncclInProgress;
+    if (rc == hsdp_ncclSuccess) rc = group_call(c);
     leave(c);
     return rc;
 }
@@ -812,7 +1007,6 @@ typedef struct {
     size_t sent; /* bytes of the sends: their place in the slot */
     p2p_item item[MAX_P2P];
 } p2p_group;
-static _Thread_local int group_depth;
 static _Thread_local p2p_group *pending; /* this thread's open group (heap; the op's once enqueued) */
 static _Thread_local int group_failed;   /* a call of the open group failed: its end fails */
 
@@ -821,6 +1015,7 @@ static void run_p2p(void *arg) { /* on the stream's worker, outside G */
     fake_comm *c = g->c;
     shared_world *w = c->world;
     int ch = c->channel, me = c->rank, ok = 1;
+    atomic_fetch_add(&c->running, 1);
     pthread_mutex_lock(&w->mu);
     size_t off = 0;
     for (int i = 0; i < g->n; i++) {
@@ -847,6 +1042,7 @@ static void run_p2p(void *arg) { /* on the stream's worker, outside G */
     for (int i = 0; i < g->n && ok; i++) /* the slot is free once every peer has taken its send */
         if (g->item[i].send) ok = reached(w, &w->p2p_taken[ch][me][g->item[i].peer], c, g->item[i].seq);
     pthread_mutex_unlock(&w->mu); /* g is the op's, freed with it */
+    atomic_fetch_sub(&c->running, 1);
 }
 /* Enqueues the open group on its stream (a world of several); it is the op's from now on. */
 static hsdp_ncclResult_t p2p_flush(void) {
@@ -904,11 +1100,11 @@ static hsdp_ncclResult_t p2p(int send, void *buf, size_t count, hsdp_ncclDataTyp
     } else if (rc == hsdp_ncclSuccess) {
         rc = p2p_add(c, send, buf, n, peer, st);
         if (rc != hsdp_ncclSuccess) group_failed = 1;
-        if (group_depth == 0) { /* outside a group: a group of its own */
-            hsdp_ncclResult_t end = p2p_flush();
-            if (rc == hsdp_ncclSuccess) rc = end;
-        }
     }
+    if (rc == hsdp_ncclSuccess)
+        rc = group_call(c); /* outside a group: a group of its own, ended here */
+    else if (group_depth == 0)
+        (void)p2p_flush(); /* a failed call of its own: nothing of it is enqueued */
     leave(c);
     return rc;
 }
@@ -926,7 +1122,16 @@ hsdp_ncclResult_t ncclGroupStart(void) {
 }
 hsdp_ncclResult_t ncclGroupEnd(void) {
     if (group_depth == 0) return hsdp_ncclInvalidUsage;
-    return --group_depth == 0 ? p2p_flush() : hsdp_ncclSuccess;
+    return --group_depth == 0 ? group_close() : hsdp_ncclSuccess;
+}
+static hsdp_ncclResult_t group_close(void) {
+    hsdp_ncclResult_t rc = p2p_flush();
+    pthread_mutex_lock(&G);
+    for (int i = 0; rc == hsdp_ncclSuccess && i < group_ncomms; i++)
+        if (in_progress(group_comms[i], 1) == hsdp_ncclInProgress) rc = hsdp_ncclInProgress;
+    group_ncomms = 0;
+    pthread_mutex_unlock(&G);
+    return rc;
 }
 
 /* ---------------------------------------------------------------- controls, for test_nccl */
@@ -967,6 +1172,14 @@ void fake_fail_mallocs(int n) { atomic_store(&fail_mallocs, n); }
 int fake_pageable_uploads(void) { return atomic_load(&pageable_uploads); }
 /* Calls on an aborted communicator, and aborts racing with another call on it. */
 int fake_violations(void) { return atomic_load(&violations); }
+/* The communicators made and not aborted (a process should leave none at its end). */
+int fake_live_comms(void) {
+    int n = 0;
+    for (int i = 0; i < atomic_load(&ncomms) && i < MAX_COMMS; i++) n += comms[i] && !atomic_load(&comms[i]->dead);
+    return n;
+}
+/* The poll that completes a group job takes `us` microseconds (see ncclCommGetAsyncError). */
+void fake_join_hold(int us) { atomic_store(&join_hold_us, us); }
 /* Communicator `index` (in order of creation: the world is 0) reports `error` from
  * ncclCommGetAsyncError (0: none), and hangs (its calls stay ncclInProgress) while `hangs`. */
 void fake_comm_control(int index, int error, int hangs) {

@@ -35,6 +35,9 @@ SAME(cudaErrorInvalidValue, hsdp_cudaErrorInvalidValue);
 SAME(cudaErrorMemoryAllocation, hsdp_cudaErrorMemoryAllocation);
 SAME(cudaErrorInvalidDevice, hsdp_cudaErrorInvalidDevice);
 SAME(cudaErrorNotReady, hsdp_cudaErrorNotReady);
+SAME(cudaErrorStreamCaptureUnsupported, hsdp_cudaErrorStreamCaptureUnsupported);
+SAME(cudaErrorStreamCaptureWrongThread, hsdp_cudaErrorStreamCaptureWrongThread);
+SAME(cudaStreamCaptureStatusNone, hsdp_cudaStreamCaptureStatusNone);
 SAME(cudaMemcpyDefault, hsdp_cudaMemcpyDefault);
 SAME(cudaMemoryTypeUnregistered, hsdp_cudaMemoryTypeUnregistered);
 SAME(cudaMemoryTypeHost, hsdp_cudaMemoryTypeHost);
@@ -77,6 +80,7 @@ SAME_FN(cudaGetErrorString);
 SAME_FN(cudaGetLastError);
 SAME_FN(cudaHostAlloc);
 SAME_FN(cudaFreeHost);
+SAME_FN(cudaStreamIsCapturing);
 /* with the real struct in place of ours, the prototype is the real one ... */
 HSDP_CUDA_STRUCT_FNS(real_, struct cudaPointerAttributes)
 SAME_TYPE(__typeof__(&cudaPointerGetAttributes), real_cudaPointerGetAttributes_fn);

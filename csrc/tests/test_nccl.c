@@ -59,6 +59,8 @@ static struct {
     int (*wait_queries)(int);
     int (*pageable_uploads)(void);
     int (*kernel_launches)(void);
+    int (*live_comms)(void);
+    void (*join_hold)(int);
 } F;
 
 static int find_fake(const char *path) {
@@ -80,6 +82,8 @@ static int find_fake(const char *path) {
     SYM(wait_queries, "fake_wait_queries");
     SYM(pageable_uploads, "fake_pageable_uploads");
     SYM(kernel_launches, "fake_kernel_launches");
+    SYM(live_comms, "fake_live_comms");
+    SYM(join_hold, "fake_join_hold");
 #undef SYM
     return ok;
 }
@@ -247,6 +251,15 @@ static void fake_world(const char *fake, const char *ending) {
     CHECK(hsdp_barrier(sub) == HSDP_OK);
     hsdp_cudaStream_t comm = hsdp_nccl_comm_stream();
     CHECK(comm != NULL);
+
+    /* R3: one poller per communicator. Every call on a non-blocking communicator leaves NCCL a
+     * group job that the poll seeing it done completes; two threads doing so at once free it
+     * twice (the fake counts it, and holds that poll open 3 ms as a slow thread's end would):
+     * the watchdog, polling every 20 ms, must never poll beside the thread in a call. */
+    F.join_hold(3000);
+    for (int i = 0; i < 100; i++) CHECK(hsdp_barrier(i % 2 ? world : sub) == HSDP_OK);
+    F.join_hold(0);
+    CHECK(F.violations() == 0);
 
     /* host buffers are staged through the device */
     int host_send[4] = {1, 2, 3, 4}, host_recv[4] = {0};
@@ -427,6 +440,22 @@ static void fake_world(const char *fake, const char *ending) {
     CHECK(thread_ok == (void *)1);
     CHECK(F.contexts() == 1u << DEVICE); /* no thread made a context on device 0 */
 
+    if (strcmp(ending, "clean") == 0) {
+        /* R7: a group still held at finalize (a DeviceMesh freed only at interpreter exit) has its
+         * communicator torn down by finalize, while CUDA and NCCL are whole; freeing the group
+         * after releases memory only */
+        hsdp_group *kept = NULL;
+        CHECK(hsdp_group_split(world, 0, 0, &kept) == HSDP_OK && kept);
+        CHECK(hsdp_barrier(kept) == HSDP_OK);
+        hsdp_group_free(sub);
+        hsdp_group_free(world);
+        CHECK(F.live_comms() == 1);
+        CHECK(hsdp_backend_finalize("nccl") == HSDP_OK);
+        CHECK(F.live_comms() == 0);
+        if (kept) hsdp_group_free(kept);
+        CHECK(F.violations() == 0);
+        return;
+    }
     if (strcmp(ending, "race") == 0) {
         /* the world's communicator fails while this thread is inside a collective on another
          * (non-blocking, still in progress): the watchdog must not abort it under this thread */
@@ -460,11 +489,13 @@ static void fake_world(const char *fake, const char *ending) {
 enum { MAX_TEST_RANKS = 8 };
 
 /* Ranks that disagree on the unit they gather fail together (agreement.h): rank 0 gathers
- * one unit while the others gather another of the same size, synchronously and started;
- * every rank fails naming what each asked for, and none hands out the buffer. The group
- * still works after (all gather the same unit: the numbers are right). Then rank 0 gathers a
- * unit of another size: every rank fails again, and the communicators are aborted. */
-static void desync(hsdp_group *world, int rank, hsdp_stats *stats) {
+ * one unit while the others gather another of the same size, synchronously: every rank fails
+ * naming what each asked for, and none hands out the buffer. The group still works after (all
+ * gather the same unit: the numbers are right). Then they disagree in a started gather: its
+ * wait returns (the tickets are compared late, backend_nccl.c), and the drain at the end of
+ * the forward fails on every rank, naming what each asked for, and aborts the communicators
+ * (sizes: rank 0 gathers a unit of another size, synchronously: every rank fails, aborted). */
+static void desync(hsdp_group *world, int rank, hsdp_stats *stats, int sizes) {
     const hsdp_backend *b = hsdp_backend_find("nccl");
     size_t small[1] = {16 * (size_t)world->size}, big[1] = {32 * (size_t)world->size};
     hsdp_dtype f32[1] = {HSDP_F32};
@@ -486,25 +517,29 @@ static void desync(hsdp_group *world, int rank, hsdp_stats *stats) {
     CHECK(hsdp_unit_gather(mine, full) == HSDP_ECOMM);
     CHECK(strstr(hsdp_last_error(), "do not gather the same unit") != NULL);
     CHECK(strstr(hsdp_last_error(), ask0) != NULL && strstr(hsdp_last_error(), ask1) != NULL);
-    hsdp_gather_req req;
-    memset(&req, 0, sizeof req);
-    CHECK(hsdp_unit_gather_start(mine, full, NULL, &req) == HSDP_OK);
-    CHECK(hsdp_unit_gather_wait(mine, &req) == HSDP_ECOMM);
-    CHECK(strstr(hsdp_last_error(), ask0) != NULL && strstr(hsdp_last_error(), ask1) != NULL);
 
+    hsdp_gather_req req;
     memset(&req, 0, sizeof req);
     CHECK(hsdp_unit_gather_start(&a, full, NULL, &req) == HSDP_OK);
     CHECK(hsdp_unit_gather_wait(&a, &req) == HSDP_OK);
+    CHECK(hsdp_nccl_agreement_drain() == HSDP_OK);
     device_sync();
     CHECK(memcmp(full, w, small[0] * sizeof(float)) == 0);
 
     memset(&req, 0, sizeof req);
-    mine = rank == 0 ? &large : &a;
-    CHECK(hsdp_unit_gather_start(mine, full, NULL, &req) == HSDP_OK);
-    CHECK(hsdp_unit_gather_wait(mine, &req) == HSDP_ECOMM);
-    char bytes0[48];
-    snprintf(bytes0, sizeof bytes0, "%zu bytes per rank", large.layout.chunk_bytes);
-    CHECK(strstr(hsdp_last_error(), "do not gather the same unit") != NULL && strstr(hsdp_last_error(), bytes0));
+    if (sizes) {
+        mine = rank == 0 ? &large : &a;
+        CHECK(hsdp_unit_gather(mine, full) == HSDP_ECOMM);
+        char bytes0[48];
+        snprintf(bytes0, sizeof bytes0, "%zu bytes per rank", large.layout.chunk_bytes);
+        CHECK(strstr(hsdp_last_error(), "do not gather the same unit") != NULL && strstr(hsdp_last_error(), bytes0));
+    } else {
+        CHECK(hsdp_unit_gather_start(mine, full, NULL, &req) == HSDP_OK);
+        CHECK(hsdp_unit_gather_wait(mine, &req) == HSDP_OK); /* compared late */
+        CHECK(hsdp_nccl_agreement_drain() == HSDP_ECOMM);
+        CHECK(strstr(hsdp_last_error(), ask0) != NULL && strstr(hsdp_last_error(), ask1) != NULL);
+        CHECK(strstr(hsdp_last_error(), "found after the gather's wait had returned") != NULL);
+    }
     CHECK(hsdp_barrier(world) == HSDP_ECOMM && strstr(hsdp_last_error(), "aborted") != NULL);
     hsdp_device_free(stats, b, HSDP_DEVICE_BACKEND, full, large.layout.total_bytes);
     hsdp_unit_free(&a);
@@ -588,12 +623,36 @@ static void one_rank(const unsigned char *id, int rank, int n, const char *endin
         hsdp_buffers_released(b_nccl, HSDP_DEVICE_BACKEND);
         hsdp_device_free(&stats, b_nccl, HSDP_DEVICE_BACKEND, full, u.layout.total_bytes);
     }
+    /* L2: a started gather's wait orders the compute stream and returns; the host does not
+     * wait for the gather (nor its agreement tickets) to land: with the side stream held well
+     * past the timeout the wait returns at once, and the tickets are compared later (the
+     * drain that ends a forward). Before, the wait held the host on the tickets' copy. */
+    {
+        uint64_t limit = hsdp_timeout_ns();
+        CHECK(hsdp_set_timeout(1.0) == HSDP_OK);
+        hsdp_cudaStream_t comm = hsdp_nccl_comm_stream();
+        void *full = hsdp_device_alloc(&stats, b_nccl, HSDP_DEVICE_BACKEND, u.layout.total_bytes);
+        hsdp_gather_req req;
+        memset(&req, 0, sizeof req);
+        F.hold(comm, 1);
+        CHECK(full && hsdp_unit_gather_start(&u, full, NULL, &req) == HSDP_OK);
+        uint64_t t0 = hsdp_now_ns();
+        CHECK(hsdp_unit_gather_wait(&u, &req) == HSDP_OK);
+        CHECK(hsdp_now_ns() - t0 < 500000000ull); /* well inside the timeout: it did not wait */
+        F.hold(comm, 0);
+        CHECK(hsdp_nccl_agreement_drain() == HSDP_OK);
+        device_sync();
+        CHECK(full && memcmp(full, w, sizeof w) == 0);
+        hsdp_buffers_released(b_nccl, HSDP_DEVICE_BACKEND);
+        hsdp_device_free(&stats, b_nccl, HSDP_DEVICE_BACKEND, full, u.layout.total_bytes);
+        CHECK(hsdp_set_timeout((double)limit / 1e9) == HSDP_OK);
+    }
     hsdp_unit_free(&u);
     ring_sendrecv(sub, &stats);
     wire_unit(world, getenv("TEST_NCCL_FAKE"), 0);
 
-    if (strcmp(ending, "desync") == 0) {
-        desync(world, rank, &stats);
+    if (strncmp(ending, "desync", 6) == 0) {
+        desync(world, rank, &stats, strcmp(ending, "desync-sizes") == 0);
     } else {
         /* rank 1 never arrives at a collective the others make, waiting in another: they end in
          * an error naming it, and what it waits in, within the timeout; rank 1 (with a longer
@@ -711,7 +770,7 @@ static int real_nvrtc(const char *nvrtc, const char *driver) {
 int main(int argc, char **argv) {
     if (argc == 4 && strcmp(argv[1], "--nvrtc") == 0) return real_nvrtc(argv[2], argv[3]);
     if (argc < 3 || argc > 6 || !*argv[1] || !*argv[2]) {
-        fprintf(stderr, "usage: %s LIBNCCL LIBCUDART | %s --fake FAKE_CUDA_NCCL [stall|race|ranks N [desync]]\n", argv[0],
+        fprintf(stderr, "usage: %s LIBNCCL LIBCUDART | %s --fake FAKE_CUDA_NCCL [stall|race|ranks N [desync|desync-sizes]]\n", argv[0],
                 argv[0]);
         return 2;
     }

@@ -116,6 +116,10 @@ class Schedule:
                 self._rerecord_from(self.pos)
         self._release_prefetched()
         self.last_gathers = _C.memory_stats()["gathers"] - self._gathers_at_begin
+        # NCCL compares the agreement tickets of started gathers late (docs/design.md, "Tickets
+        # checked late"): a forward whose units the ranks disagreed on raises here on every
+        # rank instead of returning. Nothing to do on other backends.
+        _C.nccl_agreement_drain()
         if trace.enabled:
             trace.forward_done(self)
 
