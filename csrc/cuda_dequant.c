@@ -28,13 +28,23 @@
 #include "wire_kernel.h"
 
 /* The kernel: the shared text, then its entry point. --fmad=false: the scale multiply is not
- * fused with anything; no --use_fast_math, so denormals are kept (dtype.c keeps them too). */
+ * fused with anything; no --use_fast_math, so denormals are kept (dtype.c keeps them too).
+ * The parameters (3.2 KB of segments) are __grid_constant__ (CUDA 11.7+, compute_70+), so the
+ * item's pointer to them reads the parameter space in place: without it a compiler that does
+ * not inline the item copies all of them to each thread's local memory (issue 30, D7: a
+ * 3208-byte stack frame with the item __noinline__, or under -G; 0 bytes with it). */
 #define HSDP_WK(...) #__VA_ARGS__
 static const char kernel_source[] =
     "#define HSDP_WK_FN static __device__ __forceinline__\n"
     "#define HSDP_WK_U32(f) __float_as_uint(f)\n"
-    "#define HSDP_WK_F32(u) __uint_as_float(u)\n" HSDP_WK_TEXT
-    "\nextern \"C\" __global__ void __launch_bounds__(128) " HSDP_WK_NAME "(const hsdp_wk_args args) {\n"
+    "#define HSDP_WK_F32(u) __uint_as_float(u)\n"
+    "#if __CUDA_ARCH__ >= 700 && "
+    "(__CUDACC_VER_MAJOR__ > 11 || (__CUDACC_VER_MAJOR__ == 11 && __CUDACC_VER_MINOR__ >= 7))\n"
+    "#define HSDP_WK_PARAMS __grid_constant__ const\n"
+    "#else\n"
+    "#define HSDP_WK_PARAMS const\n"
+    "#endif\n" HSDP_WK_TEXT
+    "\nextern \"C\" __global__ void __launch_bounds__(128) " HSDP_WK_NAME "(HSDP_WK_PARAMS hsdp_wk_args args) {\n"
     "    for (unsigned int it = blockIdx.x; it < args.items; it += gridDim.x) hsdp_wk_item(&args, it, threadIdx.x);\n"
     "}\n";
 #undef HSDP_WK

@@ -728,8 +728,8 @@ static void real_libraries(const char *nccl, const char *cudart) {
 /* The kernel's source through the real NVRTC (no GPU needed to compile; the driver is only
  * opened): for an sm_90 device a CUBIN (an ELF image), for a device newer than every
  * architecture NVRTC knows PTX for the newest one, whose entry point is the kernel, with the
- * scale multiply neither fused nor flushing; a device older than every one is refused,
- * naming the range. */
+ * scale multiply neither fused nor flushing, and the parameters read in place, in no local
+ * memory (issue 30, D7); a device older than every one is refused, naming the range. */
 static int real_nvrtc(const char *nvrtc, const char *driver) {
     hsdp_status st = hsdp_wire_cuda_load(nvrtc, driver);
     if (st != HSDP_OK) fprintf(stderr, "test_nccl: %s\n", hsdp_last_error());
@@ -749,6 +749,7 @@ static int real_nvrtc(const char *nvrtc, const char *driver) {
     CHECK(text && strlen(text) + 1 == ptx.size && strstr(text, target));
     CHECK(text && strstr(text, ".entry hsdp_wire_dequant(") && strstr(text, "mul.rn.f32"));
     CHECK(text && !strstr(text, "fma.") && !strstr(text, ".ftz"));
+    CHECK(text && !strstr(text, ".local") && !strstr(text, "__local_depot"));
     CHECK(hsdp_wire_cuda_compile(10, &none) == HSDP_EUNSUPPORTED && none.data == NULL);
     CHECK(strstr(hsdp_last_error(), "compute capability 1.0 is older than any NVRTC") != NULL);
     printf("test_nccl: NVRTC '%s' compiled the float8 wire's kernel: cubin sm_90 (%zu bytes), and for a newer device "
