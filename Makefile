@@ -81,6 +81,9 @@ $(TESTBIN)/test_mpi_preinit: csrc/tests/test_mpi_preinit.c $(CORE_SRC) csrc/*.h 
 # timeout, one ending in an asynchronous error, and a world of 3 forked ranks ending in a rank
 # that never arrives (named by the others), and one (NCCL before 2.28.3: the all-to-all as
 # grouped sends and receives between the ranks) ending in ranks that gather different units.
+# The float8 wire's kernel is loaded as a CUBIN for the fake's sm_90, in the ranks under a
+# driver that refuses PTX (FAKE_REFUSE_PTX=1), and as PTX in the race run (FAKE_CC=100: a
+# device newer than the fake NVRTC).
 NCCL_LIB = $$(find $(VENV)/ -name 'libnccl.so.2' -path '*nvidia*' | head -1)
 CUDART_LIB = $$(find $(VENV)/ -name 'libcudart.so.1[0-9]' -path '*nvidia*' | head -1)
 $(TESTBIN)/test_nccl: csrc/tests/test_nccl.c $(CORE_SRC) csrc/*.h csrc/sources.mk csrc/tests/check.h
@@ -110,7 +113,7 @@ cuda-abi-check: | venv
 
 # The C core's own tests, under AddressSanitizer and UndefinedBehaviorSanitizer. Where a libnvrtc
 # is installed (torch's nvidia wheels, /usr/local/cuda), test_nccl --nvrtc compiles the float8
-# wire's kernel with it (no GPU needed); LD_LIBRARY_PATH points at its directory because under
+# wire's kernel with it (no GPU needed): a CUBIN for sm_90, and PTX for a device newer than it knows; LD_LIBRARY_PATH points at its directory because under
 # ASan NVRTC does not find its builtins library by its own $ORIGIN. Open MPI
 # keeps allocations alive past MPI_Finalize by design, so leak checking is off for its test.
 ctest: $(TESTBIN)/test_dtype $(TESTBIN)/test_core $(TESTBIN)/test_layout $(TESTBIN)/test_mpi $(TESTBIN)/test_mpi_preinit \
@@ -128,9 +131,9 @@ ctest: $(TESTBIN)/test_dtype $(TESTBIN)/test_core $(TESTBIN)/test_layout $(TESTB
 	else echo "test_nccl: SKIPPED the real libraries: no libnccl.so.2 and libcudart in $(VENV)'s nvidia wheels"; fi
 	ASAN_OPTIONS=detect_leaks=0 $(TESTBIN)/test_nccl --fake $(TESTBIN)/fake_cuda_nccl.so
 	ASAN_OPTIONS=detect_leaks=0 $(TESTBIN)/test_nccl --fake $(TESTBIN)/fake_cuda_nccl.so clean   # finalize with a group held
-	FAKE_NCCL_VERSION=22700 ASAN_OPTIONS=detect_leaks=0 $(TESTBIN)/test_nccl --fake \
-	  $(TESTBIN)/fake_cuda_nccl.so race   # before 2.28.3: all_to_all as grouped sends and receives
-	ASAN_OPTIONS=detect_leaks=0 $(TESTBIN)/test_nccl --fake $(TESTBIN)/fake_cuda_nccl.so ranks 3
+	FAKE_NCCL_VERSION=22700 FAKE_CC=100 ASAN_OPTIONS=detect_leaks=0 $(TESTBIN)/test_nccl --fake \
+	  $(TESTBIN)/fake_cuda_nccl.so race   # before 2.28.3: all_to_all as grouped sends and receives; a device newer than NVRTC: PTX
+	FAKE_REFUSE_PTX=1 ASAN_OPTIONS=detect_leaks=0 $(TESTBIN)/test_nccl --fake $(TESTBIN)/fake_cuda_nccl.so ranks 3   # a driver older than NVRTC: the CUBIN loads
 	FAKE_NCCL_VERSION=22700 ASAN_OPTIONS=detect_leaks=0 $(TESTBIN)/test_nccl --fake \
 	  $(TESTBIN)/fake_cuda_nccl.so ranks 3 desync   # the grouped all-to-all between ranks too
 	ASAN_OPTIONS=detect_leaks=0 $(TESTBIN)/test_nccl --fake $(TESTBIN)/fake_cuda_nccl.so ranks 2 desync-sizes
@@ -167,8 +170,8 @@ ctest-clang: clang
 	$(CLANGBIN)/test_layout
 	ASAN_OPTIONS=detect_leaks=0 $(CLANGBIN)/test_nccl --fake $(CLANGBIN)/fake_cuda_nccl.so stall
 	ASAN_OPTIONS=detect_leaks=0 $(CLANGBIN)/test_nccl --fake $(CLANGBIN)/fake_cuda_nccl.so clean
-	FAKE_NCCL_VERSION=22700 ASAN_OPTIONS=detect_leaks=0 $(CLANGBIN)/test_nccl --fake $(CLANGBIN)/fake_cuda_nccl.so race
-	ASAN_OPTIONS=detect_leaks=0 $(CLANGBIN)/test_nccl --fake $(CLANGBIN)/fake_cuda_nccl.so ranks 3
+	FAKE_NCCL_VERSION=22700 FAKE_CC=100 ASAN_OPTIONS=detect_leaks=0 $(CLANGBIN)/test_nccl --fake $(CLANGBIN)/fake_cuda_nccl.so race
+	FAKE_REFUSE_PTX=1 ASAN_OPTIONS=detect_leaks=0 $(CLANGBIN)/test_nccl --fake $(CLANGBIN)/fake_cuda_nccl.so ranks 3
 	FAKE_NCCL_VERSION=22700 ASAN_OPTIONS=detect_leaks=0 $(CLANGBIN)/test_nccl --fake $(CLANGBIN)/fake_cuda_nccl.so ranks 3 desync
 
 # Two pytest workers, one test file each at a time (--dist loadfile): a file's tests share

@@ -174,13 +174,27 @@ HSDP_NCCL_STRUCT_FNS(hsdp_, hsdp_ncclUniqueId, hsdp_ncclConfig_t)
 
 /* ---------------------------------------------------------------- CUDA driver and NVRTC
  * What the float8 wire's dequantization kernel needs (cuda_dequant.c): NVRTC compiles its
- * source to PTX, the driver loads and launches it. Both are opened at run time like the two
- * libraries above. A CUstream is the runtime's cudaStream_t (the same struct tag). */
+ * source for the device's architecture (a CUBIN, or PTX when NVRTC does not know the device),
+ * the driver reads the device's compute capability, loads and launches it. Both are opened at
+ * run time like the two libraries above. A CUstream is the runtime's cudaStream_t (the same
+ * struct tag). */
 typedef unsigned int hsdp_CUresult; /* enum cudaError_enum */
+typedef int hsdp_CUdevice;          /* CUdevice: a device ordinal */
+typedef unsigned int hsdp_CUdevice_attribute; /* enum CUdevice_attribute */
 typedef struct CUmod_st *hsdp_CUmodule;
 typedef struct CUfunc_st *hsdp_CUfunction;
-enum { hsdp_CUDA_SUCCESS = 0 };
+enum {
+    hsdp_CUDA_SUCCESS = 0,
+    hsdp_CUDA_ERROR_NO_BINARY_FOR_GPU = 209,
+    hsdp_CUDA_ERROR_UNSUPPORTED_PTX_VERSION = 222,
+};
+enum {
+    hsdp_CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75,
+    hsdp_CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 76,
+};
 typedef hsdp_CUresult (*hsdp_cuInit_fn)(unsigned int flags);
+typedef hsdp_CUresult (*hsdp_cuCtxGetDevice_fn)(hsdp_CUdevice *device);
+typedef hsdp_CUresult (*hsdp_cuDeviceGetAttribute_fn)(int *pi, hsdp_CUdevice_attribute attrib, hsdp_CUdevice dev);
 typedef hsdp_CUresult (*hsdp_cuModuleLoadData_fn)(hsdp_CUmodule *module, const void *image);
 typedef hsdp_CUresult (*hsdp_cuModuleGetFunction_fn)(hsdp_CUfunction *hfunc, hsdp_CUmodule hmod, const char *name);
 typedef hsdp_CUresult (*hsdp_cuLaunchKernel_fn)(hsdp_CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
@@ -199,6 +213,10 @@ typedef hsdp_nvrtcResult (*hsdp_nvrtcCompileProgram_fn)(hsdp_nvrtcProgram prog, 
                                                         const char *const *options);
 typedef hsdp_nvrtcResult (*hsdp_nvrtcGetPTXSize_fn)(hsdp_nvrtcProgram prog, size_t *ptxSizeRet);
 typedef hsdp_nvrtcResult (*hsdp_nvrtcGetPTX_fn)(hsdp_nvrtcProgram prog, char *ptx);
+typedef hsdp_nvrtcResult (*hsdp_nvrtcGetCUBINSize_fn)(hsdp_nvrtcProgram prog, size_t *cubinSizeRet);
+typedef hsdp_nvrtcResult (*hsdp_nvrtcGetCUBIN_fn)(hsdp_nvrtcProgram prog, char *cubin);
+typedef hsdp_nvrtcResult (*hsdp_nvrtcGetNumSupportedArchs_fn)(int *numArchs);
+typedef hsdp_nvrtcResult (*hsdp_nvrtcGetSupportedArchs_fn)(int *supportedArchs);
 typedef hsdp_nvrtcResult (*hsdp_nvrtcGetProgramLogSize_fn)(hsdp_nvrtcProgram prog, size_t *logSizeRet);
 typedef hsdp_nvrtcResult (*hsdp_nvrtcGetProgramLog_fn)(hsdp_nvrtcProgram prog, char *log);
 typedef hsdp_nvrtcResult (*hsdp_nvrtcDestroyProgram_fn)(hsdp_nvrtcProgram *prog);

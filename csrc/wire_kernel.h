@@ -17,7 +17,11 @@
  * The work. A launch gets up to HSDP_WK_SEGS segments by value (no device memory to own):
  * each zeroes, copies or dequantizes a contiguous run of the gathered buffer. A segment is cut
  * into items: HSDP_WK_BLOCK elements (one scale block: its scale is scales[item]) or
- * HSDP_WK_BYTES bytes; each CUDA block of HSDP_WK_BLOCK threads does one item at a time. */
+ * HSDP_WK_BYTES bytes; each CUDA block of HSDP_WK_BLOCK threads does one item at a time.
+ * hsdp_wk_item finds its segment through a pointer to the parameters (a binary search over
+ * seg[].first), which the host form needs; the kernel declares them __grid_constant__
+ * (cuda_dequant.c), so on the GPU that pointer reads the parameter space in place rather than
+ * a per-thread copy in local memory (issue 30, D7). */
 #ifndef HSDP_WIRE_KERNEL_H
 #define HSDP_WIRE_KERNEL_H
 

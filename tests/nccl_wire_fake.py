@@ -43,7 +43,7 @@ def main(fake: str) -> int:
         raise AssertionError("a device unit with a wire dtype was made before the kernel was loaded")
     os.environ["HSDP_NVRTC_LIBRARY"] = os.environ["HSDP_CUDA_DRIVER_LIBRARY"] = fake
     nccl.load_wire_kernel()
-    assert _C.wire_cuda_loaded()
+    assert _C.wire_cuda_loaded() and _C.wire_cuda_image() is None  # compiled at the first gather
 
     ref = _unit(_C.ProcessGroup("single"), "host")
     _fill(ref)
@@ -63,6 +63,7 @@ def main(fake: str) -> int:
         del buf
         u.reshard()
     assert lib.fake_kernel_launches() >= launches + 2
+    assert _C.wire_cuda_image() == "cubin sm_90", _C.wire_cuda_image()  # for the fake's device: no PTX to JIT
     u.unshard()  # the synchronous form
     lib.cudaStreamSynchronize(None)
     assert ctypes.string_at(u.buffers()[0].address, u.total_bytes) == want

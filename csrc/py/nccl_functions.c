@@ -116,13 +116,14 @@ static PyObject *mod_nccl_set_oom_handler(PyObject *m, PyObject *fn) {
     Py_RETURN_NONE;
 }
 
-/* The float8 wire's GPU kernel (cuda_dequant.h): NVRTC compiles it here, no GPU needed. */
+/* The float8 wire's GPU kernel (cuda_dequant.h): NVRTC and the driver opened here, no GPU
+ * needed; the kernel is compiled for the device at the first float8 gather. */
 static PyObject *mod_wire_cuda_load(PyObject *m, PyObject *args) {
     (void)m;
     const char *nvrtc, *driver;
     if (!PyArg_ParseTuple(args, "ss", &nvrtc, &driver)) return NULL;
     hsdp_status st;
-    Py_BEGIN_ALLOW_THREADS /* compiling takes a moment */
+    Py_BEGIN_ALLOW_THREADS /* opening NVRTC takes a moment */
     st = hsdp_wire_cuda_load(nvrtc, driver);
     Py_END_ALLOW_THREADS
     if (st != HSDP_OK) return hsdp_py_raise(st);
@@ -134,10 +135,21 @@ static PyObject *mod_wire_cuda_loaded(PyObject *m, PyObject *unused) {
     return PyBool_FromLong(hsdp_wire_cuda_loaded());
 }
 
+static PyObject *mod_wire_cuda_image(PyObject *m, PyObject *unused) {
+    (void)m, (void)unused;
+    const char *image = hsdp_wire_cuda_image();
+    if (!image) Py_RETURN_NONE;
+    return PyUnicode_FromString(image);
+}
+
 PyMethodDef hsdp_py_nccl_functions[] = {
     {"wire_cuda_load", mod_wire_cuda_load, METH_VARARGS,
-     "wire_cuda_load(libnvrtc_path, libcuda_path): open both and compile the float8 wire's dequantization kernel."},
-    {"wire_cuda_loaded", mod_wire_cuda_loaded, METH_NOARGS, "Whether the float8 wire's GPU kernel is loaded."},
+     "wire_cuda_load(libnvrtc_path, libcuda_path): open both for the float8 wire's dequantization kernel, which "
+     "is compiled for the GPU at the first float8 gather."},
+    {"wire_cuda_loaded", mod_wire_cuda_loaded, METH_NOARGS, "Whether NVRTC and the CUDA driver are loaded."},
+    {"wire_cuda_image", mod_wire_cuda_image, METH_NOARGS,
+     "What the float8 wire's kernel was loaded as ('cubin sm_90', or 'ptx compute_90' for a GPU newer than "
+     "NVRTC), or None before its first gather."},
     {"nccl_set_oom_handler", mod_nccl_set_oom_handler, METH_O,
      "nccl_set_oom_handler(fn or None): called (no arguments) when a device allocation of the NCCL backend runs "
      "out of memory, before one retry; torch's is torch.cuda.empty_cache."},

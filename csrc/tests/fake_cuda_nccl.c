@@ -1195,12 +1195,26 @@ __attribute__((destructor)) static void free_comms(void) {
 
 /* ---------------------------------------------------------------- NVRTC and the driver
  * The float8 wire's kernel (cuda_dequant.c): "compiling" checks the source names the kernel
- * and gives a PTX stand-in naming it; cuLaunchKernel of that name runs the host form of the
- * same source (wire_kernel.h) ON the stream, deferred like a copy, so a consumer that does
- * not wait for it reads stale bytes. Its segments must lie in device memory. */
+ * and takes the architecture as NVRTC does: --gpu-architecture=sm_XY gives a CUBIN stand-in
+ * (and PTX), compute_XY (the default: compute_75) PTX only, nvrtcGetCUBINSize saying 0 then,
+ * as NVRTC documents for a virtual architecture; an architecture outside this NVRTC's list
+ * (75 80 86 89 90: one that does not know 10.0) is NVRTC_ERROR_INVALID_OPTION. Each image
+ * names its target (".target sm_XY") and the kernel. The devices' compute capability is
+ * FAKE_CC (major * 10 + minor; default 90; FAKE_CC=100: a device newer than this NVRTC).
+ * cuModuleLoadData takes a CUBIN for the device's major and a minor no later than its own
+ * (else CUDA_ERROR_NO_BINARY_FOR_GPU), PTX for a target no later than the device; under
+ * FAKE_REFUSE_PTX=1 it refuses every PTX (CUDA_ERROR_UNSUPPORTED_PTX_VERSION: a driver older
+ * than the NVRTC) and still takes a CUBIN, as a real one does. cuLaunchKernel of the kernel
+ * runs the host form of the same source (wire_kernel.h) ON the stream, deferred like a copy,
+ * so a consumer that does not wait for it reads stale bytes. Its segments must lie in device
+ * memory. */
+#include <stdio.h> /* snprintf, for the images */
+static const int fake_archs[] = {75, 80, 86, 89, 90};
+enum { NVRTC_ERROR_OUT_OF_MEMORY = 1, NVRTC_ERROR_INVALID_OPTION = 5, NVRTC_ERROR_COMPILATION = 6 };
 struct _nvrtcProgram {
     char *src;
-    char *ptx;
+    char *ptx;   /* after compiling */
+    char *cubin; /* after compiling for a real architecture (sm_XY) */
 };
 hsdp_nvrtcResult nvrtcCreateProgram(hsdp_nvrtcProgram *prog, const char *src, const char *name, int numHeaders,
                                     const char *const *headers, const char *const *includeNames) {
@@ -1208,17 +1222,39 @@ hsdp_nvrtcResult nvrtcCreateProgram(hsdp_nvrtcProgram *prog, const char *src, co
     hsdp_nvrtcProgram p = calloc(1, sizeof *p);
     if (!p || !(p->src = strdup(src))) {
         free(p);
-        return 1; /* NVRTC_ERROR_OUT_OF_MEMORY */
+        return NVRTC_ERROR_OUT_OF_MEMORY;
     }
     *prog = p;
     return hsdp_NVRTC_SUCCESS;
 }
+/* an image naming its target and the kernel; malloc'd, owned by the program */
+static char *fake_image(const char *head, int arch) {
+    char *img = malloc(96);
+    if (img) snprintf(img, 96, "%s\n.target sm_%d\n.visible .entry " HSDP_WK_NAME "\n", head, arch);
+    return img;
+}
 hsdp_nvrtcResult nvrtcCompileProgram(hsdp_nvrtcProgram prog, int numOptions, const char *const *options) {
-    (void)numOptions, (void)options;
+    int arch = 75, real = 0;
+    for (int i = 0; i < numOptions; i++) {
+        const char *o = options[i], *v = strncmp(o, "--gpu-architecture=", 19) == 0 ? o + 19
+                                        : strncmp(o, "-arch=", 6) == 0             ? o + 6
+                                                                                   : NULL;
+        if (!v) continue;
+        real = strncmp(v, "sm_", 3) == 0;
+        if (!real && strncmp(v, "compute_", 8) != 0) return NVRTC_ERROR_INVALID_OPTION;
+        arch = atoi(v + (real ? 3 : 8));
+    }
+    int known = 0;
+    for (size_t i = 0; i < sizeof fake_archs / sizeof *fake_archs; i++) known |= fake_archs[i] == arch;
+    if (!known) return NVRTC_ERROR_INVALID_OPTION;
     if (!strstr(prog->src, "__global__") || !strstr(prog->src, " " HSDP_WK_NAME "(") || !strstr(prog->src, "hsdp_wk_item"))
-        return 6; /* NVRTC_ERROR_COMPILATION */
-    prog->ptx = strdup("// fake PTX\n.visible .entry " HSDP_WK_NAME "\n");
-    return prog->ptx ? hsdp_NVRTC_SUCCESS : 1;
+        return NVRTC_ERROR_COMPILATION;
+    free(prog->ptx);
+    free(prog->cubin);
+    prog->cubin = NULL;
+    prog->ptx = fake_image("// fake PTX", arch);
+    if (real) prog->cubin = fake_image("\x7f" "ELF fake CUBIN", arch);
+    return prog->ptx && (!real || prog->cubin) ? hsdp_NVRTC_SUCCESS : NVRTC_ERROR_OUT_OF_MEMORY;
 }
 hsdp_nvrtcResult nvrtcGetPTXSize(hsdp_nvrtcProgram prog, size_t *n) {
     *n = prog->ptx ? strlen(prog->ptx) + 1 : 0;
@@ -1226,6 +1262,22 @@ hsdp_nvrtcResult nvrtcGetPTXSize(hsdp_nvrtcProgram prog, size_t *n) {
 }
 hsdp_nvrtcResult nvrtcGetPTX(hsdp_nvrtcProgram prog, char *ptx) {
     if (prog->ptx) strcpy(ptx, prog->ptx);
+    return hsdp_NVRTC_SUCCESS;
+}
+hsdp_nvrtcResult nvrtcGetCUBINSize(hsdp_nvrtcProgram prog, size_t *n) {
+    *n = prog->cubin ? strlen(prog->cubin) + 1 : 0; /* 0 for a virtual architecture, as NVRTC's */
+    return hsdp_NVRTC_SUCCESS;
+}
+hsdp_nvrtcResult nvrtcGetCUBIN(hsdp_nvrtcProgram prog, char *cubin) {
+    if (prog->cubin) strcpy(cubin, prog->cubin);
+    return hsdp_NVRTC_SUCCESS;
+}
+hsdp_nvrtcResult nvrtcGetNumSupportedArchs(int *n) {
+    *n = (int)(sizeof fake_archs / sizeof *fake_archs);
+    return hsdp_NVRTC_SUCCESS;
+}
+hsdp_nvrtcResult nvrtcGetSupportedArchs(int *archs) {
+    memcpy(archs, fake_archs, sizeof fake_archs);
     return hsdp_NVRTC_SUCCESS;
 }
 hsdp_nvrtcResult nvrtcGetProgramLogSize(hsdp_nvrtcProgram prog, size_t *n) {
@@ -1242,6 +1294,7 @@ hsdp_nvrtcResult nvrtcDestroyProgram(hsdp_nvrtcProgram *prog) {
     if (*prog) {
         free((*prog)->src);
         free((*prog)->ptx);
+        free((*prog)->cubin);
         free(*prog);
         *prog = NULL;
     }
@@ -1258,14 +1311,34 @@ struct CUfunc_st {
 static struct CUmod_st the_module;
 static struct CUfunc_st the_kernel = {.dequant = 1};
 static atomic_int launches;
-enum { CU_ERROR_INVALID_VALUE = 1, CU_ERROR_INVALID_IMAGE = 200, CU_ERROR_UNSUPPORTED_PTX_VERSION = 222,
-       CU_ERROR_NOT_FOUND = 500 };
+enum { CU_ERROR_INVALID_VALUE = 1, CU_ERROR_INVALID_DEVICE = 101, CU_ERROR_INVALID_IMAGE = 200,
+       CU_ERROR_NO_BINARY_FOR_GPU = 209, CU_ERROR_UNSUPPORTED_PTX_VERSION = 222, CU_ERROR_NOT_FOUND = 500 };
+static int fake_cc(void) { /* the devices' compute capability, major * 10 + minor */
+    const char *s = getenv("FAKE_CC");
+    int cc = s ? atoi(s) : 90;
+    return cc >= 10 && cc <= 999 ? cc : 90;
+}
 hsdp_CUresult cuInit(unsigned int flags) { return flags ? CU_ERROR_INVALID_VALUE : hsdp_CUDA_SUCCESS; }
+hsdp_CUresult cuCtxGetDevice(hsdp_CUdevice *dev) {
+    context(); /* the runtime's context on this thread, current to the driver as cudart makes it */
+    *dev = current_device;
+    return hsdp_CUDA_SUCCESS;
+}
+hsdp_CUresult cuDeviceGetAttribute(int *value, hsdp_CUdevice_attribute attr, hsdp_CUdevice dev) {
+    if (dev < 0 || dev >= ndevices()) return CU_ERROR_INVALID_DEVICE;
+    if (attr == hsdp_CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR) *value = fake_cc() / 10;
+    else if (attr == hsdp_CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR) *value = fake_cc() % 10;
+    else return CU_ERROR_INVALID_VALUE;
+    return hsdp_CUDA_SUCCESS;
+}
 hsdp_CUresult cuModuleLoadData(hsdp_CUmodule *m, const void *image) {
     context();
-    if (!image || !strstr(image, ".entry")) return CU_ERROR_INVALID_IMAGE;
+    const char *target = image ? strstr(image, ".target sm_") : NULL;
+    if (!target || !strstr(image, ".entry")) return CU_ERROR_INVALID_IMAGE;
+    int cubin = memcmp(image, "\x7f" "ELF", 4) == 0, arch = atoi(target + 11), cc = fake_cc();
+    if (arch > cc || (cubin && arch / 10 != cc / 10)) return CU_ERROR_NO_BINARY_FOR_GPU;
     const char *refuse = getenv("FAKE_REFUSE_PTX"); /* a driver older than the NVRTC that made the PTX */
-    if (refuse && strcmp(refuse, "1") == 0) return CU_ERROR_UNSUPPORTED_PTX_VERSION;
+    if (!cubin && refuse && strcmp(refuse, "1") == 0) return CU_ERROR_UNSUPPORTED_PTX_VERSION;
     the_module.has_kernel = strstr(image, ".entry " HSDP_WK_NAME) != NULL;
     *m = &the_module;
     return hsdp_CUDA_SUCCESS;
@@ -1377,3 +1450,9 @@ SAME_FN(cuModuleLoadData);
 SAME_FN(cuModuleGetFunction);
 SAME_FN(cuLaunchKernel);
 SAME_FN(cuGetErrorString);
+SAME_FN(nvrtcGetCUBINSize);
+SAME_FN(nvrtcGetCUBIN);
+SAME_FN(nvrtcGetNumSupportedArchs);
+SAME_FN(nvrtcGetSupportedArchs);
+SAME_FN(cuCtxGetDevice);
+SAME_FN(cuDeviceGetAttribute);

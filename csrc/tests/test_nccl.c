@@ -155,21 +155,51 @@ static void wire_unit(hsdp_group *g, const char *fake, int first_load) {
         CHECK(!hsdp_wire_cuda_loaded());
     }
     CHECK(hsdp_wire_cuda_load(fake, fake) == HSDP_OK && hsdp_wire_cuda_loaded());
-    CHECK(strstr(hsdp_wire_cuda_ptx(), ".entry hsdp_wire_dequant") != NULL);
+    /* The image is compiled for the device at the first gather (issue 30, L1): a CUBIN for the
+     * fake's sm_90 (FAKE_CC), or, for a device newer than the fake NVRTC's list (FAKE_CC=100),
+     * PTX for the newest architecture below it. A driver older than the NVRTC (FAKE_REFUSE_PTX=1,
+     * set here for the first gather, and by make for a whole run) refuses PTX but loads the
+     * CUBIN, so the gather works there; the PTX is refused before the gather is enqueued,
+     * saying why. */
+    const char *cc = getenv("FAKE_CC"), *refuse = getenv("FAKE_REFUSE_PTX");
+    int newer = cc && strcmp(cc, "100") == 0, refusing = refuse && strcmp(refuse, "1") == 0;
+    const char *want = newer ? "ptx compute_90" : "cubin sm_90";
     int launches = F.kernel_launches();
-    if (first_load) { /* a driver that refuses the PTX: said before the gather is enqueued */
+    if (first_load) {
+        CHECK(hsdp_wire_cuda_image() == NULL);
+        hsdp_wire_cuda_blob img;
+        CHECK(hsdp_wire_cuda_compile(90, &img) == HSDP_OK && img.cubin && img.arch == 90 && img.size > 4 &&
+              memcmp(img.data, "\x7f" "ELF", 4) == 0 && strstr(img.data, ".entry hsdp_wire_dequant"));
+        free(img.data);
+        CHECK(hsdp_wire_cuda_compile(87, &img) == HSDP_OK && img.cubin && img.arch == 86); /* 8.6's runs on 8.7 */
+        free(img.data);
+        CHECK(hsdp_wire_cuda_compile(120, &img) == HSDP_OK && !img.cubin && img.arch == 90 &&
+              strstr(img.data, "// fake PTX") && img.size == strlen(img.data) + 1);
+        free(img.data);
+        CHECK(hsdp_wire_cuda_compile(70, &img) == HSDP_EUNSUPPORTED && img.data == NULL);
+        CHECK(strstr(hsdp_last_error(), "compute capability 7.0 is older than any NVRTC") &&
+              strstr(hsdp_last_error(), "(sm_75 to sm_90)"));
         setenv("FAKE_REFUSE_PTX", "1", 1);
-        CHECK(hsdp_unit_gather_start_wire(&u, full, NULL, wire, &req) == HSDP_ECOMM);
-        CHECK(strstr(hsdp_last_error(), "loading the float8 wire's kernel (cuModuleLoadData) failed: CUDA driver "
-                                        "error 222") != NULL);
-        CHECK(strcmp(hsdp_share_kind(g, u.share), "unset") == 0 && F.kernel_launches() == launches);
-        unsetenv("FAKE_REFUSE_PTX");
+        if (newer) {
+            CHECK(hsdp_unit_gather_start_wire(&u, full, NULL, wire, &req) == HSDP_ECOMM);
+            char text[200];
+            snprintf(text, sizeof text, "loading the float8 wire's kernel (ptx compute_90, compiled by NVRTC '%s') into "
+                     "the context of CUDA device 1, compute capability 10.0 (cuModuleLoadData) [the driver is older",
+                     fake); /* device 1: fake_world's (first_load) */
+            CHECK(strstr(hsdp_last_error(), "CUDA driver error 222") && strstr(hsdp_last_error(), text));
+            CHECK(strcmp(hsdp_share_kind(g, u.share), "unset") == 0 && F.kernel_launches() == launches);
+            CHECK(hsdp_wire_cuda_image() == NULL);
+            unsetenv("FAKE_REFUSE_PTX");
+        }
     }
     memset(full, 0xAB, total); /* stale bytes: each must be overwritten, padding included */
     CHECK(hsdp_unit_gather_start_wire(&u, full, NULL, wire, &req) == HSDP_OK);
     CHECK(hsdp_unit_gather_wait(&u, &req) == HSDP_OK);
     device_sync();
     CHECK(F.kernel_launches() > launches);
+    CHECK(hsdp_wire_cuda_image() && strcmp(hsdp_wire_cuda_image(), want) == 0);
+    if (refusing) setenv("FAKE_REFUSE_PTX", "1", 1); /* as it was */
+    else unsetenv("FAKE_REFUSE_PTX");
     CHECK(strcmp(hsdp_share_kind(g, u.share), "device") == 0 && u.wire_encoded && u.shard == NULL);
     /* the host path, on the same unit: the encodings gathered to host memory, decoded there */
     CHECK(hsdp_unit_gather(&u, ref) == HSDP_OK);
@@ -754,16 +784,37 @@ static void real_libraries(const char *nccl, const char *cudart) {
     }
 }
 
-/* The kernel's source through the real NVRTC (no GPU needed to compile): it compiles, to PTX
- * whose entry point is the kernel, with the scale multiply neither fused nor flushing. */
+/* The kernel's source through the real NVRTC (no GPU needed to compile; the driver is only
+ * opened): for an sm_90 device a CUBIN (an ELF image), for a device newer than every
+ * architecture NVRTC knows PTX for the newest one, whose entry point is the kernel, with the
+ * scale multiply neither fused nor flushing, and the parameters read in place, in no local
+ * memory (issue 30, D7); a device older than every one is refused, naming the range. */
 static int real_nvrtc(const char *nvrtc, const char *driver) {
     hsdp_status st = hsdp_wire_cuda_load(nvrtc, driver);
     if (st != HSDP_OK) fprintf(stderr, "test_nccl: %s\n", hsdp_last_error());
     CHECK(st == HSDP_OK);
-    const char *ptx = hsdp_wire_cuda_ptx();
-    CHECK(ptx && strstr(ptx, ".entry hsdp_wire_dequant(") && strstr(ptx, "mul.rn.f32"));
-    CHECK(ptx && !strstr(ptx, "fma.") && !strstr(ptx, ".ftz"));
-    printf("test_nccl: NVRTC '%s' compiled the float8 wire's kernel (%zu bytes of PTX)\n", nvrtc, ptx ? strlen(ptx) : 0);
+    CHECK(hsdp_wire_cuda_image() == NULL); /* nothing is loaded into a context */
+    hsdp_wire_cuda_blob cubin = {0}, ptx = {0}, none = {0};
+    st = hsdp_wire_cuda_compile(90, &cubin);
+    if (st != HSDP_OK) fprintf(stderr, "test_nccl: %s\n", hsdp_last_error());
+    CHECK(st == HSDP_OK && cubin.cubin && cubin.arch == 90 && cubin.size > 1024);
+    CHECK(cubin.data && memcmp(cubin.data, "\x7f" "ELF", 4) == 0);
+    st = hsdp_wire_cuda_compile(999, &ptx); /* compute capability 99.9 */
+    if (st != HSDP_OK) fprintf(stderr, "test_nccl: %s\n", hsdp_last_error());
+    CHECK(st == HSDP_OK && !ptx.cubin && ptx.arch >= 90 && ptx.arch < 999);
+    const char *text = ptx.data;
+    char target[32];
+    snprintf(target, sizeof target, ".target sm_%d\n", ptx.arch);
+    CHECK(text && strlen(text) + 1 == ptx.size && strstr(text, target));
+    CHECK(text && strstr(text, ".entry hsdp_wire_dequant(") && strstr(text, "mul.rn.f32"));
+    CHECK(text && !strstr(text, "fma.") && !strstr(text, ".ftz"));
+    CHECK(text && !strstr(text, ".local") && !strstr(text, "__local_depot"));
+    CHECK(hsdp_wire_cuda_compile(10, &none) == HSDP_EUNSUPPORTED && none.data == NULL);
+    CHECK(strstr(hsdp_last_error(), "compute capability 1.0 is older than any NVRTC") != NULL);
+    printf("test_nccl: NVRTC '%s' compiled the float8 wire's kernel: cubin sm_90 (%zu bytes), and for a newer device "
+           "ptx compute_%d (%zu bytes)\n", nvrtc, cubin.size, ptx.arch, ptx.size);
+    free(cubin.data);
+    free(ptx.data);
     return check_report();
 }
 

@@ -154,8 +154,9 @@ def wire_kernel_paths() -> tuple[str, str]:
 
 
 def load_wire_kernel() -> None:
-    """Opens NVRTC and the CUDA driver and compiles the float8 wire's kernel (once). A missing
-    library raises NotImplementedError naming it; bfloat16 gathers never need this."""
+    """Opens NVRTC and the CUDA driver for the float8 wire's kernel (once; the kernel is compiled
+    for the GPU at the first float8 gather). A missing library raises NotImplementedError
+    naming it; bfloat16 gathers never need this."""
     if _C.wire_cuda_loaded():
         return
     _C.wire_cuda_load(*wire_kernel_paths())
