@@ -244,6 +244,19 @@ static struct {
     hsdp_cudaStream_t comm, compute;
     hsdp_cudaEvent_t released, ready;
     int have_released;
+    /* [Note: readers on other streams] A DLPack consumer on a stream other than the compute
+     * stream reads pooled buffers too: the release must cover its reads, or the next gather
+     * into that buffer overwrites bytes it still reads. Each such stream seen since the last
+     * release (read) gets an event recorded at the release (pending), which the next
+     * collective waits on. A stream given to DLPack must outlive the buffers it read until
+     * their release (torch's pool streams live for the process). Under S.mu. */
+    struct {
+        hsdp_cudaStream_t stream;
+        hsdp_cudaEvent_t ev; /* created on first use, destroyed at finalize */
+        int read, pending;
+    } readers[16];
+    int nreaders;
+    atomic_int readers_pending;
     void *scratch; /* device staging for host buffers; owned here, freed at finalize */
     size_t scratch_n;
     void *pinned;              /* PIN_SLOTS pinned host slots for uploads (cudaHostAlloc); freed at finalize */
@@ -633,7 +646,39 @@ static hsdp_status stream_wait(void *stream, const void *p, size_t n) {
 static hsdp_status begin(void) {
     if (atomic_load(&S.failed)) return failed_status();
     if (S.have_released) CUDA_TRY(CUDA(cudaStreamWaitEvent, S.comm, S.released, 0), "waiting for released buffers");
-    return HSDP_OK;
+    if (!atomic_load(&S.readers_pending)) return HSDP_OK;
+    hsdp_cudaError_t e = hsdp_cudaSuccess;
+    pthread_mutex_lock(&S.mu);
+    for (int i = 0; i < S.nreaders && e == hsdp_cudaSuccess; i++)
+        if (S.readers[i].pending) {
+            e = CUDA(cudaStreamWaitEvent, S.comm, S.readers[i].ev, 0);
+            S.readers[i].pending = 0; /* the side stream runs in order: once is enough */
+        }
+    atomic_store(&S.readers_pending, 0);
+    pthread_mutex_unlock(&S.mu);
+    return e == hsdp_cudaSuccess ? HSDP_OK : cuda_fail(e, "waiting for buffers released by another stream");
+}
+
+/* A consumer's stream other than the compute stream read a buffer (S.mu taken here). */
+static hsdp_status note_reader(hsdp_cudaStream_t stream) {
+    if (stream == S.compute) return HSDP_OK;
+    hsdp_status st = HSDP_OK;
+    pthread_mutex_lock(&S.mu);
+    int i = 0;
+    while (i < S.nreaders && S.readers[i].stream != stream) i++;
+    if (i == S.nreaders) {
+        if (i == (int)(sizeof S.readers / sizeof *S.readers)) {
+            st = hsdp_fail(HSDP_EUNSUPPORTED, "more than %d CUDA streams read hsdp's gathered buffers: hsdp orders the "
+                           "release of its buffers after each of them, and keeps that many", i);
+        } else {
+            hsdp_cudaError_t e = CUDA(cudaEventCreateWithFlags, &S.readers[i].ev, hsdp_cudaEventDisableTiming);
+            if (e != hsdp_cudaSuccess) st = cuda_fail(e, "creating a reader stream's release event");
+            else S.readers[i].stream = stream, S.nreaders++;
+        }
+    }
+    if (st == HSDP_OK) S.readers[i].read = 1;
+    pthread_mutex_unlock(&S.mu);
+    return st;
 }
 
 static int on_device(const void *p) {
@@ -1342,6 +1387,15 @@ static void nccl_buffers_released(void) {
     if (!S.world_up) return;
     device_guard();
     if (CUDA(cudaEventRecord, S.released, S.compute) == hsdp_cudaSuccess) S.have_released = 1;
+    if (!S.nreaders) return; /* read unlocked: only a reader's first import adds one */
+    pthread_mutex_lock(&S.mu);
+    for (int i = 0; i < S.nreaders; i++)
+        if (S.readers[i].read && CUDA(cudaEventRecord, S.readers[i].ev, S.readers[i].stream) == hsdp_cudaSuccess) {
+            S.readers[i].read = 0;
+            S.readers[i].pending = 1;
+            atomic_store(&S.readers_pending, 1);
+        }
+    pthread_mutex_unlock(&S.mu);
 }
 
 /* DLPack's CUDA streams: None or 1 (the legacy default stream), 2 (per-thread default), -1
@@ -1351,7 +1405,9 @@ static hsdp_status nccl_consumer_wait(int given, long long stream, const void *p
         return hsdp_fail(HSDP_EINVAL, "__dlpack__(stream=%lld): a CUDA consumer's stream is None, -1, 1, 2 or a "
                                       "stream handle (DLPack forbids 0)", stream);
     if (given && stream == -1) return HSDP_OK;
-    return stream_wait(!given || stream == 1 ? NULL : (void *)(uintptr_t)stream, p, n);
+    hsdp_cudaStream_t s = !given || stream == 1 ? NULL : (hsdp_cudaStream_t)(uintptr_t)stream;
+    hsdp_status st = stream_wait(s, p, n);
+    return st == HSDP_OK && S.world_up ? note_reader(s) : st;
 }
 
 static const char *nccl_wire_missing(void) {
@@ -1720,6 +1776,10 @@ static hsdp_status nccl_finalize(void) {
         }
     S.head = S.count = 0;
     if (S.released) CUDA(cudaEventDestroy, S.released);
+    for (int i = 0; i < S.nreaders; i++) CUDA(cudaEventDestroy, S.readers[i].ev);
+    memset(S.readers, 0, sizeof S.readers);
+    S.nreaders = 0;
+    atomic_store(&S.readers_pending, 0);
     if (S.ready) CUDA(cudaEventDestroy, S.ready);
     S.ready = NULL;
     if (S.comm) CUDA(cudaStreamDestroy, S.comm);

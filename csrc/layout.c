@@ -31,7 +31,7 @@ hsdp_status hsdp_layout_init(hsdp_layout *l, const size_t *numels, const hsdp_dt
             hsdp_layout_free(l);
             return hsdp_fail(HSDP_EINVAL, "parameter %zu has too many elements (%zu)", i, numels[i]);
         }
-        off = round_up(off, HSDP_ALIGN);
+        off = round_up(off, HSDP_SLOT_ALIGN);
         if (numels[i] * item > (SIZE_MAX / 4) - off) { /* the running total must not wrap */
             hsdp_layout_free(l);
             return hsdp_fail(HSDP_EINVAL, "the unit is too large: parameter %zu ends past %zu bytes", i, SIZE_MAX / 4);

@@ -114,7 +114,14 @@ static int buffer_traverse(BufferObject *self, visitproc visit, void *arg) {
 static void buffer_dealloc(BufferObject *self) {
     PyTypeObject *tp = Py_TYPE(self);
     PyObject_GC_UnTrack(self);
-    hsdp_device_free(self->stats, self->backend, self->device, self->p, self->n);
+    if (self->device != HSDP_DEVICE_HOST) {
+        /* cudaFree synchronizes the device: not under the GIL, so other Python threads run */
+        Py_BEGIN_ALLOW_THREADS
+        hsdp_device_free(self->stats, self->backend, self->device, self->p, self->n);
+        Py_END_ALLOW_THREADS
+    } else {
+        hsdp_device_free(self->stats, self->backend, self->device, self->p, self->n);
+    }
     Py_XDECREF(self->module);
     tp->tp_free(self);
     Py_DECREF(tp);

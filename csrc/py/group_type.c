@@ -55,7 +55,11 @@ static void group_dealloc(GroupObject *self) {
     }
     Py_XDECREF(self->p2p_send);
     Py_XDECREF(self->p2p_recv);
+    /* NCCL's free takes the backend's issue lock, which a thread in an out-of-memory retry holds
+     * while it waits for the GIL (the handler is torch.cuda.empty_cache): not under the GIL */
+    Py_BEGIN_ALLOW_THREADS
     hsdp_group_free(self->g);
+    Py_END_ALLOW_THREADS
     Py_XDECREF(self->module);
     tp->tp_free(self);
     Py_DECREF(tp);

@@ -65,7 +65,12 @@ static void unit_dealloc(UnitObject *self) {
     PyObject_GC_UnTrack(self);
     unit_drain(self); /* the worker may still write into our buffers */
     unit_drop_buffers(self);
-    if (self->initialised) hsdp_unit_free(&self->u);
+    if (self->initialised) {
+        /* a device share's free drains the side stream and calls cudaFree: not under the GIL */
+        Py_BEGIN_ALLOW_THREADS
+        hsdp_unit_free(&self->u);
+        Py_END_ALLOW_THREADS
+    }
     free(self->ndims);
     free(self->dims);
     free(self->dim_off);

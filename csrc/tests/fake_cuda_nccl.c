@@ -277,6 +277,16 @@ static fake_stream *stream_of(hsdp_cudaStream_t h) { /* G held */
     if (!legacy) legacy = stream_new();
     return legacy;
 }
+/* Whether h names a stream that exists (G held): work on a destroyed one is refused with
+ * cudaErrorInvalidResourceHandle (on CUDA it is undefined) and counted (fake_dead_streams). */
+static atomic_int dead_stream_uses;
+static int live_stream(hsdp_cudaStream_t h) {
+    if (!h) return 1;
+    for (fake_stream *s = streams; s; s = s->next)
+        if (s == (fake_stream *)h) return 1;
+    atomic_fetch_add(&dead_stream_uses, 1);
+    return 0;
+}
 /* Appends o to h's queue; returns its sequence number (G held). */
 static uint64_t push(hsdp_cudaStream_t h, op *o) {
     fake_stream *s = stream_of(h);
@@ -385,6 +395,11 @@ hsdp_cudaError_t cudaEventRecord(hsdp_cudaEvent_t h, hsdp_cudaStream_t s) {
     op *o = calloc(1, sizeof *o);
     if (!o) return err(hsdp_cudaErrorMemoryAllocation);
     pthread_mutex_lock(&G);
+    if (!live_stream(s)) {
+        pthread_mutex_unlock(&G);
+        free(o);
+        return err(400); /* cudaErrorInvalidResourceHandle */
+    }
     fake_event *e = (fake_event *)h;
     e->stalled = stall && *stall == '1';
     *o = (op){.kind = K_RECORD, .ev = e, .gen = ++e->recorded, .stalled = e->stalled};
@@ -398,6 +413,11 @@ hsdp_cudaError_t cudaStreamWaitEvent(hsdp_cudaStream_t s, hsdp_cudaEvent_t h, un
     op *o = calloc(1, sizeof *o);
     if (!o) return err(hsdp_cudaErrorMemoryAllocation);
     pthread_mutex_lock(&G);
+    if (!live_stream(s)) {
+        pthread_mutex_unlock(&G);
+        free(o);
+        return err(400); /* cudaErrorInvalidResourceHandle */
+    }
     fake_event *e = (fake_event *)h;
     *o = (op){.kind = K_WAIT, .ev = e, .gen = e->recorded}; /* the record most recent now */
     push(s, o);
@@ -1164,6 +1184,8 @@ int fake_wait_queries(int n) {
     pthread_mutex_unlock(&G);
     return ok;
 }
+/* Work given to a stream already destroyed (refused). */
+int fake_dead_streams(void) { return atomic_load(&dead_stream_uses); }
 /* The devices with a context (bit d for device d). */
 unsigned fake_contexts(void) { return atomic_load(&contexts); }
 /* The next n cudaMalloc/cudaHostAlloc calls fail with cudaErrorMemoryAllocation. */

@@ -61,6 +61,7 @@ static struct {
     int (*kernel_launches)(void);
     int (*live_comms)(void);
     void (*join_hold)(int);
+    int (*dead_streams)(void);
 } F;
 
 static int find_fake(const char *path) {
@@ -84,6 +85,7 @@ static int find_fake(const char *path) {
     SYM(kernel_launches, "fake_kernel_launches");
     SYM(live_comms, "fake_live_comms");
     SYM(join_hold, "fake_join_hold");
+    SYM(dead_streams, "fake_dead_streams");
 #undef SYM
     return ok;
 }
@@ -228,10 +230,12 @@ static void wire_unit(hsdp_group *g, const char *fake, int first_load) {
     CHECK(F.stream_sync(consumer) == hsdp_cudaSuccess);
     CHECK(memcmp(seen, ref, total) == 0);
     CHECK(hsdp_unit_gather_wait(&u, &req) == HSDP_OK);
+    /* the release covers the consumer's reads (it records on its stream), so the stream lives
+     * until then ([Note: readers on other streams]) */
+    hsdp_buffers_released(b, HSDP_DEVICE_BACKEND);
     CHECK(F.stream_destroy(consumer) == hsdp_cudaSuccess);
 
     /* the synchronous form (Unit.unshard) goes through the same decode */
-    hsdp_buffers_released(b, HSDP_DEVICE_BACKEND);
     memset(full, 0xAB, total);
     memset(&req, 0, sizeof req);
     CHECK(hsdp_unit_gather_now_wire(&u, full, NULL, wire, &req) == HSDP_OK);
@@ -412,6 +416,47 @@ static void fake_world(const char *fake, const char *ending) {
     hsdp_device_free(&stats, b, HSDP_DEVICE_BACKEND, seen, u.layout.total_bytes);
     CHECK(F.stream_destroy(consumer) == hsdp_cudaSuccess);
 
+    /* R2: a reader on another stream (DLPack's stream=) still reads a pooled buffer when it is
+     * released: the next gather into that buffer waits for its reads, so it sees the old bytes */
+    {
+        hsdp_cudaStream_t reader = NULL;
+        CHECK(F.stream_create(&reader, hsdp_cudaStreamNonBlocking, 0) == hsdp_cudaSuccess);
+        hsdp_unit one, two;
+        float w2[10];
+        for (int i = 0; i < 10; i++) w2[i] = -(float)i - 1.0f;
+        CHECK(hsdp_unit_init(&one, numels, dts, NULL, 2, sub, &stats) == HSDP_OK);
+        CHECK(hsdp_unit_init(&two, numels, dts, NULL, 2, sub, &stats) == HSDP_OK);
+        CHECK(hsdp_unit_write(&one, 0, 0, 10, w, HSDP_F32) == HSDP_OK);
+        CHECK(hsdp_unit_write(&two, 0, 0, 10, w2, HSDP_F32) == HSDP_OK);
+        char *pooled = hsdp_device_alloc(&stats, b, HSDP_DEVICE_BACKEND, one.layout.total_bytes);
+        char *copy = hsdp_device_alloc(&stats, b, HSDP_DEVICE_BACKEND, one.layout.total_bytes);
+        void *scratch = hsdp_device_alloc(&stats, b, HSDP_DEVICE_BACKEND, two.layout.total_bytes);
+        CHECK(pooled && copy && scratch && hsdp_unit_gather(&two, scratch) == HSDP_OK); /* two's shard uploaded */
+        CHECK(pooled && hsdp_unit_gather(&one, pooled) == HSDP_OK);
+        device_sync();
+        CHECK(dev->consumer_wait(1, (long long)(uintptr_t)reader, pooled, sizeof w) == HSDP_OK);
+        F.hold(reader, 1); /* its read is queued, not done */
+        CHECK(F.memcpy_async(copy, pooled, sizeof w, hsdp_cudaMemcpyDefault, reader) == hsdp_cudaSuccess);
+        hsdp_buffers_released(b, HSDP_DEVICE_BACKEND); /* the buffer goes back to the pool ... */
+        hsdp_gather_req rr;
+        memset(&rr, 0, sizeof rr);
+        CHECK(hsdp_unit_gather_start(&two, pooled, NULL, &rr) == HSDP_OK); /* ... and is gathered into again */
+        CHECK(hsdp_unit_gather_wait(&two, &rr) == HSDP_OK);
+        CHECK(F.settle(comm) > 0); /* the gather waits for the reader */
+        F.hold(reader, 0);
+        CHECK(F.stream_sync(reader) == hsdp_cudaSuccess);
+        device_sync();
+        CHECK(copy && memcmp(copy, w, sizeof w) == 0);     /* the reader saw the bytes it imported */
+        CHECK(pooled && memcmp(pooled, w2, sizeof w2) == 0); /* and the gather landed after it */
+        hsdp_buffers_released(b, HSDP_DEVICE_BACKEND);
+        hsdp_device_free(&stats, b, HSDP_DEVICE_BACKEND, pooled, one.layout.total_bytes);
+        hsdp_device_free(&stats, b, HSDP_DEVICE_BACKEND, copy, one.layout.total_bytes);
+        hsdp_device_free(&stats, b, HSDP_DEVICE_BACKEND, scratch, two.layout.total_bytes);
+        hsdp_unit_free(&one);
+        hsdp_unit_free(&two);
+        /* the reader lives on (a pool stream): hsdp records its release events until finalize */
+    }
+
     CHECK(hsdp_unit_write(&u, 0, 0, 10, w, HSDP_F32) == HSDP_ESTATE); /* fixed from the first gather */
     void *host_full = malloc(u.layout.total_bytes);
     CHECK(host_full && hsdp_unit_gather(&u, host_full) == HSDP_OK && memcmp(host_full, w, sizeof w) == 0);
@@ -513,6 +558,7 @@ static void fake_world(const char *fake, const char *ending) {
     hsdp_group_free(world);
     CHECK(hsdp_backend_finalize("nccl") == HSDP_OK);
     CHECK(F.violations() == 0);
+    CHECK(F.dead_streams() == 0); /* no work given to a stream after its end (a reader's release) */
     CHECK(F.contexts() == 1u << DEVICE);
 }
 

@@ -53,6 +53,16 @@ class UsageError(ValueError):
     """Bad input, found before any heavy work; the message names what is wrong."""
 
 
+def _gpu_peak_bytes(torch: Any, held: int) -> int:
+    """The GPU memory this rank held at its peak: torch's allocator's peak plus hsdp's own
+    (cudaMalloc, beside torch's allocator, so torch's statistics never see it): the `held`
+    bytes of the sharded components (their shards' device copies) and the gather buffers at
+    their peak. A bound from above: the peaks need not fall at the same moment."""
+    from hsdp import _C
+
+    return int(torch.cuda.max_memory_allocated()) + held + int(_C.memory_stats()["peak_unsharded_bytes"])
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG,
@@ -336,7 +346,7 @@ def run(args: argparse.Namespace, folder: PipelineFolder, config: DiffusionParal
     result = generate(pipe, **kwargs, generator=_generator(args.seed), callback_on_step_end=clock)
     timing = clock.timing()
     held = _held_per_component(pipe)
-    cuda_peak = torch.cuda.max_memory_allocated() if on_gpu else -1
+    cuda_peak = _gpu_peak_bytes(torch, sum(h[0] for h in held.values())) if on_gpu else -1
     per_rank = gather_ints(world, [load_peak, peak_rss_bytes(), sum(h[0] for h in held.values()),
                                    int(load_seconds * 1e6), cuda_peak])
     components = list(held)
@@ -398,7 +408,7 @@ def _rows(report: dict[str, Any], fmt_bytes: Any) -> list[tuple[str, str]]:
         rows.append((f"peak RSS, rank {rank}", f"{fmt_bytes(peak)} (after loading: {fmt_bytes(load)})"))
     if report["cuda_peak_bytes_per_rank"]:
         for rank, peak in enumerate(report["cuda_peak_bytes_per_rank"]):
-            rows.append((f"peak GPU memory, rank {rank}", fmt_bytes(peak)))
+            rows.append((f"peak GPU memory, rank {rank}", f"{fmt_bytes(peak)} (torch's allocator + hsdp's buffers)"))
     mean = t["seconds_per_step"]
     first = t["first_step_seconds"]
     rows.append(("seconds per step",

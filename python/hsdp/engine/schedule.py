@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from .. import _C
@@ -55,6 +55,14 @@ def _same(a: Sequence[UnitState], b: Sequence[UnitState]) -> bool:
     return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
+def _stream_probe(group: _C.ProcessGroup | None) -> Callable[[], int] | None:
+    if group is None or group.backend != "nccl":
+        return None
+    from ..world import nccl
+
+    return nccl.stream_probe()
+
+
 class Schedule:
     """One sharded model's unit order and prefetch state."""
 
@@ -74,6 +82,10 @@ class Schedule:
         self.last_gathers = 0                       # unit gathers the last forward started
         if resident_budget is not None:
             _budgeted.add(self)
+        # Over NCCL onto the GPU: torch's current stream, read at each forward's start
+        # (world/nccl.py, stream_probe), so a forward run under `torch.cuda.stream(s)` has its
+        # gathers ordered before `s` and its buffers released after it. None elsewhere.
+        self._stream_now = _stream_probe(group)
         self.order: list[UnitState] = []            # units by pre-forward, frozen once recorded
         self.events: list[tuple[bool, UnitState]] = []  # (is_pre, unit) of the recording forward
         self.recording = True
@@ -92,6 +104,8 @@ class Schedule:
         """The root's pre-forward: a new forward starts."""
         if self._budget_error is not None:
             raise RuntimeError(self._budget_error)
+        if self._stream_now is not None:
+            _C.nccl_set_stream(self._stream_now())
         self._gathers_at_begin = _C.memory_stats()["gathers"]
         self.in_forward = True
         self.pos = 0

@@ -77,9 +77,15 @@ class DeviceMesh:
         self.shard_rank: int = coords["s"]
         self.shard_group_ranks: tuple[int, ...] = coords["shard_group"]
         self.replicate_group_ranks: tuple[int, ...] = coords["replicate_group"]
-        # Both splits are collectives over the world: every rank runs them in this order.
-        self.shard_group = world.split(color=coords["r"], key=coords["s"])
-        self.replicate_group = world.split(color=coords["s"], key=coords["r"])
+        # Both splits are collectives over the world: every rank runs them in this order. A
+        # dimension whose group is the whole world in world order is the world group itself,
+        # on every rank alike (the shape decides): no second communicator of the same ranks
+        # (on NCCL each costs its init and its buffers).
+        everyone = tuple(range(world.size))
+        self.shard_group = (world if self.shard_group_ranks == everyone
+                            else world.split(color=coords["r"], key=coords["s"]))
+        self.replicate_group = (world if self.replicate_group_ranks == everyone
+                                else world.split(color=coords["s"], key=coords["r"]))
 
     @property
     def ndim(self) -> int:

@@ -35,6 +35,8 @@ ID_BYTES = 128
 # Kept for the life of the process: the MPI world that carried the id (MPI cannot start
 # twice) and the TCPStore rank 0 serves (the others may still be reading from it).
 _keep: list[Any] = []
+# This rank's CUDA device once joined (bind_thread sets it on other threads).
+_device: list[int] = [-1]
 
 _WHEEL_LIBS = {
     "nccl": ("nvidia/nccl/lib/libnccl.so.2",),
@@ -274,12 +276,17 @@ def join(uid: bytes, rank: int, size: int, local: int) -> Any:
     import torch
 
     count = torch.cuda.device_count()
+    if local >= count and count == 1:
+        # A launcher that gives each rank its own GPU (SLURM --gpus-per-task=1, Kubernetes)
+        # sets CUDA_VISIBLE_DEVICES per rank: the rank's GPU is device 0, whatever LOCAL_RANK says.
+        local = 0
     if local >= count:
         raise ValueError(
             f"rank {rank}: LOCAL_RANK {local} has no GPU: this machine shows {count} "
             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}); run at most {count} ranks per host"
         )
     torch.cuda.set_device(local)
+    _device[0] = local
     # hsdp's device buffers come from cudaMalloc, beside torch's caching allocator: when one
     # runs out of memory, torch gives back what it caches and the allocation is retried once
     _C.nccl_set_oom_handler(torch.cuda.empty_cache)
@@ -307,6 +314,34 @@ def set_compute_stream(stream: Any) -> None:
     """Tell hsdp which CUDA stream the model runs on (a ``torch.cuda.Stream``), when it is not
     the one that was current at ``init_process_group``: gathers make that stream wait."""
     _C.nccl_set_stream(int(getattr(stream, "cuda_stream", stream)))
+
+
+def bind_thread() -> None:
+    """Makes the calling thread use this rank's GPU. A thread's CUDA device is its own and
+    starts at device 0: torch in a thread you start yourself (a server's worker, a data
+    loader's) would make a context on GPU 0 from every rank of a host, and mix devices. hsdp's
+    own calls set it themselves; call this first in any thread that runs torch on the GPU.
+    Does nothing before the NCCL world exists, or over a runtime whose memory the host reads."""
+    if _device[0] < 0 or host_reads():
+        return
+    import torch
+
+    torch.cuda.set_device(_device[0])
+
+
+def stream_probe() -> Callable[[], int] | None:
+    """A function returning torch's current CUDA stream on this rank's GPU (its raw handle;
+    0 for the legacy default stream), for a schedule to read at each forward's start; None
+    over a runtime whose memory the host reads (no streams: torch computes on the CPU)."""
+    if host_reads():
+        return None
+    import torch
+
+    device = torch.cuda.current_device()
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is None:  # older torch: the public route, a few microseconds more per forward
+        return lambda: int(torch.cuda.current_stream(device).cuda_stream)
+    return lambda: int(raw(device))
 
 
 def comm_stream() -> Any:
