@@ -31,6 +31,7 @@
 #define _POSIX_C_SOURCE 200809L
 #include <dlfcn.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdint.h>
@@ -404,10 +405,18 @@ static void issue_unlock(void) {
 
 static double timeout_s(void) { return (double)hsdp_timeout_ns() / 1e9; }
 
-static void nap(unsigned *us) {
-    struct timespec ts = {0, (long)*us * 1000};
+/* One pause of a wait that began at `since`: what it waits for (a collective's launch, a
+ * gather's event) mostly ends within tens of microseconds on a GPU, and a sleep costs the
+ * timer's slack (about 50 us) on top of its length, so the first 100 us only yield the CPU;
+ * then 20 us sleeps, and after 10 ms, 1 ms ones (a long wait costs no CPU to speak of). */
+static void nap(uint64_t since) {
+    uint64_t waited = hsdp_now_ns() - since;
+    if (waited < 100000) {
+        sched_yield();
+        return;
+    }
+    struct timespec ts = {0, waited < 10000000 ? 20000 : 1000000};
     nanosleep(&ts, NULL);
-    if (*us < 1000) *us *= 2;
 }
 
 /* S.calls and S.mu held: the live communicators' asynchronous errors (but skip's, polled by its
@@ -435,7 +444,6 @@ static void poll_others(const nccl_comm *self) {
  * a failed poll is never taken for a finished call. */
 static hsdp_status nccl_done(nccl_comm *c, hsdp_ncclResult_t rc, const char *what) {
     uint64_t t0 = hsdp_now_ns(), limit = hsdp_timeout_ns();
-    unsigned us = 10;
     while (rc == hsdp_ncclInProgress) {
         hsdp_ncclResult_t state = hsdp_ncclInProgress;
         hsdp_ncclResult_t qrc = api.ncclCommGetAsyncError(c->comm, &state);
@@ -444,11 +452,12 @@ static hsdp_status nccl_done(nccl_comm *c, hsdp_ncclResult_t rc, const char *wha
                              api.ncclGetErrorString(qrc));
         rc = state;
         if (rc != hsdp_ncclInProgress) break;
-        if (us >= 1000) poll_others(c); /* a while in progress: the watchdog cannot poll now, this thread does */
+        if (hsdp_now_ns() - t0 > 2000000) /* a while in progress: the watchdog cannot poll now, this thread does */
+            poll_others(c);
         if (atomic_load(&S.failed)) return failed_status(); /* aborted on the way out (issue_unlock) */
         if (limit && hsdp_now_ns() - t0 > limit)
             return ABORT_ALL("%s did not complete within %g s (HSDP_TIMEOUT)", what, timeout_s());
-        nap(&us);
+        nap(t0);
     }
     if (rc != hsdp_ncclSuccess)
         return hsdp_fail(HSDP_ECOMM, "%s failed: NCCL error %d (%s)", what, (int)rc, nccl_text(rc, c));
@@ -573,7 +582,7 @@ static void *watchdog(void *arg) {
  * watchdog watches; *ev gets its event. A full ring waits for the oldest to finish. */
 static hsdp_status track(const char *what, const void *dst, size_t dst_n, hsdp_cudaEvent_t *ev) {
     pthread_mutex_lock(&S.mu);
-    unsigned us = 10;
+    uint64_t since = hsdp_now_ns();
     for (;;) {
         retire_locked();
         if (atomic_load(&S.failed)) {
@@ -582,7 +591,7 @@ static hsdp_status track(const char *what, const void *dst, size_t dst_n, hsdp_c
         }
         if (S.count < RING) break;
         pthread_mutex_unlock(&S.mu);
-        nap(&us);
+        nap(since);
         pthread_mutex_lock(&S.mu);
     }
     flight *f = &S.ring[(S.head + S.count) % RING];
@@ -607,7 +616,6 @@ static hsdp_status track(const char *what, const void *dst, size_t dst_n, hsdp_c
 /* Blocks the host until ev has happened, within the timeout (host buffers need it). */
 static hsdp_status host_wait(hsdp_cudaEvent_t ev, const char *what) {
     uint64_t t0 = hsdp_now_ns(), limit = hsdp_timeout_ns();
-    unsigned us = 5;
     for (;;) {
         hsdp_cudaError_t e = CUDA(cudaEventQuery, ev);
         if (e == hsdp_cudaSuccess) return HSDP_OK;
@@ -618,7 +626,7 @@ static hsdp_status host_wait(hsdp_cudaEvent_t ev, const char *what) {
             name_missing(missing, sizeof missing);
             return ABORT_ALL("%s has waited %g s for its peers (HSDP_TIMEOUT)%s", what, timeout_s(), missing);
         }
-        nap(&us);
+        nap(t0);
     }
 }
 
@@ -1529,7 +1537,6 @@ static hsdp_status join_done(hsdp_ncclComm_t comm, hsdp_ncclResult_t rc, const c
     if (rc != hsdp_ncclSuccess && rc != hsdp_ncclInProgress)
         return hsdp_fail(HSDP_ECOMM, "%s failed: NCCL error %d (%s)", what, (int)rc, api.ncclGetErrorString(rc));
     uint64_t t0 = hsdp_now_ns(), limit = hsdp_timeout_ns();
-    unsigned us = 50;
     for (;;) {
         hsdp_ncclResult_t state = hsdp_ncclInProgress;
         hsdp_ncclResult_t qrc = api.ncclCommGetAsyncError(comm, &state);
@@ -1554,7 +1561,7 @@ static hsdp_status join_done(hsdp_ncclComm_t comm, hsdp_ncclResult_t rc, const c
             return hsdp_fail(HSDP_ECOMM, "%s did not finish within %g s (HSDP_TIMEOUT): a rank did not arrive, or "
                              "the ranks were not given the same unique id", what, timeout_s());
         }
-        nap(&us);
+        nap(t0);
     }
 }
 
