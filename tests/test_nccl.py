@@ -272,29 +272,24 @@ def test_gpu_check_dry_run_against_the_fake(tmp_path):
 
 def test_gpu_check_multi_dry_run_against_the_fake(tmp_path):
     """bench/gpu_check_multi.py --dry-run: 3 ranks forked against the fake's shared world, one
-    world per step. Splits and in-place offsets (units and device all-gathers, over the world
-    and a split) pass bit for bit; the bandwidth and the Wan need a GPU and say so; the desync
-    steps PASS: the agreement tickets that ride with every NCCL unit gather make every rank
-    raise, and none returns weights."""
-    _fake_library()  # the scripts find it where make puts it
+    world per step. Splits, meshes, in-place offsets, the ring, the all-to-alls, the CFG
+    gather and the float8 wire pass bit for bit; the desync steps PASS (the agreement tickets
+    that ride with every NCCL unit gather make every rank raise, and none returns weights);
+    the bandwidth steps need a GPU and say so (DRY)."""
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check_multi.py"), "--dry-run"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120, env=_clean_env(OUT=str(tmp_path)))
+                         capture_output=True, text=True, timeout=300, env=_clean_env(OUT=str(tmp_path)))
     assert out.returncode == 0, out.stdout + out.stderr
-    lines = out.stdout.splitlines()
-    assert lines[0].startswith("gpu_check_multi: dry run: 3 forked ranks"), out.stdout
-    verdicts = dict(line.split()[:2] for line in lines[1:])
-    assert verdicts == {"allgather_bw": "SKIPPED", "split_ranks": "PASS", "inplace_offsets": "PASS",
-                        "parity_bf16": "SKIPPED", "desync_same_size": "PASS", "desync_sizes": "PASS"}, out.stdout
-    for line in lines[1:]:
-        if " SKIPPED " in line:
-            assert "skipped: needs a GPU: " in line, line
-        if line.startswith("desync"):
-            assert "do not gather the same unit" in line and '"unsharded": false' in line, line
-    saved = json.loads((tmp_path / "gpu_check_multi" / "gpu_check_multi.json").read_text())
-    offsets = saved["inplace_offsets"]
+    saved = json.loads((tmp_path / "gpu_check_multi.json").read_text())
+    steps = saved["steps"]
+    assert all(s["verdict"] in ("PASS", "SKIPPED", "DRY") for s in steps.values()), out.stdout
+    for name in ("split_ranks", "mesh", "inplace_offsets", "ring_sendrecv", "ulysses_a2a", "cfg_gather", "wire_fp8",
+                 "desync_same_size", "desync_sizes"):
+        assert steps[name]["verdict"] == "PASS", (name, steps[name])
+    assert "do not gather the same unit" in steps["desync_same_size"]["raised"], steps["desync_same_size"]
+    offsets = steps["inplace_offsets"]
     assert offsets["unit_world"]["size"] == 3 and offsets["unit_world"]["exact"] == [True, True], offsets
-    assert offsets["device_split"] == {"from_separate_source": True, "in_place": True, "ok": True}, offsets
-    assert len(offsets["seconds_per_rank"]) == 3 and saved["split_ranks"]["one_color_by_rank"]["members"] == [0, 1, 2]
+    assert offsets["device_split_reversed"] == {"from_separate_source": True, "in_place": True, "ok": True}, offsets
+    assert steps["split_ranks"]["one_color_reversed"]["members"] == [2, 1, 0], steps["split_ranks"]
 
 
 def test_fp8_wire_against_the_fake():
