@@ -41,8 +41,9 @@ FAKE = ROOT / "csrc" / "tests" / "bin" / "fake_cuda_nccl.so"
 VERDICTS = ("PASS", "FAIL", "ERROR", "TIMEOUT", "SKIPPED", "DRY")
 DRY_OK = ("PASS", "SKIPPED", "DRY")  # what a dry run may end in
 EXIT_GRACE_S = 20.0  # a step's process that wrote its result and is still there after this is hung
-# for the tests of the check itself: "<step>": that step's process aborts; "hang:<step>": it
-# hangs (killed at its limit); "parent:<step>": the check itself dies before that step
+# for the tests of the check itself, a comma-separated list of: "<step>": that step's process
+# aborts; "hang:<step>": it hangs (killed at its limit); "parent:<step>": the check itself dies
+# before that step
 CRASH_ENV = "HSDP_GPU_CHECK_CRASH"
 # the defaults a step runs with unless the user set them: a hang ends in a minute with
 # hsdp's own message, and NCCL says what went wrong without flooding the log
@@ -283,16 +284,20 @@ def versions(dry: bool) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------- a step's process
+def _injected(what: str) -> bool:
+    return what in os.environ.get(CRASH_ENV, "").split(",")
+
+
 def worker_prelude(step: str, limit_s: float) -> None:
     """First thing in a step's process: a hang prints every thread's traceback before the
     parent kills it at the limit, and the injected crash of the test happens here."""
     faulthandler.enable(all_threads=True)
     faulthandler.dump_traceback_later(max(limit_s - 5.0, 1.0), exit=False)
-    if os.environ.get(CRASH_ENV) == step:
-        print(f"{CRASH_ENV}={step}: aborting this step's process on purpose", flush=True)
+    if _injected(step):
+        print(f"{CRASH_ENV}: aborting the process of step {step} on purpose", flush=True)
         os.abort()
-    if os.environ.get(CRASH_ENV) == f"hang:{step}":
-        print(f"{CRASH_ENV}=hang:{step}: this step's process hangs on purpose", flush=True)
+    if _injected(f"hang:{step}"):
+        print(f"{CRASH_ENV}: the process of step {step} hangs on purpose", flush=True)
         time.sleep(86400)
 
 
@@ -490,8 +495,8 @@ def json_path(script: str, given: Path | None) -> Path:
 def crash_parent_before(step: str) -> None:
     """HSDP_GPU_CHECK_CRASH=parent:<step>: the check itself dies before that step (the test
     that the JSON on disk already holds every earlier step)."""
-    if os.environ.get(CRASH_ENV) == f"parent:{step}":
-        print(f"{CRASH_ENV}=parent:{step}: the check dies here on purpose", flush=True)
+    if _injected(f"parent:{step}"):
+        print(f"{CRASH_ENV}: the check dies before step {step} on purpose", flush=True)
         os._exit(3)
 
 

@@ -812,22 +812,20 @@ def dry_step_main(name: str, n: int, fake: Path, out_dir: Path, limit: float) ->
 
 # ---------------------------------------------------------------------------- the parent
 def combine(per_rank: dict[int, dict | None], note: str) -> dict:
-    """One verdict over the ranks: a rank without a result is an ERROR; else the worst."""
+    """One verdict over the ranks: a rank without a result is an ERROR; else the worst rank's
+    result, with what each rank had otherwise (the keys where it differs) under per_rank."""
     missing = [r for r, v in per_rank.items() if v is None]
     if missing:
         return {"verdict": "ERROR", "why": f"ranks {missing} gave no result ({note})"}
     res = [v for v in per_rank.values() if v is not None]
-    for worst in ("ERROR", "TIMEOUT", "FAIL", "SKIPPED", "DRY"):
-        bad = [v for v in res if v["verdict"] == worst]
-        if bad:
-            why = f"rank {bad[0]['rank']}: {bad[0]['why']}" if worst != "DRY" else bad[0]["why"]
-            # every rank's details; its reason only where it differs from the one reported
-            detail = {v["rank"]: {k: x for k, x in v.items() if k != "rank" and (k != "why" or x != bad[0]["why"])}
-                      for v in res}
-            return {"verdict": worst, "why": why, "figure": bad[0].get("figure", "-"), "per_rank": detail}
-    first = res[0]
-    return {**{k: v for k, v in first.items() if k not in ("rank", "pid", "written")},
-            "seconds_per_rank": [v["seconds"] for v in res], "figures": [v.get("figure") for v in res]}
+    order = ("ERROR", "TIMEOUT", "FAIL", "SKIPPED", "DRY", "PASS")
+    head = min(res, key=lambda v: order.index(v["verdict"]))
+    out = {k: v for k, v in head.items() if k not in ("rank", "pid", "written")}
+    if head["verdict"] in ("ERROR", "TIMEOUT", "FAIL") and len(res) > 1:
+        out["why"] = f"rank {head['rank']}: {head['why']}"
+    out["per_rank"] = {v["rank"]: {k: x for k, x in v.items() if k in ("pid", "seconds") or head.get(k) != x}
+                       for v in res}
+    return out
 
 
 def run_one(step: Step, n: int, dry: bool, fake: Path, out: Path, limit: float) -> dict[str, Any]:
