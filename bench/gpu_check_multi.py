@@ -89,6 +89,9 @@ SUBGROUP_TIMEOUT_S = 10.0  # for timeout_subgroups
 RAISE_MARGIN_S = 20.0  # every rank raises within its timeout and this
 DRY_TIMEOUT_S = 3.0  # a dry run's HSDP_TIMEOUT for the steps that wait for one
 BUDGET_S = 450  # the whole check stays under 8 minutes
+# what a rank saw before hsdp's world existed (stray_contexts: a context on GPU 0 that torch alone
+# made is torch's, not hsdp's)
+BEFORE_HSDP: dict[str, Any] = {}
 
 
 @dataclass
@@ -551,7 +554,8 @@ def step_stray_contexts(env: Env) -> dict:
         on0 = bool(env.fake.fake_contexts() & 1)  # the fake's: bit d, a context on device d in this process
     else:
         on0 = primary_context_active(0)
-    res: dict[str, Any] = {"device": env.device, "pid": os.getpid(), "context_on_gpu0": on0, "gathers_exact": exact}
+    res: dict[str, Any] = {"device": env.device, "pid": os.getpid(), "context_on_gpu0": on0, "gathers_exact": exact,
+                           **BEFORE_HSDP}
     stray = bool(on0) and env.device != 0
     pids = np.zeros(n, np.int64)
     w.all_gather(np.array([os.getpid()], np.int64), pids)
@@ -572,6 +576,8 @@ def step_stray_contexts(env: Env) -> dict:
     ok = all(exact) and not stray  # a driver that cannot say (None) leaves the listing's answer
     res["figure"] = f"GPU 0 context: {'yes' if on0 else 'no' if on0 is not None else '?'} (device {env.device})"
     why = "no rank but those on GPU 0 has a context there (the watchdog thread included)"
+    if stray and BEFORE_HSDP.get("context_on_gpu0_before_hsdp"):
+        why += "; this rank had it before hsdp's world existed: torch made it"
     if env.dry:
         return {**res, "verdict": one.dry_verdict(ok), "why": why + " (the fake's per-thread contexts); the driver "
                                                                     "and nvidia-smi need GPUs"}
@@ -668,12 +674,10 @@ def step_clean_exit(env: Env) -> dict:
     import atexit
 
     model, ref = one.sharded_pair(env, one.SMALL_BLOCKS)
-    x = one.block_inputs(env, one.SMALL_BLOCKS)
-    with env.torch.no_grad():
-        ok = bool(env.torch.equal(ref(x), model(x)))
+    res: dict[str, Any] = one.close_forward(env, model, ref, one.block_inputs(env, one.SMALL_BLOCKS))
+    ok = res["model_close"]
     env.world.barrier()
     one.sync(env)
-    res: dict[str, Any] = {"model_exact": ok}
     if env.dry:  # a forked rank cannot exit as a script does: the teardown the exit would run, timed
         t0 = time.monotonic()
         atexit._run_exitfuncs()
@@ -742,6 +746,9 @@ def gpu_worker(name: str, out_dir: Path, limit: float) -> int:
 
         local = int(os.environ["LOCAL_RANK"])
         torch.cuda.set_device(local)
+        if name == "stray_contexts":  # torch alone, before hsdp: whose is a context on GPU 0?
+            torch.zeros(1, device="cuda")
+            BEFORE_HSDP["context_on_gpu0_before_hsdp"] = primary_context_active(0)
         if step.timeout_s is not None:
             _C.set_timeout(step.timeout_s)
         if name.startswith("allgather_bw"):  # the reference: torch's own NCCL communicator of the same ranks
