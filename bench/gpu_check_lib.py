@@ -293,6 +293,8 @@ def worker_prelude(step: str, limit_s: float) -> None:
     parent kills it at the limit, and the injected crash of the test happens here."""
     faulthandler.enable(all_threads=True)
     faulthandler.dump_traceback_later(max(limit_s - 5.0, 1.0), exit=False)
+    # killed at the limit (torchrun passes the parent's SIGTERM on): where it was, then the end
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     if _injected(step):
         print(f"{CRASH_ENV}: aborting the process of step {step} on purpose", flush=True)
         os.abort()

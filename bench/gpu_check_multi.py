@@ -848,8 +848,10 @@ def run_one(step: Step, n: int, dry: bool, fake: Path, out: Path, limit: float) 
                                                       "HSDP_CUDA_DRIVER_LIBRARY")}
         extra["FAKE_HOST_VIEW"] = "1" if step.host_view else "0"
     else:
+        # a rank starts a few seconds after its job (torchrun, imports): its traceback must come
+        # before the parent's kill
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", me,
-               "--worker", step.name, "--out-dir", str(out), "--limit", str(limit)]
+               "--worker", step.name, "--out-dir", str(out), "--limit", str(max(limit - 8, 6))]
         extra = {"OMP_NUM_THREADS": "1"}
     job = lib.run_job(cmd, lib.step_env(extra), limit, out / f"{step.name}.log",
                       lambda: all(f.is_file() for f in files))
