@@ -465,6 +465,8 @@ class Report:
         self.save()
         why = res.get("why", "")
         print(f"{name:<22} {res['verdict']:<8} {str(res.get('figure', '-')):<24} {why[:200]}", flush=True)
+        for key, value in (res.get("versions") or {}).items():  # the preflight's, in full
+            print(f"    {key}: {json.dumps(value, default=str)[:300]}", flush=True)
         if res["verdict"] in ("FAIL", "ERROR", "TIMEOUT") and res.get("log_tail"):
             print("    | " + res["log_tail"][-1200:].replace("\n", "\n    | "), flush=True)
 
@@ -515,7 +517,8 @@ def preflight(report: Report, dry: bool, fake: Path, logs: Path) -> bool:
         res["fake"] = build_fake(fake) if cc["cc"] else {"ok": fake.is_file(), "why": "no C compiler"}
         ok = ok and res["fake"]["ok"]
     res["verdict"] = "PASS" if ok else "ERROR"
-    res["why"] = "; ".join(x["why"] for x in (res["hsdp"], res.get("fake")) if x)
+    tools = f"{cc['cc_version'] if cc['cc'] else 'no C compiler'}; Python.h {'found' if cc['python_h'] else 'MISSING'}"
+    res["why"] = "; ".join([tools, *(x["why"] for x in (res["hsdp"], res.get("fake")) if x)])
     res["figure"] = ("built" if hsdp.get("built") else "ready") if ok else "no hsdp"
     res["seconds"] = round(time.monotonic() - t0, 1)
     report.add("build", res)
