@@ -787,13 +787,22 @@ def step_dlpack_regather(env: Env) -> dict:
         caps.clear()  # the consumer's tensor dies at once: its lease comes back
         del buf
         a.reshard()
+        # let the consumer go in 10 s whatever happens: a wait below that blocked the host on
+        # the held consumer would otherwise hang here
+        rescue = threading.Timer(10.0, env.fake.fake_stream_hold, (ctypes.c_void_p(consumer), 0))
+        rescue.start()
         b.start_unshard()  # into a's buffer, if the pool gives it back
-        # the gather stream runs what it can before the consumer moves: b's gather, unless it
-        # waits for the consumer (the fake's streams are threads: without this, a race)
+        b.wait()  # the gather is issued by now (the compute stream waits on its event)
+        # every stream but the consumer's runs what it can before the consumer moves: b's gather,
+        # unless it waits for the consumer (the fake's streams are threads: without this, a
+        # race). The compute stream first: the gather waits for the release recorded there.
         comm = ctypes.c_void_p(_C.nccl_comm_stream())
-        res["regather_waited_for_consumer"] = env.fake.fake_stream_settle(comm) > 0
+        for _ in range(3):
+            env.fake.fake_stream_settle(None)
+            pending = env.fake.fake_stream_settle(comm)
+        res["regather_waited_for_consumer"] = pending > 0
         env.fake.fake_stream_hold(ctypes.c_void_p(consumer), 0)
-        b.wait()
+        rescue.cancel()
         env.cudart.cudaStreamSynchronize(ctypes.c_void_p(consumer))
         res["same_buffer"] = b.buffers()[0].address == addr
         res["consumer_read_old_bytes"] = ctypes.string_at(seen, n) == want_a
