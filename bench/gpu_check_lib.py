@@ -50,12 +50,6 @@ CRASH_ENV = "HSDP_GPU_CHECK_CRASH"
 STEP_ENV_DEFAULTS = {"HSDP_TIMEOUT": "60", "NCCL_DEBUG": "WARN"}
 # the fake's own bugs-to-be-fixed: a dry run's step whose fake half shows a finding that is
 # already filed ends DRY with the finding named, not FAIL (a fixed one says so)
-KNOWN_FAKE_FINDINGS = {
-    "dlpack_regather": "R2 of the GPU review: a pooled buffer is regathered while a DLPack consumer on "
-                       "another stream still reads it",
-}
-
-
 class Skipped(Exception):
     """A step that cannot run here, for a reason the summary shows (diffusers missing, ...)."""
 
@@ -316,20 +310,6 @@ def run_step_fn(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
                "traceback": tail(traceback.format_exc(), 3000)}
     res.setdefault("figure", "-")
     res["seconds"] = round(time.monotonic() - t0, 2)
-    return res
-
-
-def known_fake_finding(step: str, res: dict[str, Any]) -> dict[str, Any]:
-    """A dry run's step that FAILed on a finding already filed (KNOWN_FAKE_FINDINGS) ends DRY,
-    with the finding named, so the dry run stays green and the finding stays loud."""
-    known = KNOWN_FAKE_FINDINGS.get(step)
-    if known is None:
-        return res
-    if res.get("verdict") == "FAIL":
-        return {**res, "verdict": "DRY", "known_finding": known,
-                "why": f"KNOWN FINDING on the fake: {known} ({res.get('why')})"}
-    if res.get("verdict") in ("PASS", "DRY"):
-        res["known_finding_fixed"] = f"the fake no longer shows: {known} (drop it from KNOWN_FAKE_FINDINGS)"
     return res
 
 
