@@ -236,6 +236,14 @@ def _fake_stream(env: Any) -> int:
     return int(s.value)
 
 
+def _fake_free(env: Env, *pointers: int) -> None:
+    """Frees the fake's device memory. Its consumer streams are left to the step's process end:
+    a stream that read hsdp's buffers through DLPack must live until their next release, which
+    records an event on it (design.md, [Note: readers on other streams])."""
+    for p in pointers:
+        env.cudart.cudaFree(ctypes.c_void_p(p))
+
+
 def _fake_device_copy(env: Env, stream: int, src: int, n: int) -> int:
     """A device buffer (the fake's memory is host memory) and a copy into it on `stream`."""
     dst = ctypes.c_void_p()
@@ -461,8 +469,7 @@ def step_ordering(env: Env) -> dict:
         release()
         env.cudart.cudaStreamSynchronize(ctypes.c_void_p(consumer))
         res["dlpack_consumer_reads_gathered"] = ctypes.string_at(seen, len(want)) == want
-        env.cudart.cudaFree(ctypes.c_void_p(seen))
-        env.cudart.cudaStreamDestroy(ctypes.c_void_p(consumer))
+        _fake_free(env, seen)
     else:
         torch = env.torch
         side = torch.cuda.Stream()
@@ -490,9 +497,7 @@ def step_ordering(env: Env) -> dict:
         release()
         env.cudart.cudaStreamSynchronize(ctypes.c_void_p(consumer))
         res["all_gather_device"] = ctypes.string_at(seen, n) == b"\x03" * n
-        for p in (src.value, dst, seen):
-            env.cudart.cudaFree(ctypes.c_void_p(p))
-        env.cudart.cudaStreamDestroy(ctypes.c_void_p(consumer))
+        _fake_free(env, src.value, dst, seen)
     else:
         torch = env.torch
         side = torch.cuda.Stream()
@@ -811,8 +816,7 @@ def step_dlpack_regather(env: Env) -> dict:
         res["same_buffer"] = b.buffers()[0].address == addr
         res["consumer_read_old_bytes"] = ctypes.string_at(seen, n) == want_a
         res["b_gathered"] = gathered(env, b)[:n] == want_b
-        env.cudart.cudaFree(ctypes.c_void_p(seen))
-        env.cudart.cudaStreamDestroy(ctypes.c_void_p(consumer))
+        _fake_free(env, seen)
     else:
         torch = env.torch
         side = torch.cuda.Stream()

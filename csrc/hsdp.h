@@ -152,14 +152,18 @@ void hsdp_mesh_replicate_group(const hsdp_mesh *m, int *ranks);
 
 /* ---------------------------------------------------------------- layout (layout.c) */
 #define HSDP_ALIGN 64
-/* Where each parameter starts in the unsharded buffer: 256 bytes, the largest alignment
- * cuBLASLt tells apart (its MIN_ALIGNMENT_* attributes), so a view into a gathered buffer is
- * given the same kernels as a tensor of its own (torch's allocator hands out 512-byte
- * aligned blocks); a bit-exact parity with the unsharded model depends on it on GPUs. */
+/* Where a parameter of 256 bytes or more starts in the unsharded buffer: a multiple of 256
+ * bytes, the largest alignment cuBLASLt tells apart (its MIN_ALIGNMENT_* attributes), so a
+ * view into a gathered buffer is given the same kernels as a tensor of its own (torch's
+ * allocator hands out 512-byte aligned blocks); a bit-exact parity with the unsharded model
+ * depends on it on GPUs. A smaller one (a norm's weight, a small bias) starts at the largest
+ * power of two not above its size, at least HSDP_ALIGN: no matrix is that small, and a small
+ * model's units are not half padding (hsdp_slot_align). */
 #define HSDP_SLOT_ALIGN 256
+size_t hsdp_slot_align(size_t nbytes);
 
 typedef struct {
-    size_t offset; /* byte offset in the unsharded buffer, a multiple of HSDP_SLOT_ALIGN */
+    size_t offset; /* byte offset in the unsharded buffer, a multiple of hsdp_slot_align(nbytes) */
     size_t nbytes; /* numel * itemsize */
     size_t numel;
     hsdp_dtype dtype; /* storage dtype */

@@ -9,6 +9,12 @@
 
 static size_t round_up(size_t x, size_t m) { return (x + m - 1) / m * m; }
 
+size_t hsdp_slot_align(size_t nbytes) {
+    size_t a = HSDP_SLOT_ALIGN;
+    while (a > HSDP_ALIGN && a > nbytes) a /= 2;
+    return a;
+}
+
 hsdp_status hsdp_layout_init(hsdp_layout *l, const size_t *numels, const hsdp_dtype *dtypes,
                              size_t n, int shard) {
     l->nslots = 0;
@@ -31,7 +37,7 @@ hsdp_status hsdp_layout_init(hsdp_layout *l, const size_t *numels, const hsdp_dt
             hsdp_layout_free(l);
             return hsdp_fail(HSDP_EINVAL, "parameter %zu has too many elements (%zu)", i, numels[i]);
         }
-        off = round_up(off, HSDP_SLOT_ALIGN);
+        off = round_up(off, hsdp_slot_align(numels[i] * item));
         if (numels[i] * item > (SIZE_MAX / 4) - off) { /* the running total must not wrap */
             hsdp_layout_free(l);
             return hsdp_fail(HSDP_EINVAL, "the unit is too large: parameter %zu ends past %zu bytes", i, SIZE_MAX / 4);

@@ -41,9 +41,11 @@ def reference(variant: str, inputs, round_to: str | None = None, keep: tuple[str
 def expected_unit_bytes(params, storage: tuple[str, ...], shard: int) -> int:
     """The flat layout recomputed independently of the C core."""
     off = 0
-    for p, dt in zip(params, storage):
-        off = -(-off // 64) * 64 + p.numel() * hsdp.dtypes.as_dtype(dt).itemsize
-    return -(-off // (64 * shard)) * (64 * shard)
+    for p, dt in zip(params, storage):  # a parameter starts at a multiple of 256, 128 or 64 bytes
+        nbytes = p.numel() * hsdp.dtypes.as_dtype(dt).itemsize
+        align = 256 if nbytes >= 256 else 128 if nbytes >= 128 else 64  # hsdp_slot_align
+        off = -(-off // align) * align + nbytes
+    return -(-off // (64 * shard)) * (64 * shard)  # the unit: 64 * S (HSDP_ALIGN)
 
 
 def check_accounting(model, shard: int, whole_bytes: int) -> None:

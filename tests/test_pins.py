@@ -21,7 +21,9 @@ from hsdp.world.distributed import init_process_group
 
 init_process_group("single")
 TINY = models.DiTConfig.preset("tiny")
-ALIGN = 64  # HSDP_ALIGN
+ALIGN = 64  # HSDP_ALIGN: a unit's buffer is padded to a multiple of ALIGN * S
+def slot_align(nbytes: int) -> int:  # hsdp_slot_align: where a parameter of nbytes starts
+    return 256 if nbytes >= 256 else 128 if nbytes >= 128 else ALIGN
 
 
 @pytest.fixture(autouse=True)
@@ -267,7 +269,7 @@ def round_up(x: int, m: int) -> int:
 @pytest.mark.parametrize("seed", range(4))
 def test_unit_layout_matches_the_formula(seed):
     """Mutation 6 (parameters after the first placed 64 bytes further on): each parameter
-    starts at its predecessor's end rounded up to 64, the total is padded to 64 * S (S = 1
+    starts at its predecessor's end rounded up to 256 (128, 64 when smaller than that), the total is padded to 64 * S (S = 1
     here; csrc/tests/test_layout.c covers S up to 8)."""
     rng = np.random.default_rng(seed)
     group = hsdp.init_device_mesh("cpu", (1, 1)).shard_group
@@ -281,7 +283,7 @@ def test_unit_layout_matches_the_formula(seed):
     nbytes = [int(np.prod(s, dtype=np.int64)) * DTYPES[d] for s, d in zip(shapes, dts)]
     offsets, end = [], 0
     for nb in nbytes:
-        offsets.append(round_up(end, ALIGN))
+        offsets.append(round_up(end, slot_align(nb)))
         end = offsets[-1] + nb
     assert list(unit.offsets) == offsets
     assert list(unit.nbytes) == nbytes
@@ -289,12 +291,13 @@ def test_unit_layout_matches_the_formula(seed):
 
 
 def test_unit_layout_fixed_example():
-    """Mutation 6: a hand-computed layout (7 float32, 1 bfloat16, 0 float32, 13 float8)."""
+    """Mutation 6: a hand-computed layout (7 float32, 1 bfloat16, 0 float32, 13 float8, 75 float32)."""
     group = hsdp.init_device_mesh("cpu", (1, 1)).shard_group
-    unit = hsdp._C.Unit(group, ["float32", "bfloat16", "float32", "float8_e4m3fn"], [(7,), (1,), (0,), (13,)])
-    assert list(unit.offsets) == [0, 64, 128, 128]
-    assert list(unit.nbytes) == [28, 2, 0, 13]
-    assert (unit.total_bytes, unit.chunk_bytes) == (192, 192)
+    unit = hsdp._C.Unit(group, ["float32", "bfloat16", "float32", "float8_e4m3fn", "float32"],
+                        [(7,), (1,), (0,), (13,), (75,)])
+    assert list(unit.offsets) == [0, 64, 128, 128, 256]
+    assert list(unit.nbytes) == [28, 2, 0, 13, 300]
+    assert (unit.total_bytes, unit.chunk_bytes) == (576, 576)
 
 
 # ----------------------------------------------------------------- the launcher's status (7)

@@ -38,7 +38,8 @@ static const size_t itemsize[HSDP_DTYPE_COUNT] = {
 static void check_unit(const size_t *numels, const hsdp_dtype *dts, size_t n, int S) {
     size_t off[MAX_PARAMS], nb[MAX_PARAMS], end = 0;
     for (size_t i = 0; i < n; i++) {
-        off[i] = up(end, HSDP_SLOT_ALIGN);
+        size_t bytes = numels[i] * itemsize[dts[i]], a = bytes >= 256 ? 256 : bytes >= 128 ? 128 : 64;
+        off[i] = up(end, a);
         nb[i] = numels[i] * itemsize[dts[i]];
         end = off[i] + nb[i];
     }
@@ -79,20 +80,23 @@ static void check_unit(const size_t *numels, const hsdp_dtype *dts, size_t n, in
 }
 
 static void test_fixed(void) {
-    /* worked by hand (parameters start at multiples of 256, chunks are multiples of 64): 28
-     * bytes at 0, 2 at 256, 0 at 512, 13 at 512, used 525, total 576 (3 chunks of 192) */
-    size_t numels[] = {7, 1, 0, 13};
-    hsdp_dtype dts[] = {HSDP_F32, HSDP_BF16, HSDP_F32, HSDP_F8E4M3};
+    /* worked by hand (a parameter of 256 bytes or more starts at a multiple of 256, a smaller
+     * one at 128 or 64; chunks are multiples of 64): 28 bytes at 0, 2 at 64, 0 at 128, 13 at
+     * 128, 300 at 256, used 556, total 576 (3 chunks of 192) */
+    size_t numels[] = {7, 1, 0, 13, 75};
+    hsdp_dtype dts[] = {HSDP_F32, HSDP_BF16, HSDP_F32, HSDP_F8E4M3, HSDP_F32};
     hsdp_layout l;
-    CHECK(hsdp_layout_init(&l, numels, dts, 4, 3) == HSDP_OK);
-    CHECK(l.slots[0].offset == 0 && l.slots[1].offset == 256 && l.slots[2].offset == 512 && l.slots[3].offset == 512);
-    CHECK(l.used_bytes == 525 && l.total_bytes == 576 && l.chunk_bytes == 192);
+    CHECK(hsdp_layout_init(&l, numels, dts, 5, 3) == HSDP_OK);
+    CHECK(l.slots[0].offset == 0 && l.slots[1].offset == 64 && l.slots[2].offset == 128 && l.slots[3].offset == 128);
+    CHECK(l.slots[4].offset == 256);
+    CHECK(l.used_bytes == 556 && l.total_bytes == 576 && l.chunk_bytes == 192);
     size_t b, e, co;
-    CHECK(hsdp_layout_owned(&l, 3, 2, &b, &e, &co) == 1 && b == 0 && e == 13 && co == 128);
+    CHECK(hsdp_layout_owned(&l, 3, 0, &b, &e, &co) == 1 && b == 0 && e == 13 && co == 128);
+    CHECK(hsdp_layout_owned(&l, 4, 1, &b, &e, &co) == 1 && b == 0 && e == 128 && co == 64);
     CHECK(hsdp_layout_owned(&l, 3, 1, &b, &e, &co) == 0);
     CHECK(hsdp_layout_owned(&l, 0, 0, &b, &e, &co) == 1 && b == 0 && e == 28 && co == 0);
     hsdp_layout_free(&l);
-    check_unit(numels, dts, 4, 3);
+    check_unit(numels, dts, 5, 3);
 }
 
 static void test_random(void) {
