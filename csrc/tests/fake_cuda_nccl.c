@@ -16,11 +16,28 @@
  *   included, leaves its error for cudaGetLastError (as the runtime does: the next
  *   kernel-launch check of a framework sharing the runtime would raise it). A thread's first
  *   call without cudaSetDevice makes a context on device 0 (fake_contexts() says which).
- * - Non-blocking NCCL init and split return ncclInProgress, and ncclCommGetAsyncError says
- *   ncclInProgress for a few polls; a NULL communicator is ncclInvalidArgument.
- * - ncclCommAbort kills the communicator: any later call on it, or one racing with the
- *   abort, is counted (fake_violations()) and fails; so is a call needing a communicator
- *   whose non-blocking init or split was not polled to its end.
+ * It behaves like NCCL as NCCL's own source says (github.com/NVIDIA/nccl, tag v2.28.9-1, the
+ * NCCL torch 2.11's CUDA 13 wheels bring; the lines are cited beside the code below):
+ * - A non-blocking init hands back its communicator at once (src/init.cc:2001,
+ *   "*newcomm = comm") and says ncclInProgress for a few polls.
+ * - A split under a non-blocking parent sets *newcomm to NULL (init.cc:2571, "*newcomm
+ *   should be NCCL_COMM_NULL until comm split fully complete"), returns ncclSuccess
+ *   (ncclCommSplit, init.cc:2666; the group end's ncclInProgress passes NCCLCHECK,
+ *   src/include/checks.h:122), makes the child on a thread of the PARENT's group job (its
+ *   mode is the parent's config.blocking, src/group.cc:56) and stores it into *newcomm when
+ *   done (init.cc:1613, "assign it to user pointer"): here at the poll of the parent that
+ *   reports it, the latest moment NCCL's order allows.
+ * - Every group end on a non-blocking communicator says ncclInProgress and leaves a group
+ *   job on it (group.cc:707, "nonblocking group"); a call on a communicator whose last one
+ *   was not polled to its end is ncclInvalidArgument (ncclCommEnsureReady, init.cc:373,
+ *   called by every collective, src/enqueue.cc:2637). The poll that reads it done completes
+ *   the job (init.cc:2732, "if there is linked group job, we should complete it";
+ *   group.cc:767 ncclGroupJobComplete): two threads doing so at once free it twice, and are
+ *   counted (fake_violations()); a NULL communicator is ncclInvalidArgument.
+ * - ncclCommAbort (init.cc:2503) kills the communicator: any later call on it, or one racing
+ *   with the abort, is counted and fails. Its teardown frees device memory (commReclaim,
+ *   init.cc:2304), and cudaFree waits for the whole device: an abort while another
+ *   communicator's collective is stuck would hang, and is counted instead.
  * A world of one rank, or of several forked processes (see "worlds of ranks": collectives
  * and grouped point to point between them), on FAKE_DEVICES devices (default 2) whose memory
  * is host memory.
