@@ -123,7 +123,7 @@ GPU_BLOCKS = Blocks(1536, 8960, 8, 4096)  # 37M parameters a block, 74 MB in bf1
 FAKE_BLOCKS = Blocks(64, 128, 3, 8)  # the fake's host view computes on the CPU
 SMALL_BLOCKS = Blocks(256, 512, 2, 64)  # mesh and clean_exit: the path, not the size
 # float8's own error on GPU_BLOCKS' output: 0.0530 (relative L2 against bf16) through the host
-# decode on a CPU (256 tokens; the H200 gave 0.0530 at 4096), where a stock Wan gives
+# decode on a CPU (bench/fp8_block_error.py, 256 tokens; the H200 gave 0.0530 at 4096), where a stock Wan gives
 # 0.036-0.04 (the 0.05 of parity_wan): random, unscaled weights through 8 residual blocks
 BLOCKS_FP8_REL_L2 = 0.06
 
