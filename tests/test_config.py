@@ -160,7 +160,6 @@ def test_combined_adds_no_ranks() -> None:
     "kwargs, needle",
     [
         ({"tensor_parallel_size": 2}, "tensor parallel (tensor_parallel_size=2)"),
-        ({"data_parallel_size": 2}, "data parallel (data_parallel_size=2)"),
         ({"pipeline_parallel_size": 2}, "pipeline parallel (pipeline_parallel_size=2)"),
         ({"enable_expert_parallel": True}, "expert parallel (enable_expert_parallel=True)"),
     ],
@@ -171,7 +170,7 @@ def test_hsdp_excludes_each(kwargs: dict, needle: str) -> None:
     msg = str(e.value)
     assert needle in msg
     # Only the conflict that applies is listed.
-    others = {"tensor parallel (", "data parallel (", "pipeline parallel (", "expert parallel ("}
+    others = {"tensor parallel (", "pipeline parallel (", "expert parallel ("}
     for other in others - {needle.split("(")[0] + "("}:
         assert other not in msg
 
@@ -188,11 +187,27 @@ def test_hsdp_excludes_all_in_one_message() -> None:
     msg = str(e.value)
     for needle in (
         "tensor_parallel_size=2",
-        "data_parallel_size=3",
         "pipeline_parallel_size=4",
         "enable_expert_parallel=True",
     ):
         assert needle in msg
+    assert "data_parallel_size" not in msg  # data parallel runs under HSDP (lanes)
+
+
+def test_data_parallel_under_hsdp() -> None:
+    """D lanes over the whole world; S derived from world / R spans the lanes; each lane lies
+    in one shard group, or the config says why not."""
+    c = C(use_hsdp=True, data_parallel_size=4)
+    assert (c.world_size, c.hsdp_shard_size, c.lanes, c.lane_size) == (4, 4, 4, 1)
+    assert "4 lanes of 1 rank" in c.describe()
+    c = C(use_hsdp=True, data_parallel_size=2, cfg_parallel_size=2, ulysses_degree=2, hsdp_replicate_size=2)
+    assert (c.world_size, c.hsdp_shard_size, c.lane_size) == (8, 4, 4)
+    assert "dp=2 x ulysses=2 x cfg=2" in c.describe() and "2 lanes of 4 ranks" in c.describe()
+    with pytest.raises(ValueError, match=r"each lane .* must lie inside one shard group.*multiple of 2"):
+        C(use_hsdp=True, data_parallel_size=2, cfg_parallel_size=2, hsdp_replicate_size=4)
+    with pytest.raises(ValueError, match="tensor parallel"):
+        C(use_hsdp=True, data_parallel_size=2, tensor_parallel_size=2)
+    assert C.from_cli_args(_parse(["--dp", "3", "--use-hsdp"])[0]) == C(use_hsdp=True, data_parallel_size=3)
 
 
 def test_exclusivity_only_applies_with_hsdp() -> None:

@@ -248,6 +248,7 @@ def _commit(ctx: HSDPShardContext, states: Iterable[UnitState | None], claimed: 
     for st in states:
         if st is not None:
             st.schedule = ctx.schedule
+            ctx.schedule.units.append(st)
             try:
                 st.commit()
             except BaseException as exc:

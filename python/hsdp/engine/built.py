@@ -20,7 +20,7 @@ PARALLEL_DEGREES: dict[str, tuple[str, bool]] = {
     "cfg_parallel_size": ("CFG parallelism", True),
     "tensor_parallel_size": ("tensor parallelism", False),
     "pipeline_parallel_size": ("pipeline parallelism", False),
-    "data_parallel_size": ("data parallelism", False),
+    "data_parallel_size": ("data parallelism", True),
     "enable_expert_parallel": ("expert parallelism", False),
 }
 

@@ -11,8 +11,13 @@ HSDP. The other degrees multiply into the *other-parallel world*
   ranks that parallelism already uses; it adds no ranks, so ``R * S`` must equal the
   other-parallel world. ``hsdp_shard_size=-1`` (the default) means "world // replicate".
 
-HSDP cannot be combined with tensor, data, pipeline or expert parallelism: those already
-split or place the weights themselves.
+Data parallelism (``data_parallel_size=D``) runs under HSDP: the world is D *lanes* of
+``cfg * ulysses * ring`` ranks each, every lane serves its own requests, and HSDP lays
+``R x S`` over the whole world (``hsdp_shard_size=-1`` derives S = world / R), so the weights
+stay sharded across the lanes too; the lanes of one shard group gather in lockstep
+(:mod:`hsdp.engine.lockstep`). A lane lies inside one shard group (S is a multiple of the
+lane's size). HSDP cannot be combined with tensor, pipeline or expert parallelism: those
+already split or place the weights themselves.
 
 Pure Python: the C extension and the process group are imported only inside the methods that
 need them, so a config can be built and validated anywhere (argument parsing, tests, tools).
@@ -256,8 +261,27 @@ class DiffusionParallelConfig:
                 "ranks (use hsdp_shard_size=-1 to derive S, with a replicate size that divides it)"
             ) from None
         self.world_size = other_world
+        lane = self.lane_size
+        if self.data_parallel_size > 1 and self.hsdp_shard_size % lane:
+            raise ValueError(
+                f"data_parallel_size={self.data_parallel_size}: each lane (one request's ranks: "
+                f"cfg x ulysses x ring = {lane}) must lie inside one shard group, so hsdp_shard_size "
+                f"must be a multiple of {lane}; got hsdp_shard_size={self.hsdp_shard_size} "
+                f"(hsdp_replicate_size={self.hsdp_replicate_size}): lower hsdp_replicate_size"
+            )
 
     # ----------------------------------------------------------------- derived values
+
+    @property
+    def lane_size(self) -> int:
+        """The ranks that run one request together: ``cfg * ulysses * ring`` (one rank when
+        none of them is on)."""
+        return self.cfg_parallel_size * self.ulysses_degree * self.ring_degree
+
+    @property
+    def lanes(self) -> int:
+        """How many requests run at once: ``data_parallel_size``."""
+        return int(self.data_parallel_size or 1)
 
     @property
     def other_parallel_world(self) -> int:
@@ -289,8 +313,6 @@ class DiffusionParallelConfig:
         conflicts = []
         if self.tensor_parallel_size > 1:
             conflicts.append(f"tensor parallel (tensor_parallel_size={self.tensor_parallel_size})")
-        if self.data_parallel_size is not None and self.data_parallel_size > 1:
-            conflicts.append(f"data parallel (data_parallel_size={self.data_parallel_size})")
         if self.pipeline_parallel_size > 1:
             conflicts.append(
                 f"pipeline parallel (pipeline_parallel_size={self.pipeline_parallel_size})"
@@ -301,7 +323,7 @@ class DiffusionParallelConfig:
             raise ValueError(
                 "use_hsdp=True cannot be combined with "
                 + ", ".join(conflicts)
-                + "; HSDP shards the weights itself and works only over sequence (ulysses/ring) "
+                + "; HSDP shards the weights itself and works over data, sequence (ulysses/ring) "
                 "and CFG parallelism: set those degrees to 1 and enable_expert_parallel=False, "
                 "or use_hsdp=False"
             )
@@ -321,7 +343,11 @@ class DiffusionParallelConfig:
         )
         if mode == "standalone":
             return f"HSDP standalone: {mesh}"
-        return f"HSDP combined over {' x '.join(self._factors(short=True))}: {mesh}"
+        lanes = ""
+        if self.lanes > 1:
+            of = "1 rank" if self.lane_size == 1 else f"{self.lane_size} ranks"
+            lanes = f"; {self.lanes} lanes of {of}, each its own request, gathering in lockstep"
+        return f"HSDP combined over {' x '.join(self._factors(short=True))}: {mesh}{lanes}"
 
     def __str__(self) -> str:
         return self.describe()
@@ -486,7 +512,7 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
         dest="use_hsdp",
         help="shard the transformer's weights across ranks (HSDP); each rank keeps 1/shard of them "
         "and gathers a block's full weights only while it computes. Cannot be combined with "
-        "tensor, data or pipeline parallelism.",
+        "tensor or pipeline parallelism.",
     )
     group.add_argument(
         "--hsdp-shard-size",
@@ -571,11 +597,13 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
     )
     group.add_argument(
         "--data-parallel-size",
+        "--dp",
         type=int,
         default=None,
         dest="data_parallel_size",
-        metavar="N",
-        help="data-parallel degree (default: 1); must be 1 with --use-hsdp "
-        "(use --hsdp-replicate-size for replicas of sharded weights).",
+        metavar="D",
+        help="data-parallel degree (default: 1): D lanes, each running its own requests (a batch of "
+        "prompts is spread over them); with --use-hsdp the weights stay sharded over all of them "
+        "(shard size auto: world / replicate) and the lanes gather in lockstep.",
     )
     return group

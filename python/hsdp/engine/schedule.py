@@ -29,6 +29,7 @@ from .. import _C
 from . import residency, trace
 
 if TYPE_CHECKING:
+    from .lockstep import Lockstep
     from .units import UnitState
 
 
@@ -86,6 +87,11 @@ class Schedule:
         # (world/nccl.py, stream_probe), so a forward run under `torch.cuda.stream(s)` has its
         # gathers ordered before `s` and its buffers released after it. None elsewhere.
         self._stream_now = _stream_probe(group)
+        # Data parallel (lockstep.py): the ballot of the lanes sharing this model's shard group,
+        # and this model's vote; None without data parallelism.
+        self.lockstep: Lockstep | None = None
+        self.lockstep_id = -1
+        self.units: list[UnitState] = []  # every unit of the model, as registered (serve's fallback order)
         self.order: list[UnitState] = []            # units by pre-forward, frozen once recorded
         self.events: list[tuple[bool, UnitState]] = []  # (is_pre, unit) of the recording forward
         self.recording = True
@@ -104,6 +110,8 @@ class Schedule:
         """The root's pre-forward: a new forward starts."""
         if self._budget_error is not None:
             raise RuntimeError(self._budget_error)
+        if self.lockstep is not None:  # data parallel: the other lanes' models first, served
+            self.lockstep.enter(self)
         if self._stream_now is not None:
             _C.nccl_set_stream(self._stream_now())
         self._gathers_at_begin = _C.memory_stats()["gathers"]
@@ -136,6 +144,28 @@ class Schedule:
         _C.nccl_agreement_drain()
         if trace.enabled:
             trace.forward_done(self)
+
+    def serve(self) -> int:
+        """Joins the gathers of one forward of this model that other ranks of the shard group
+        compute, computing nothing ([Note: lockstep]): every unit in the order they gather
+        them, gathered and given back at once. Units gathered without peers (direct, after
+        their first) or kept gathered are passed over. Returns the gathers joined."""
+        if self.in_forward:
+            raise RuntimeError("lockstep: a model cannot serve its own forward while it runs")
+        if self.order and not self.recording:
+            order = self.order
+        else:  # never run here: the root's pre-forward comes first, then the units as registered
+            order = [u for u in self.units if u.is_root] + [u for u in self.units if not u.is_root]
+        joined = 0
+        for u in order:
+            unit = u.unit
+            if unit.holds_buffers or unit.gather_path == "direct":
+                continue
+            unit.unshard()
+            unit.reshard()
+            joined += 1
+        _C.nccl_agreement_drain()  # as a computed forward ends (NCCL compares its tickets late)
+        return joined
 
     # ---------------------------------------------------------------- residency
 

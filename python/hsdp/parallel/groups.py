@@ -1,5 +1,10 @@
-"""The sequence-parallel and CFG groups of a rank, split from the world as
-``DiffusionParallelConfig`` lays them out, and the reference model's sequence split."""
+"""The data-parallel lanes, and the sequence-parallel and CFG groups of a rank, split from
+the world as ``DiffusionParallelConfig`` lays them out, and the reference model's sequence split.
+
+Layout: world rank = lane * L + c * SP + s, with L = cfg * SP the lane's size, SP = ulysses *
+ring the sequence-parallel size, c the CFG branch and s the rank in the sequence group. Every
+group is split within a lane, so the lanes never exchange activations; only the HSDP shard
+group spans them (its gathers)."""
 
 from __future__ import annotations
 
@@ -21,6 +26,9 @@ class ParallelGroups:
     cfg: Any | None
     ring_degree: int = 1
     ring_rank: int = 0
+    dp_degree: int = 1  # data-parallel lanes
+    dp_rank: int = 0    # this rank's lane
+    lane_rank: int = 0  # this rank within its lane (0: the lane's leader)
 
     @property
     def combined(self) -> bool:
@@ -34,6 +42,8 @@ class ParallelGroups:
             parts.append(f"ring {self.ring_rank}/{self.ring_degree}")
         if self.cfg_degree > 1:
             parts.append(f"cfg branch {self.cfg_rank}/{self.cfg_degree}")
+        if self.dp_degree > 1:
+            parts.insert(0, f"lane {self.dp_rank}/{self.dp_degree}")
         return ", ".join(parts) or "no sequence or CFG parallelism"
 
 
@@ -49,13 +59,16 @@ def init_parallel_groups(config: Any, world: Any) -> ParallelGroups:
         return _init_usp_groups(config, world)
     sp, cfg = config.ulysses_degree, config.cfg_parallel_size
     config.check_world(world.size)  # ValueError naming both sizes and the launch command
-    if sp * cfg == 1:  # standalone HSDP, or nothing parallel: no group to split off
-        return SINGLE
+    lane_size, lanes = sp * cfg, config.lanes
+    d, local = divmod(world.rank, lane_size)
+    lane = {"dp_degree": lanes, "dp_rank": d, "lane_rank": local}
+    if lane_size == 1:  # standalone HSDP, lanes of one rank, or nothing parallel: no group to split off
+        return dataclasses.replace(SINGLE, **lane)
     config.require_supported()  # NotImplementedError naming each degree hsdp.engine.built lists as not built
-    u, c = world.rank % sp, world.rank // sp
+    u, c = local % sp, local // sp
     # Both splits on every rank, in this order: a split is a collective over the world.
-    sp_group = world.split(color=c, key=u)
-    cfg_group = world.split(color=u, key=c)
+    sp_group = world.split(color=d * cfg + c, key=u)
+    cfg_group = world.split(color=d * sp + u, key=c)
     return ParallelGroups(
         ulysses_degree=sp,
         cfg_degree=cfg,
@@ -63,6 +76,7 @@ def init_parallel_groups(config: Any, world: Any) -> ParallelGroups:
         cfg_rank=c,
         sp=Ulysses(sp_group) if sp > 1 else None,
         cfg=cfg_group if cfg > 1 else None,
+        **lane,
     )
 
 
@@ -74,13 +88,14 @@ def _init_usp_groups(config: Any, world: Any) -> ParallelGroups:
     sp = uly * ring
     config.check_world(world.size)
     config.require_supported()  # NotImplementedError naming each degree hsdp.engine.built lists as not built
-    s, c = world.rank % sp, world.rank // sp
+    d, local = divmod(world.rank, sp * cfg)
+    s, c = local % sp, local // sp
     u, r = s % uly, s // uly
     # Every split on every rank, in this order: each is a collective over the world.
-    sp_group = world.split(color=c, key=s)
-    uly_group = world.split(color=c * ring + r, key=u)
-    ring_group = world.split(color=c * uly + u, key=r)
-    cfg_group = world.split(color=s, key=c)
+    sp_group = world.split(color=d * cfg + c, key=s)
+    uly_group = world.split(color=(d * cfg + c) * ring + r, key=u)
+    ring_group = world.split(color=(d * cfg + c) * uly + u, key=r)
+    cfg_group = world.split(color=d * sp + s, key=c)
     usp = USP(sp_group, Ulysses(uly_group) if uly > 1 else None, Ring(ring_group))
     return ParallelGroups(
         ulysses_degree=uly,
@@ -91,6 +106,9 @@ def _init_usp_groups(config: Any, world: Any) -> ParallelGroups:
         cfg=cfg_group if cfg > 1 else None,
         ring_degree=ring,
         ring_rank=r,
+        dp_degree=config.lanes,
+        dp_rank=d,
+        lane_rank=local,
     )
 
 

@@ -46,9 +46,22 @@ def generate(pipe: Any, **call_kwargs: Any) -> Any:
     Ranks other than 0 run with ``output_type="latent"``: the denoising loop is the same
     on every rank, but only rank 0 runs the VAE decode and the post-processing. Users who
     call ``pipe(...)`` directly can do the same (pass ``output_type="latent"`` where
-    ``hsdp.distributed.get_rank() != 0``)."""
+    ``hsdp.distributed.get_rank() != 0``).
+
+    With data parallel lanes (``data_parallel_size=D``) the batch's outputs are spread over
+    the lanes instead (:mod:`hsdp.pipelines.lanes`): output i runs alone on lane i mod D, so
+    it equals the stock pipeline called with it alone, and rank 0 returns the stock output
+    type with every output in order. A list of one generator per output is asked for."""
     check_batch(call_kwargs)
-    rank = distributed.init_process_group().rank
+    world = distributed.init_process_group()
+    rank = world.rank
+    state = getattr(pipe, "_hsdp", None)
+    groups = getattr(state, "groups", None)
+    if groups is not None and groups.dp_degree > 1:
+        from .lanes import items_of, join_outputs, run_lanes
+
+        outputs = run_lanes(pipe, items_of(call_kwargs), world, groups)
+        return join_outputs(outputs) if outputs is not None else None
     if rank != 0:
         call_kwargs = {**call_kwargs, "output_type": "latent"}
     out = pipe(**call_kwargs)

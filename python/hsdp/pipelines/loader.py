@@ -225,11 +225,17 @@ def load_pipeline(
         for _, model in transformers:
             split.install(model)
 
+    lockstep = None
+    if groups.dp_degree > 1:  # the lanes sharing a shard group gather in lockstep
+        from .lanes import install_lockstep
+
+        lockstep = install_lockstep(pipe, [prebuilt[c.name] for c in components if c.name in prebuilt])
+
     states = {}
     for c in components:
         module = getattr(pipe, c.name, None)
         if isinstance(module, torch.nn.Module):
             states[c.name] = component_state(c.name, c.class_name, c.role, module)
     object.__setattr__(pipe, "_hsdp", PipelineState(world.size, world.rank, parallel_config, groups, hsdp_cfg,
-                                                    states, split))
+                                                    states, split, lockstep))
     return pipe

@@ -42,6 +42,7 @@ class PipelineState:
     hsdp_config: Any  # the HSDPInferenceConfig the sharded components use, or None
     components: dict[str, ComponentState]
     cfg_split: Any = None  # the CFG splitter installed on the transformers, if any
+    lockstep: Any = None  # data parallel over sharded models: their shard group's ballot (engine/lockstep.py)
 
     @property
     def sharded(self) -> list[str]:
@@ -55,6 +56,7 @@ class PipelineState:
             "ulysses_degree": self.groups.ulysses_degree,
             "ring_degree": self.groups.ring_degree,
             "cfg_degree": self.groups.cfg_degree,
+            "data_parallel_size": self.groups.dp_degree,
             "sharded": self.sharded,
             "components": {n: c.as_dict() for n, c in self.components.items()},
         }

@@ -1,0 +1,165 @@
+"""Data-parallel lanes: a batch of items spread over the lanes, each lane running the stock
+pipeline call for its own items, in lockstep where they share a shard group
+(:mod:`hsdp.engine.lockstep`); rank 0 gets every item's output, in order.
+
+An *item* is one output of the call: prompt j's k-th video when ``num_videos_per_prompt`` is
+k. Item i runs on lane i mod D, in rounds, as ``pipe(**call_i)`` where ``call_i`` is the call
+with every list of the batch cut to item i (prompt, negative prompt, generator, image, ...)
+and one output per prompt: so item i equals the stock pipeline called with item i alone.
+Every lane decodes its own items (the VAE is replicated); only each lane's leader decodes
+(the other ranks of a lane run with ``output_type="latent"``), and the leaders' outputs go to
+rank 0 in one gather at the end.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..engine.lockstep import Lockstep
+
+# The arguments that hold one entry per prompt (cut to an item's prompt), and the one entry
+# per output (cut to the item itself), of diffusers' video and image pipelines.
+PER_PROMPT = ("prompt", "prompt_2", "negative_prompt", "negative_prompt_2", "image", "last_image", "video")
+PER_OUTPUT = ("generator", "latents")
+PER_PROMPT_COUNTS = ("num_videos_per_prompt", "num_images_per_prompt")
+
+
+def _is_list(v: Any) -> bool:
+    return isinstance(v, (list, tuple))
+
+
+def items_of(call: dict[str, Any]) -> list[dict[str, Any]]:
+    """The call cut into one call per output, in the pipeline's output order (prompt by
+    prompt, each prompt's outputs together). A lone generator cannot be cut: a list of one per
+    output is asked for (each output is then reproducible on its own), unless there is one
+    output."""
+    prompt = call.get("prompt")
+    n_prompts = len(prompt) if _is_list(prompt) else 1
+    per = 1
+    for key in PER_PROMPT_COUNTS:
+        if call.get(key) is not None:
+            per = int(call[key])
+    n = n_prompts * per
+    gen = call.get("generator")
+    if n > 1 and gen is not None and not _is_list(gen):
+        raise ValueError(
+            f"with data parallel lanes, give one generator per output (a list of {n}: {n_prompts} prompt(s) x "
+            f"{per} output(s) each), not one for the whole batch: each output runs alone on its lane, and its "
+            "generator makes it the same as the stock pipeline called with that output alone"
+        )
+    out = []
+    for i in range(n):
+        j = i // per
+        one = dict(call)
+        for key in PER_PROMPT:
+            v = call.get(key)
+            if _is_list(v) and n_prompts > 1:
+                one[key] = v[j] if len(v) == n_prompts else v
+        for key in PER_OUTPUT:
+            v = call.get(key)
+            if _is_list(v):
+                one[key] = v[i]
+            elif key == "latents" and v is not None and getattr(v, "shape", (1,))[0] == n and n > 1:
+                one[key] = v[i : i + 1]
+        for key in PER_PROMPT_COUNTS:
+            if key in one:
+                one[key] = 1
+        out.append(one)
+    return out
+
+
+def _gather_objects(world: Any, obj: Any) -> list[Any]:
+    """Every rank's `obj`, on every rank (pickled; two all-gathers: the sizes, then the bytes)."""
+    data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
+    sizes = np.empty(world.size, dtype=np.int64)
+    world.all_gather(np.array([data.size], dtype=np.int64), sizes)
+    width = int(sizes.max())
+    mine = np.zeros(width, dtype=np.uint8)
+    mine[: data.size] = data
+    every = np.empty(width * world.size, dtype=np.uint8)
+    world.all_gather(mine, every)
+    return [pickle.loads(every[r * width : r * width + int(sizes[r])].tobytes()) for r in range(world.size)]
+
+
+def _concat(outputs: Sequence[Any]) -> Any:
+    """The stock output type with every item's output in order: each field's batch joined."""
+    import dataclasses
+
+    import torch
+
+    first = outputs[0]
+    fields = [f.name for f in dataclasses.fields(first)] if dataclasses.is_dataclass(first) else None
+    if fields is None:
+        raise TypeError(f"cannot join pipeline outputs of type {type(first).__name__} (not a diffusers output)")
+    joined = {}
+    for name in fields:
+        parts = [getattr(o, name) for o in outputs]
+        if all(isinstance(p, np.ndarray) for p in parts):
+            joined[name] = np.concatenate(parts, axis=0)
+        elif all(isinstance(p, torch.Tensor) for p in parts):
+            joined[name] = torch.cat(parts, dim=0)
+        elif all(isinstance(p, list) for p in parts):
+            joined[name] = [x for p in parts for x in p]
+        else:
+            joined[name] = parts[0] if all(p is None for p in parts) else parts
+    return type(first)(**joined)
+
+
+def run_lanes(pipe: Any, calls: Sequence[dict[str, Any]], world: Any, groups: Any) -> list[Any] | None:
+    """Runs item calls spread over the lanes (item i on lane i mod D); returns every item's
+    output in order on rank 0, None elsewhere. Every rank calls it with the same calls."""
+    lanes, lane, leader = groups.dp_degree, groups.dp_rank, groups.lane_rank == 0
+    mine: list[tuple[int, Any]] = []
+    failed: list[str] = []
+    ls = _lockstep_of(pipe)
+    for i in range(lane, len(calls), lanes):
+        call = calls[i] if leader else {**calls[i], "output_type": "latent"}
+        try:
+            out = pipe(**call)
+        except Exception as exc:  # the other lanes still finish; every rank raises below
+            failed.append(f"output {i} (lane {lane}, rank {world.rank}): {type(exc).__name__}: {exc}")
+            break
+        if leader:
+            mine.append((i, out))
+    if ls is not None:
+        ls.finish()  # serve the other lanes until every lane is done
+    every = _gather_objects(world, (mine if leader and not failed else [], failed))
+    errors = [e for _, errs in every for e in errs]
+    if errors:
+        raise RuntimeError("data parallel lanes failed: " + "; ".join(errors[:4]) + (" ..." if len(errors) > 4 else ""))
+    if world.rank != 0:
+        return None
+    outputs: list[Any] = [None] * len(calls)
+    for part, _ in every:
+        for i, out in part:
+            outputs[i] = out
+    return outputs
+
+
+def _lockstep_of(pipe: Any) -> Any:
+    state = getattr(pipe, "_hsdp", None)
+    return getattr(state, "lockstep", None) if state is not None else None
+
+
+def install_lockstep(pipe: Any, models: Sequence[Any]) -> Lockstep | None:
+    """One ballot for the pipeline's sharded models (one shard group: one config), registered
+    in the given (load) order, the same on every rank; None when nothing is sharded."""
+    ls: Lockstep | None = None
+    for model in models:
+        ctx = getattr(model, "_hsdp_context", None)
+        if ctx is None or ctx.schedule is None:
+            continue
+        if ls is None:
+            ls = Lockstep(ctx.mesh.shard_group)
+        elif ctx.mesh.shard_group is not ls.group:
+            raise ValueError("data parallel lanes need every sharded model of the pipeline on one shard group")
+        ls.register(ctx.schedule)
+    return ls
+
+
+def join_outputs(outputs: Sequence[Any]) -> Any:
+    return _concat(outputs)

@@ -1,0 +1,165 @@
+"""One rank of the data-parallel checks (started by tests/test_dp.py under mpiexec).
+
+`python tests/dp_worker.py WAN22_DIR FLUX_DIR CASE...`: each case loads a tiny pipeline with
+hsdp.pipelines.load_pipeline under DiffusionParallelConfig(data_parallel_size=D, use_hsdp=True,
+...), runs a batch spread over the lanes, and compares every output (float32 frames, rank 0)
+with the stock unsharded diffusers pipeline called with that output alone (max abs <= 1e-4 on
+[0, 1]). Every rank also checks that each sharded component holds 1/S of its elements with S
+spanning the lanes, and what the lanes' ballot did.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any
+
+import numpy as np
+import torch
+
+import hsdp
+import hsdp.pipelines as hp
+from hsdp.engine.config import DiffusionParallelConfig
+from hsdp.pipelines.lanes import run_lanes
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from pipelines_worker import FLUX_CALL, WAN_CALL, _frames, check_shares  # noqa: E402
+
+torch.set_num_threads(1)
+PROMPTS = ["a cat running in the snow", "a red boat on a lake", "two dogs in a garden"]
+_stock: dict[str, Any] = {}
+
+
+def stock(kind: str, path: str, call: dict[str, Any]) -> np.ndarray:
+    """The stock unsharded pipeline called with one output alone (rank 0)."""
+    if kind not in _stock:
+        from diffusers import DiffusionPipeline
+
+        _stock[kind] = DiffusionPipeline.from_pretrained(path, dtype=torch.float32)
+    return _frames(_stock[kind](**call, output_type="np"))
+
+
+def compare(case: str, kind: str, path: str, got: np.ndarray, calls: list[dict[str, Any]]) -> None:
+    assert got.shape[0] == len(calls), (case, got.shape, len(calls))
+    for i, call in enumerate(calls):
+        ref = stock(kind, path, call)
+        diff = float(np.abs(got[i : i + 1] - ref).max())
+        assert got[i : i + 1].shape == ref.shape and diff <= 1e-4, (case, i, got.shape, ref.shape, diff)
+        print(f"{case}: output {i} max abs {diff:.3g}", flush=True)
+
+
+def seeded(n: int) -> list[torch.Generator]:
+    return [torch.Generator().manual_seed(10 + i) for i in range(n)]
+
+
+def run_batch(case: str, kind: str, path: str, config: DiffusionParallelConfig, n: int) -> None:
+    """n prompts through hp.generate: output i equals the stock pipeline with prompt i and
+    generator i alone."""
+    rank = hsdp.distributed.get_rank()
+    pipe = hp.load_pipeline(path, config, torch_dtype=torch.float32, progress=False)
+    check_shares(pipe, config)
+    base = WAN_CALL if kind == "wan22" else FLUX_CALL
+    prompts = PROMPTS[:n]
+    negs = [f"blurry {i}" for i in range(n)]
+    out = hp.generate(pipe, **{**base, "prompt": prompts, "negative_prompt": negs}, generator=seeded(n),
+                      output_type="np")
+    ls = hp.pipeline_state(pipe).lockstep
+    assert ls is not None and ls.ballots > 0, ls
+    if rank == 0:
+        calls = [{**base, "prompt": p, "negative_prompt": q, "generator": g} for p, q, g in zip(prompts, negs, seeded(n))]
+        compare(case, kind, path, _frames(out), calls)
+    else:
+        assert out is None
+    print(f"rank {rank}: {case} ok ({ls.report()})", flush=True)
+
+
+def run_uneven(case: str, path: str, config: DiffusionParallelConfig, lockstep: bool = True) -> None:
+    """Lanes in one round with different step counts (4 and 6: Wan 2.2's experts switch at
+    different steps), guidance on one lane and off on the other, then a third output on lane 0
+    alone (lane 1 serves it). Without the lockstep (the control) the lanes' gathers part ways
+    and the agreement check fails every rank, naming what each asked for."""
+    rank = hsdp.distributed.get_rank()
+    pipe = hp.load_pipeline(path, config, torch_dtype=torch.float32, progress=False)
+    if not lockstep:
+        ls = hp.pipeline_state(pipe).lockstep
+        for sched in ls.schedules:
+            sched.lockstep = None
+        object.__setattr__(pipe, "_hsdp", dataclasses.replace(hp.pipeline_state(pipe), lockstep=None))
+    calls = [
+        {**WAN_CALL, "prompt": PROMPTS[0], "num_inference_steps": 4, "guidance_scale": 4.0},
+        {**WAN_CALL, "prompt": PROMPTS[1], "num_inference_steps": 6, "guidance_scale": 1.0},
+        {**WAN_CALL, "prompt": PROMPTS[2], "num_inference_steps": 3, "guidance_scale": 4.0},
+    ]
+    for i, c in enumerate(calls):
+        c["generator"] = torch.Generator().manual_seed(20 + i)
+        c["output_type"] = "np"
+    groups = hp.pipeline_state(pipe).groups
+    if not lockstep:
+        try:
+            run_lanes(pipe, calls, hsdp.distributed.get_world_group(), groups)
+        except RuntimeError as exc:
+            assert "data parallel lanes failed" in str(exc) and "do not gather the same unit" in str(exc), str(exc)
+            print(f"rank {rank}: {case} ok (desync caught)", flush=True)
+            return
+        raise AssertionError("lanes without the lockstep did not part ways")
+    outputs = run_lanes(pipe, calls, hsdp.distributed.get_world_group(), groups)
+    ls = hp.pipeline_state(pipe).lockstep
+    assert ls.served_forwards > 0, ls.report()  # the lanes did wait for each other's models
+    if rank == 0:
+        got = np.concatenate([_frames(o) for o in outputs], axis=0)
+        for i, c in enumerate(calls):
+            c["generator"] = torch.Generator().manual_seed(20 + i)
+            c.pop("output_type")
+        compare(case, "wan22", path, got, calls)
+    print(f"rank {rank}: {case} ok ({ls.report()})", flush=True)
+
+
+def run_refusals(path: str) -> None:
+    """Bad input: a generator list of another length; one generator for a batch of several."""
+    rank = hsdp.distributed.get_rank()
+    config = DiffusionParallelConfig(use_hsdp=True, data_parallel_size=2)
+    pipe = hp.load_pipeline(path, config, torch_dtype=torch.float32, progress=False)
+    for kwargs, text in (
+        ({"generator": seeded(3)}, "generator is a list of 3 generators, but the batch is 2"),
+        ({"generator": torch.Generator().manual_seed(0)}, "give one generator per output"),
+    ):
+        try:
+            hp.generate(pipe, **{**WAN_CALL, "prompt": PROMPTS[:2]}, **kwargs)
+        except ValueError as exc:
+            assert text in str(exc), str(exc)
+        else:
+            raise AssertionError(f"generate took {kwargs}")
+    print(f"rank {rank}: refusals ok", flush=True)
+
+
+def main() -> None:
+    paths = {"wan22": sys.argv[1], "flux": sys.argv[2]}
+    hsdp.distributed.init_process_group()
+    world = hsdp.distributed.get_world_size()
+    for case in sys.argv[3:]:
+        if case == "wan22-dp2":
+            run_batch(case, "wan22", paths["wan22"], DiffusionParallelConfig(use_hsdp=True, data_parallel_size=2), 2)
+        elif case == "wan22-dp2-3prompts":
+            run_batch(case, "wan22", paths["wan22"], DiffusionParallelConfig(use_hsdp=True, data_parallel_size=2), 3)
+        elif case == "flux-dp2":
+            run_batch(case, "flux", paths["flux"], DiffusionParallelConfig(use_hsdp=True, data_parallel_size=2), 2)
+        elif case == "wan22-uneven":
+            run_uneven(case, paths["wan22"], DiffusionParallelConfig(use_hsdp=True, data_parallel_size=2))
+        elif case == "wan22-uneven-no-lockstep":
+            run_uneven(case, paths["wan22"], DiffusionParallelConfig(use_hsdp=True, data_parallel_size=2), False)
+        elif case == "wan22-dp2-cfg2":
+            assert world == 4
+            run_batch(case, "wan22", paths["wan22"],
+                      DiffusionParallelConfig(use_hsdp=True, data_parallel_size=2, cfg_parallel_size=2), 2)
+        elif case == "wan22-dp2-ulysses2":
+            assert world == 4
+            run_batch(case, "wan22", paths["wan22"],
+                      DiffusionParallelConfig(use_hsdp=True, data_parallel_size=2, ulysses_degree=2), 2)
+        elif case == "refusals":
+            run_refusals(paths["wan22"])
+        else:
+            raise SystemExit(f"unknown case {case}")
+
+
+if __name__ == "__main__":
+    main()
