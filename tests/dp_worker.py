@@ -66,7 +66,8 @@ def run_batch(case: str, kind: str, path: str, config: DiffusionParallelConfig, 
     ls = hp.pipeline_state(pipe).lockstep
     assert ls is not None and ls.ballots > 0, ls
     if rank == 0:
-        calls = [{**base, "prompt": p, "negative_prompt": q, "generator": g} for p, q, g in zip(prompts, negs, seeded(n))]
+        calls = [{**base, "prompt": p, "negative_prompt": q, "generator": g}
+                 for p, q, g in zip(prompts, negs, seeded(n), strict=True)]
         compare(case, kind, path, _frames(out), calls)
     else:
         assert out is None
