@@ -49,18 +49,19 @@ def generate(pipe: Any, **call_kwargs: Any) -> Any:
     ``hsdp.distributed.get_rank() != 0``).
 
     With data parallel lanes (``data_parallel_size=D``) the batch's outputs are spread over
-    the lanes instead (:mod:`hsdp.pipelines.lanes`): output i runs alone on lane i mod D, so
-    it equals the stock pipeline called with it alone, and rank 0 returns the stock output
-    type with every output in order. A list of one generator per output is asked for."""
+    the lanes instead (:mod:`hsdp.pipelines.lanes`): output i runs on lane i mod D, in one
+    stock call per lane of its outputs, so it equals the stock pipeline called with it alone
+    (up to a batch's rounding), and rank 0 returns the stock output type with every output in
+    order. A list of one generator per output is asked for."""
     check_batch(call_kwargs)
     world = distributed.init_process_group()
     rank = world.rank
     state = getattr(pipe, "_hsdp", None)
     groups = getattr(state, "groups", None)
     if groups is not None and groups.dp_degree > 1:
-        from .lanes import items_of, join_outputs, run_lanes
+        from .lanes import items_of, join_outputs, run_items
 
-        outputs = run_lanes(pipe, items_of(call_kwargs), world, groups)
+        outputs = run_items(pipe, items_of(call_kwargs), world, groups)
         return join_outputs(outputs) if outputs is not None else None
     if rank != 0:
         call_kwargs = {**call_kwargs, "output_type": "latent"}

@@ -3,12 +3,13 @@ pipeline call for its own items, in lockstep where they share a shard group
 (:mod:`hsdp.engine.lockstep`); rank 0 gets every item's output, in order.
 
 An *item* is one output of the call: prompt j's k-th video when ``num_videos_per_prompt`` is
-k. Item i runs on lane i mod D, in rounds, as ``pipe(**call_i)`` where ``call_i`` is the call
-with every list of the batch cut to item i (prompt, negative prompt, generator, image, ...)
-and one output per prompt: so item i equals the stock pipeline called with item i alone.
-Every lane decodes its own items (the VAE is replicated); only each lane's leader decodes
-(the other ranks of a lane run with ``output_type="latent"``), and the leaders' outputs go to
-rank 0 in one gather at the end.
+k. Item i belongs to lane i mod D, and each lane runs its items as one stock call of their own
+(:func:`lane_call`: every list of the batch cut to them: prompt, negative prompt, generator,
+image, ...; one output per prompt), so item i equals the stock pipeline called with it alone,
+up to the rounding of a batch (a lane holds 1/D of the batch a single call would). Every lane
+decodes its own items (the VAE is replicated); only each lane's leader decodes (the other
+ranks of a lane run with ``output_type="latent"``), and the leaders' outputs go to rank 0 in
+one gather at the end.
 """
 
 from __future__ import annotations
@@ -72,6 +73,40 @@ def items_of(call: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def lane_call(items: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One stock call for several items cut from the same call (:func:`items_of`): their
+    per-prompt and per-output arguments as lists, in item order."""
+    if len(items) == 1:
+        return dict(items[0])
+    call = dict(items[0])
+    for key in PER_PROMPT + ("generator",):
+        if key not in call or call[key] is None:
+            continue
+        # the prompt and the generators go per item; another argument stays one value when
+        # every item shares it (one negative prompt for all, say)
+        if key in ("prompt", "generator") or not all(it.get(key) is call[key] for it in items):
+            call[key] = [it[key] for it in items]
+    if call.get("latents") is not None:
+        import torch
+
+        call["latents"] = torch.cat([it["latents"] for it in items], dim=0)
+    return call
+
+
+def split_output(out: Any, n: int) -> list[Any]:
+    """A stock output of n items as n outputs of one (the inverse of joining them)."""
+    import dataclasses
+
+    if n == 1:
+        return [out]
+    parts: list[dict[str, Any]] = [{} for _ in range(n)]
+    for f in dataclasses.fields(out):
+        value = getattr(out, f.name)
+        for i in range(n):
+            parts[i][f.name] = value[i : i + 1] if value is not None else None
+    return [type(out)(**p) for p in parts]
+
+
 def _gather_objects(world: Any, obj: Any) -> list[Any]:
     """Every rank's `obj`, on every rank (pickled; two all-gathers: the sizes, then the bytes)."""
     data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
@@ -109,14 +144,35 @@ def _concat(outputs: Sequence[Any]) -> Any:
     return type(first)(**joined)
 
 
-def run_lanes(pipe: Any, calls: Sequence[dict[str, Any]], world: Any, groups: Any) -> list[Any] | None:
-    """Runs item calls spread over the lanes (item i on lane i mod D); returns every item's
-    output in order on rank 0, None elsewhere. Every rank calls it with the same calls."""
+def run_items(pipe: Any, items: Sequence[dict[str, Any]], world: Any, groups: Any) -> list[Any] | None:
+    """The items of one batch (:func:`items_of`) spread over the lanes: lane d runs items d,
+    d + D, ... as one stock call (:func:`lane_call`). Every item's output, in order, on rank 0
+    (None elsewhere)."""
+    lanes = groups.dp_degree
+    per_lane = [list(range(d, len(items), lanes)) for d in range(lanes)]
+    calls = [lane_call([items[i] for i in idx]) if idx else None for idx in per_lane]
+    outs = run_lanes(pipe, calls, world, groups)
+    if outs is None:
+        return None
+    result: list[Any] = [None] * len(items)
+    for d, idx in enumerate(per_lane):
+        if idx:
+            for i, one in zip(idx, split_output(outs[d], len(idx)), strict=True):
+                result[i] = one
+    return result
+
+
+def run_lanes(pipe: Any, calls: Sequence[dict[str, Any] | None], world: Any, groups: Any) -> list[Any] | None:
+    """Runs calls spread over the lanes (call i on lane i mod D, in rounds; a None call runs
+    nothing); returns every call's output in order on rank 0, None elsewhere. Every rank calls
+    it with the same calls."""
     lanes, lane, leader = groups.dp_degree, groups.dp_rank, groups.lane_rank == 0
     mine: list[tuple[int, Any]] = []
     failed: list[str] = []
     ls = _lockstep_of(pipe)
     for i in range(lane, len(calls), lanes):
+        if calls[i] is None:
+            continue
         call = calls[i] if leader else {**calls[i], "output_type": "latent"}
         try:
             out = pipe(**call)
