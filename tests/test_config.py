@@ -207,6 +207,8 @@ def test_data_parallel_under_hsdp() -> None:
         C(use_hsdp=True, data_parallel_size=2, cfg_parallel_size=2, hsdp_replicate_size=4)
     with pytest.raises(ValueError, match="tensor parallel"):
         C(use_hsdp=True, data_parallel_size=2, tensor_parallel_size=2)
+    with pytest.raises(NotImplementedError, match="hsdp_resident_bytes='auto' with data_parallel_size=2"):
+        C(use_hsdp=True, data_parallel_size=2, hsdp_resident_bytes="auto")
     assert C.from_cli_args(_parse(["--dp", "3", "--use-hsdp"])[0]) == C(use_hsdp=True, data_parallel_size=3)
 
 

@@ -93,6 +93,9 @@ def test_bad_input_exits_2_naming_what_is_wrong(folders, tmp_path, capsys, monke
         (["--model", i2v, "--prompt", "a cat", "--image", str(not_image)], "not an image PIL can read"),
         (["--model", i2v, "--prompt", "a cat", "--image", str(tmp_path / "no.png")], "no such file"),
         (["--model", wan, "--prompt", " "], "--prompt is empty"),
+        (["--model", wan, "--prompt", "a cat", "--prompt", ""], "prompt 1 is empty (counted from 0"),
+        (["--model", wan], "give a prompt: --prompt TEXT (repeatable) or --prompt-file FILE"),
+        (["--model", wan, "--prompt-file", str(tmp_path / "no.txt")], "--prompt-file"),
         (["--model", wan, "--prompt", "a cat", "--num-inference-steps", "0"], "--num-inference-steps must be >= 1"),
         (["--model", wan, "--prompt", "a cat", "--use-hsdp"], "standalone HSDP mode needs an explicit hsdp_shard_size"),
         (["--model", wan, "--prompt", "a cat", "--ring-degree", "0"], "ring_degree must be a positive int, got 0"),
@@ -169,6 +172,29 @@ def test_self_launched_ranks_write_an_mp4_that_matches_the_stock_pipeline(folder
     _check_sharded(report, 2)
     assert report["dtype"] == "bfloat16" and report["verify"]["reference"] != "stock"
     assert report["frames_shape"] == [5, 32, 32, 3] and report["call"]["prompt"] == "a cat running in the snow"
+
+
+def test_several_prompts_over_data_parallel_lanes(folders, tmp_path):
+    """--prompt twice and a --prompt-file over 2 lanes (--dp 2): NAME-0.npy, NAME-1.npy, NAME-2.npy in
+    prompt order, each seeded --seed + i and equal to the stock pipeline called with it alone; the
+    report gives outputs per minute."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red boat on a lake\n\n")
+    out = tmp_path / "o" / "many.npy"
+    proc = _ok(_run([sys.executable, "-m", "hsdp", "generate", "--model", str(folders["wan22"]), "--prompt",
+                     "a cat in the snow", "--prompt", "two dogs", "--prompt-file", str(prompts), *VIDEO,
+                     "--dtype", "float32", "--seed", "5", "--use-hsdp", "--dp", "2", "--verify", "--output", str(out)],
+                    tmp_path))
+    assert "2 lanes of 1 rank" in proc.stdout and "outputs per minute" in proc.stdout, proc.stdout
+    report = _report(out)
+    _check_sharded(report, 2)
+    assert report["outputs"] == [str(out.with_name(f"many-{i}.npy")) for i in range(3)]
+    assert report["call"]["prompt"] == ["a cat in the snow", "two dogs", "a red boat on a lake"]
+    assert report["timing"]["outputs_per_minute"] > 0
+    import numpy as np
+
+    frames = [np.load(out.with_name(f"many-{i}.npy")) for i in range(3)]
+    assert all(f.shape == (5, 32, 32, 3) for f in frames) and not np.array_equal(frames[0], frames[1])
 
 
 def test_inside_mpiexec_image_to_video_with_cfg_parallel_writes_npy(folders, tmp_path):

@@ -74,7 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", type=Path, required=True, metavar="DIR",
                    help="a diffusers pipeline folder (model_index.json; save_pretrained's layout)")
-    p.add_argument("--prompt", required=True, help="the text prompt")
+    p.add_argument("--prompt", action="append", default=None,
+                   help="the text prompt; repeat it for several outputs (NAME-0, NAME-1, ... in prompt order, "
+                   "seeded --seed + i), spread over the lanes with --data-parallel-size")
+    p.add_argument("--prompt-file", type=Path, default=None, metavar="FILE",
+                   help="prompts, one a line (blank lines skipped), after any --prompt")
     p.add_argument("--negative-prompt", default=None, help="the negative prompt (default: the pipeline's)")
     p.add_argument("--image", type=Path, default=None, metavar="FILE",
                    help="the first frame, for an image-to-video folder (WanImageToVideoPipeline)")
@@ -138,8 +142,19 @@ def check_args(args: argparse.Namespace) -> tuple[PipelineFolder, DiffusionParal
         raise UsageError(f"--output {args.output} is a folder; give a file name ({', '.join(SUFFIXES[kind])})")
     _check_writable(args.output)
     _positive(args, "num_inference_steps", "height", "width", "num_frames", "fps")
-    if not args.prompt.strip():
-        raise UsageError("--prompt is empty")
+    prompts = list(args.prompt or [])
+    if args.prompt_file is not None:
+        try:
+            prompts += [line.strip() for line in args.prompt_file.read_text().splitlines() if line.strip()]
+        except OSError as exc:
+            raise UsageError(f"--prompt-file {args.prompt_file}: {exc.strerror or exc}") from None
+    if not prompts:
+        raise UsageError("give a prompt: --prompt TEXT (repeatable) or --prompt-file FILE")
+    for i, prompt in enumerate(prompts):
+        if not prompt.strip():
+            raise UsageError("--prompt is empty" if len(prompts) == 1 else
+                             f"prompt {i} is empty (counted from 0: each --prompt, then --prompt-file's lines)")
+    args.prompts = prompts
     for name in ("height", "width"):
         value = getattr(args, name)
         if value is not None and value % folder.spatial_multiple:
@@ -246,7 +261,8 @@ class StepClock:
 def call_kwargs(args: argparse.Namespace, folder: PipelineFolder) -> dict[str, Any]:
     """The stock pipeline call's keyword arguments, as a diffusers user writes them (without the
     generator, which is fresh for each call)."""
-    kwargs: dict[str, Any] = {"prompt": args.prompt, "output_type": "np"}
+    prompts = args.prompts
+    kwargs: dict[str, Any] = {"prompt": prompts[0] if len(prompts) == 1 else prompts, "output_type": "np"}
     for name in ("negative_prompt", "num_inference_steps", "guidance_scale", "true_cfg_scale", "height", "width",
                  "num_frames"):
         value = getattr(args, name)
@@ -265,11 +281,25 @@ def _generator(seed: int) -> Any:
     return torch.Generator("cpu").manual_seed(seed)
 
 
-def frames_of(result: Any, folder: PipelineFolder) -> Any:
-    """The first (only) video's frames (F, H, W, 3), or the image (H, W, 3), as float32 numpy."""
+def outputs_of(args: argparse.Namespace) -> list[Path]:
+    """Where each prompt's output goes: --output itself for one prompt, NAME-i.SUFFIX for several."""
+    if len(args.prompts) == 1:
+        return [args.output]
+    return [args.output.with_name(f"{args.output.stem}-{i}{args.output.suffix}") for i in range(len(args.prompts))]
+
+
+def _generators(args: argparse.Namespace) -> Any:
+    """One generator for one prompt; several prompts: one each, seeded --seed + i."""
+    if len(args.prompts) == 1:
+        return _generator(args.seed)
+    return [_generator(args.seed + i) for i in range(len(args.prompts))]
+
+
+def frames_of(result: Any, folder: PipelineFolder, index: int = 0) -> Any:
+    """Output `index`'s frames (F, H, W, 3), or its image (H, W, 3), as float32 numpy."""
     import numpy as np
 
-    out = result.frames[0] if folder.output == "video" else result.images[0]
+    out = result.frames[index] if folder.output == "video" else result.images[index]
     if hasattr(out, "detach"):
         out = out.detach().float().cpu().numpy()
     return np.asarray(out, dtype=np.float32)
@@ -282,23 +312,27 @@ def _held_per_component(pipe: Any) -> dict[str, tuple[int, int, bool]]:
     return {name: (c.local_bytes, c.bytes, c.sharded) for name, c in pipeline_state(pipe).components.items()}
 
 
-def _verify(args: argparse.Namespace, folder: PipelineFolder, pipe: Any, kwargs: dict[str, Any], frames: Any,
-            dtype: Any) -> dict[str, Any]:
-    """Rank 0: the reference pipeline, the same call with a fresh generator of the same seed;
-    the verdict."""
+def _verify(args: argparse.Namespace, folder: PipelineFolder, pipe: Any, kwargs: dict[str, Any],
+            frames: Sequence[Any], dtype: Any) -> dict[str, Any]:
+    """Rank 0: the reference pipeline called for each prompt alone, with a fresh generator of its
+    seed; the verdict over all of them (the largest difference)."""
     import numpy as np
 
     stock = reference_pipeline(folder.path, pipe, dtype, args.device)
     stock.set_progress_bar_config(disable=True)
     started = time.perf_counter()
-    reference = frames_of(stock(**kwargs, generator=_generator(args.seed)), folder)
-    seconds = time.perf_counter() - started
     tolerance = args.verify_tolerance
-    if reference.shape != frames.shape:
-        return {"ok": False, "max_abs_diff": None, "tolerance": tolerance, "seconds": seconds,
-                "error": f"shape {list(frames.shape)} against the stock pipeline's {list(reference.shape)}"}
-    diff = float(np.max(np.abs(frames - reference)))
-    return {"ok": bool(diff <= tolerance), "max_abs_diff": diff, "tolerance": tolerance, "seconds": seconds,
+    diff = 0.0
+    for i, got in enumerate(frames):
+        one = {**kwargs, "prompt": args.prompts[i]}
+        reference = frames_of(stock(**one, generator=_generator(args.seed + i)), folder)
+        if reference.shape != got.shape:
+            return {"ok": False, "max_abs_diff": None, "tolerance": tolerance,
+                    "seconds": time.perf_counter() - started,
+                    "error": f"output {i}: shape {list(got.shape)} against the stock pipeline's {list(reference.shape)}"}
+        diff = max(diff, float(np.max(np.abs(got - reference))))
+    return {"ok": bool(diff <= tolerance), "max_abs_diff": diff, "tolerance": tolerance,
+            "seconds": time.perf_counter() - started,
             "reference": "stock" if args.dtype == "float32" else f"stock, {args.dtype} as hsdp stores and casts"}
 
 
@@ -343,8 +377,12 @@ def run(args: argparse.Namespace, folder: PipelineFolder, config: DiffusionParal
 
     kwargs = call_kwargs(args, folder)
     clock = StepClock()
-    result = generate(pipe, **kwargs, generator=_generator(args.seed), callback_on_step_end=clock)
+    called = time.perf_counter()
+    result = generate(pipe, **kwargs, generator=_generators(args), callback_on_step_end=clock)
+    call_seconds = time.perf_counter() - called
     timing = clock.timing()
+    timing["call_seconds"] = call_seconds
+    timing["outputs_per_minute"] = 60 * len(args.prompts) / call_seconds
     held = _held_per_component(pipe)
     cuda_peak = _gpu_peak_bytes(torch, sum(h[0] for h in held.values())) if on_gpu else -1
     per_rank = gather_ints(world, [load_peak, peak_rss_bytes(), sum(h[0] for h in held.values()),
@@ -354,8 +392,10 @@ def run(args: argparse.Namespace, folder: PipelineFolder, config: DiffusionParal
 
     if not rank0:
         return 0
-    frames = frames_of(result, folder)
-    write_output(frames, args.output, args.fps or 16)
+    paths = outputs_of(args)
+    frames = [frames_of(result, folder, i) for i in range(len(paths))]
+    for one, path in zip(frames, paths, strict=True):
+        write_output(one, path, args.fps or 16)
     verify = _verify(args, folder, pipe, kwargs, frames, dtype) if args.verify else None
     report = {
         "pipeline": folder.class_name,
@@ -368,7 +408,8 @@ def run(args: argparse.Namespace, folder: PipelineFolder, config: DiffusionParal
         "call": {k: v for k, v in kwargs.items() if k not in ("image", "output_type")},
         "image": str(args.image) if args.image is not None else None,
         "output": str(args.output),
-        "frames_shape": list(frames.shape),
+        "outputs": [str(p) for p in paths],
+        "frames_shape": list(frames[0].shape),
         "load_seconds_per_rank": [int(v) / 1e6 for v in per_rank[:, 3]],
         "load_peak_rss_bytes_per_rank": [int(v) for v in per_rank[:, 0]],
         "peak_rss_bytes_per_rank": [int(v) for v in per_rank[:, 1]],
@@ -414,7 +455,12 @@ def _rows(report: dict[str, Any], fmt_bytes: Any) -> list[tuple[str, str]]:
     rows.append(("seconds per step",
                  (f"{mean:.3f} (mean of steps 2-{t['steps']})" if mean is not None else "n/a (one step)")
                  + (f"; first step {first:.3f} (with prompt encoding)" if first is not None else "")))
-    rows.append(("output", f"{report['output']} {tuple(report['frames_shape'])}"))
+    if len(report["outputs"]) > 1:
+        rows.append(("outputs", f"{len(report['outputs'])}: {report['outputs'][0]} .. {report['outputs'][-1]} "
+                     f"{tuple(report['frames_shape'])} each"))
+        rows.append(("outputs per minute", f"{t['outputs_per_minute']:.2f} ({t['call_seconds']:.2f} s for the call)"))
+    else:
+        rows.append(("output", f"{report['output']} {tuple(report['frames_shape'])}"))
     v = report["verify"]
     if v is None:
         rows.append(("verify", "not run (pass --verify)"))

@@ -261,6 +261,12 @@ class DiffusionParallelConfig:
                 "ranks (use hsdp_shard_size=-1 to derive S, with a replicate size that divides it)"
             ) from None
         self.world_size = other_world
+        if self.data_parallel_size > 1 and self.hsdp_resident_bytes is not None:
+            raise NotImplementedError(
+                f"hsdp_resident_bytes={self.hsdp_resident_bytes!r} with data_parallel_size={self.data_parallel_size} "
+                "is not built yet: the budget is agreed over the shard group at the end of a model's first "
+                "forward, which the lanes of a shard group do not reach together; leave hsdp_resident_bytes unset"
+            )
         lane = self.lane_size
         if self.data_parallel_size > 1 and self.hsdp_shard_size % lane:
             raise ValueError(
