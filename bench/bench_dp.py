@@ -94,7 +94,7 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=8, help="blocks per transformer (default %(default)s)")
     p.add_argument("--steps", type=int, default=4, help="denoising steps (default %(default)s)")
     p.add_argument("--frames", type=int, default=17, help="video frames (default %(default)s)")
-    p.add_argument("--size", type=int, default=128, help="height and width in pixels (default %(default)s)")
+    p.add_argument("--size", type=int, default=160, help="height and width in pixels (default %(default)s)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--repeat", type=int, default=3, help="jobs of each kind, alternating (default %(default)s)")
     p.add_argument("--folder", type=Path, default=None, help="the pipeline folder (default: under outputs/bench/)")
