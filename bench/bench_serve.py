@@ -13,6 +13,10 @@ Starts the server (``python -m hsdp serve --port 0``) on ``--shard-size`` ranks 
 - ``hsdp generate`` with the same request, ``--generate-runs`` times in a loop (each run starts
   its ranks and loads the pipeline): jobs/min and p50/p99.
 
+With ``--data-parallel-size D`` the loaded part runs twice more, on servers of the same ranks
+and sharding: one request at a time on every rank (D=1) and D lanes (``--dp D``: up to D jobs at
+once), alternating ``--dp-repeat`` times; it prints their jobs per minute and the ratio.
+
 Without ``--model`` a tiny random Wan2.2 folder is written to a temporary folder first. Prints a
 markdown table; ``--json FILE`` also writes the figures.
 """
@@ -49,8 +53,9 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
-def _start_server(model: Path, shard: int, workdir: Path) -> tuple[subprocess.Popen[str], str]:
-    cmd = [sys.executable, "-m", "hsdp", "serve", "--model", str(model), "--port", "0"]
+def _start_server(model: Path, shard: int, workdir: Path,
+                  extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen[str], str]:
+    cmd = [sys.executable, "-m", "hsdp", "serve", "--model", str(model), "--port", "0", *extra]
     if shard > 1:
         cmd += ["--use-hsdp", "--hsdp-shard-size", str(shard)]
     proc = subprocess.Popen(cmd, cwd=workdir, env=_env(), stdout=subprocess.PIPE,
@@ -99,6 +104,41 @@ def bench_server(args: argparse.Namespace, form: dict[str, str], workdir: Path) 
             "loaded_p99": _pct(loaded, 0.99), "loaded_wall": wall}
 
 
+def bench_lanes(args: argparse.Namespace, form: dict[str, str], workdir: Path) -> dict[str, object]:
+    """Loaded jobs per minute on one request at a time (D=1) and on D lanes, same ranks and
+    sharding, alternating."""
+    import httpx
+
+    def loaded(extra: tuple[str, ...]) -> float:
+        proc, url = _start_server(args.model, args.shard_size, workdir, extra)
+        try:
+            with httpx.Client(base_url=url, timeout=600) as client:
+                def one(seed: int) -> None:
+                    client.post("/v1/videos/sync", data={**form, "seed": str(seed)}).raise_for_status()
+
+                with concurrent.futures.ThreadPoolExecutor(args.clients) as pool:  # warm-up: every lane records
+                    list(pool.map(one, range(args.clients)))
+                started = time.perf_counter()
+                with concurrent.futures.ThreadPoolExecutor(args.clients) as pool:
+                    list(pool.map(one, range(1000, 1000 + args.jobs)))
+                return args.jobs / (time.perf_counter() - started) * 60
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(120)
+            log = (workdir / "serve.err").read_text()
+            rounds[extra[-1] if extra else "1"] = [log.count(f"(a round of {k})") for k in range(1, d + 1)]
+
+    d = args.data_parallel_size
+    rounds: dict[str, list[int]] = {}
+    runs: dict[str, list[float]] = {"d1": [], "dp": []}
+    for _ in range(args.dp_repeat):
+        runs["d1"].append(loaded(()))
+        runs["dp"].append(loaded(("--data-parallel-size", str(d))))
+    d1, dp = _pct(runs["d1"], 0.5), _pct(runs["dp"], 0.5)
+    return {"d1_jobs_per_min": d1, "dp_jobs_per_min": dp, "dp_ratio": dp / d1, "d1_runs": runs["d1"],
+            "dp_runs": runs["dp"], "dp_rounds_by_size": rounds.get(str(d))}
+
+
 def bench_generate(args: argparse.Namespace, form: dict[str, str], workdir: Path) -> dict[str, object]:
     flags = ["--prompt", form["prompt"], "--width", form["width"], "--height", form["height"],
              "--num-frames", form["num_frames"], "--num-inference-steps", form["num_inference_steps"]]
@@ -129,6 +169,9 @@ def main() -> int:
     p.add_argument("--num-frames", default="5")
     p.add_argument("--steps", default="2")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--data-parallel-size", type=int, default=1, metavar="D",
+                   help="also measure servers with D lanes against D=1 on the same ranks (default: not)")
+    p.add_argument("--dp-repeat", type=int, default=2, help="servers of each kind, alternating (default %(default)s)")
     args = p.parse_args()
     width, height = args.size.split("x")
     form = {"prompt": "a cat in the snow", "width": width, "height": height, "num_frames": args.num_frames,
@@ -139,6 +182,21 @@ def main() -> int:
             from hsdp.testing.tiny_pipeline import make_tiny_pipeline
 
             args.model = make_tiny_pipeline(workdir / "tiny-wan22", "wan22")
+        if args.data_parallel_size > 1:
+            figures = bench_lanes(args, form, workdir)
+            d = args.data_parallel_size
+            print(f"| {args.shard_size} ranks, {args.size}, {args.num_frames} frames, {args.steps} steps, "
+                  f"{args.clients} clients, {args.jobs} jobs | |")
+            print("|---|---|")
+            print(f"| one request at a time (D=1): jobs/min (median of {args.dp_repeat}) | "
+                  f"{figures['d1_jobs_per_min']:.2f} ({', '.join(f'{v:.2f}' for v in figures['d1_runs'])}) |")
+            print(f"| {d} lanes (--dp {d}): jobs/min | {figures['dp_jobs_per_min']:.2f} "
+                  f"({', '.join(f'{v:.2f}' for v in figures['dp_runs'])}) |")
+            print(f"| D={d} / D=1 | {figures['dp_ratio']:.2f} |")
+            print(f"| rounds of 1..{d} jobs (the last D={d} server, warm-up included) | {figures['dp_rounds_by_size']} |")
+            if args.json is not None:
+                args.json.write_text(json.dumps(figures, indent=2))
+            return 0
         figures = {**bench_server(args, form, workdir), **bench_generate(args, form, workdir)}
     rows = [
         ("server, one request at a time: latency p50", f"{figures['alone_latency_p50']:.3f} s"),

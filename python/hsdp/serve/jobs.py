@@ -83,7 +83,7 @@ class JobStore:
         self._jobs: dict[str, Job] = {}
         self._queue: collections.deque[Job] = collections.deque()
         self._accepting = True
-        self._running: Job | None = None
+        self._running: list[Job] = []  # one per lane at most (data parallel: several)
 
     # ------------------------------------------------------------------ the routes' side
 
@@ -128,7 +128,7 @@ class JobStore:
 
     def queue_length(self) -> int:
         with self._lock:
-            return len(self._queue) + (self._running is not None)
+            return len(self._queue) + len(self._running)
 
     @property
     def accepting(self) -> bool:
@@ -147,8 +147,19 @@ class JobStore:
                 return None
             job = self._queue.popleft()
             job.status, job.started_at = IN_PROGRESS, time.time()
-            self._running = job
+            self._running.append(job)
             return job
+
+    def take_more(self, n: int) -> list[Job]:
+        """Up to n more queued jobs at once, in arrival order, without waiting (the lanes of a
+        data-parallel server take a job each)."""
+        out = []
+        while len(out) < n:
+            job = self.next(0)
+            if job is None:
+                break
+            out.append(job)
+        return out
 
     def set_progress(self, job: Job, progress: int) -> None:
         with self._lock:
@@ -161,7 +172,8 @@ class JobStore:
             job.error = error
             if error is None:
                 job.progress = 100
-            self._running = None
+            if job in self._running:
+                self._running.remove(job)
         job.done.set()
 
     def stop_accepting(self) -> None:

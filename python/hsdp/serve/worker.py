@@ -44,12 +44,9 @@ def heartbeat_seconds() -> float:
     return 5.0 if timeout <= 0 else max(0.05, min(5.0, timeout / 4))
 
 
-def execute(pipe: Any, params: dict[str, Any], on_step: Callable[[int, int], None] | None = None) -> Any:
-    """Run one job's pipeline call on this rank (every rank calls it with the same ``params``);
-    rank 0's output, None elsewhere."""
+def job_call(params: dict[str, Any], on_step: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """The stock pipeline call of one job (with the fault injection and the progress callback)."""
     import torch
-
-    from hsdp.pipelines import generate
 
     kwargs: dict[str, Any] = {
         "prompt": params["prompt"],
@@ -76,7 +73,59 @@ def execute(pipe: Any, params: dict[str, Any], on_step: Callable[[int, int], Non
         return callback_kwargs
 
     kwargs["callback_on_step_end"] = step_end
-    return generate(pipe, **kwargs)
+    return kwargs
+
+
+def execute(pipe: Any, params: dict[str, Any], on_step: Callable[[int, int], None] | None = None) -> Any:
+    """Run one job's pipeline call on this rank (every rank calls it with the same ``params``);
+    rank 0's output, None elsewhere."""
+    from hsdp.pipelines import generate
+
+    return generate(pipe, **job_call(params, on_step))
+
+
+def _lanes(pipe: Any) -> Any:
+    """The pipeline's parallel groups when it has data-parallel lanes, else None."""
+    state = getattr(pipe, "_hsdp", None)
+    groups = getattr(state, "groups", None)
+    return groups if groups is not None and groups.dp_degree > 1 else None
+
+
+def run_round(world: Any, pipe: Any, jobs: list[dict[str, Any] | None],
+              on_step: Callable[[int, int], None] | None = None) -> tuple[list[Any], list[str | None]]:
+    """Data parallel: job i of the round runs on lane i (None: the lane only serves), every
+    lane at once, the lanes gathering in lockstep (hsdp.engine.lockstep); a job that fails
+    (between two forwards: the fault injection, a bad input) fails alone while its lane keeps
+    serving the others. Every rank calls it with the same jobs; returns each job's result (on
+    rank 0; None elsewhere) and error (on every rank)."""
+    from hsdp.pipelines.lanes import _gather_objects, _lockstep_of
+
+    groups = _lanes(pipe)
+    lane, leader = groups.dp_rank, groups.lane_rank == 0
+    mine = jobs[lane] if lane < len(jobs) else None
+    result, error = None, None
+    if mine is not None:
+        try:
+            call = job_call(mine, on_step if lane == 0 else None)
+            if not leader:
+                call["output_type"] = "latent"
+            result = pipe(**call)
+        except Exception as exc:  # noqa: BLE001 - a job's failure is its outcome, not the server's
+            error = _describe(exc)
+    ls = _lockstep_of(pipe)
+    if ls is not None:
+        ls.finish()  # serve the other lanes until every lane is done
+    every = _gather_objects(world, (lane, leader, result if leader else None, error))
+    results: list[Any] = [None] * len(jobs)
+    errors: list[str | None] = [None] * len(jobs)
+    for r, (d, is_leader, res, err) in enumerate(every):
+        if d >= len(jobs) or jobs[d] is None:
+            continue
+        if err is not None and errors[d] is None:
+            errors[d] = err if r == 0 else f"rank {r}: {err}"
+        if is_leader:
+            results[d] = res
+    return (results if world.rank == 0 else [None] * len(jobs)), errors
 
 
 def _describe(exc: BaseException) -> str:
@@ -111,12 +160,16 @@ def leader_loop(world: Any, pipe: Any, store: JobStore, output_dir: Path) -> int
     tells the other ranks to stop. Returns the number of jobs run."""
     beat = heartbeat_seconds()
     ran = 0
+    groups = _lanes(pipe)
     while True:
         job = store.next(beat)
         if job is None:
             if not store.accepting:
                 break
             send_message(world, {"op": "idle"})  # keeps the waiting ranks inside HSDP_TIMEOUT
+            continue
+        if groups is not None:  # data parallel: up to one job per lane, all at once
+            ran += _leader_round(world, pipe, store, output_dir, _fill_lanes(store, job, groups.dp_degree))
             continue
         send_message(world, {"op": "job", "id": job.id, "params": job.params})
         started = time.perf_counter()
@@ -141,6 +194,46 @@ def leader_loop(world: Any, pipe: Any, store: JobStore, output_dir: Path) -> int
     return ran
 
 
+# How long a round with lanes to spare waits for more jobs: requests that arrive together (a
+# client's next request just after its answer, several clients at once) share a round, at the
+# cost of this much latency when fewer jobs than lanes are waiting.
+FILL_SECONDS = 0.05
+
+
+def _fill_lanes(store: JobStore, first: Job, lanes: int) -> list[Job]:
+    jobs = [first, *store.take_more(lanes - 1)]
+    deadline = time.monotonic() + FILL_SECONDS
+    while len(jobs) < lanes and (left := deadline - time.monotonic()) > 0:
+        job = store.next(left)
+        if job is None:
+            break
+        jobs.append(job)
+        jobs += store.take_more(lanes - len(jobs))
+    return jobs
+
+
+def _leader_round(world: Any, pipe: Any, store: JobStore, output_dir: Path, jobs: list[Job]) -> int:
+    """Rank 0: one round of data-parallel jobs (job i on lane i); each saved or failed alone."""
+    send_message(world, {"op": "round", "jobs": [{"id": j.id, "params": j.params} for j in jobs]})
+    started = time.perf_counter()
+    first = jobs[0]
+    results, errors = run_round(world, pipe, [j.params for j in jobs], lambda step, total: store.set_progress(
+        first, int(100 * step / total) if total else 0))
+    for job, result, error in zip(jobs, results, errors, strict=True):
+        if error is None:
+            try:
+                _save(job, result, output_dir)
+            except Exception as exc:  # noqa: BLE001 - a job's failure is its outcome
+                error = _describe(exc)
+        store.finish(job, error)
+        if error is None:
+            log.info("hsdp serve: %s completed in %.2f s (a round of %d)", job.id, time.perf_counter() - started,
+                     len(jobs))
+        else:
+            log.warning("hsdp serve: %s failed: %s", job.id, error)
+    return len(jobs)
+
+
 def follower_loop(world: Any, pipe: Any) -> int:
     """Ranks other than 0: run each job rank 0 sends until it sends stop; jobs run."""
     ran = 0
@@ -151,6 +244,10 @@ def follower_loop(world: Any, pipe: Any) -> int:
             continue
         if op == "stop":
             return ran
+        if op == "round":
+            run_round(world, pipe, [j["params"] for j in message["jobs"]])
+            ran += len(message["jobs"])
+            continue
         if op != "job":
             raise RuntimeError(f"hsdp serve: unknown message {op!r} from rank 0")
         error: str | None = None
