@@ -11,6 +11,7 @@ spanning the lanes, and what the lanes' ballot did.
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from typing import Any
 
@@ -32,11 +33,11 @@ _stock: dict[str, Any] = {}
 
 def stock(kind: str, path: str, call: dict[str, Any]) -> np.ndarray:
     """The stock unsharded pipeline called with one output alone (rank 0)."""
-    if kind not in _stock:
+    if path not in _stock:
         from diffusers import DiffusionPipeline
 
-        _stock[kind] = DiffusionPipeline.from_pretrained(path, dtype=torch.float32)
-    return _frames(_stock[kind](**call, output_type="np"))
+        _stock[path] = DiffusionPipeline.from_pretrained(path, dtype=torch.float32)
+    return _frames(_stock[path](**call, output_type="np"))
 
 
 def compare(case: str, kind: str, path: str, got: np.ndarray, calls: list[dict[str, Any]]) -> None:
@@ -115,6 +116,38 @@ def run_uneven(case: str, path: str, config: DiffusionParallelConfig, lockstep: 
     print(f"rank {rank}: {case} ok ({ls.report()})", flush=True)
 
 
+def run_per_prompt_outputs(case: str, path: str) -> None:
+    """num_videos_per_prompt=2 for 2 prompts on 2 lanes: outputs (p0, v0), (p0, v1), (p1, v0),
+    (p1, v1), each equal to the stock pipeline with its prompt and generator alone."""
+    rank = hsdp.distributed.get_rank()
+    pipe = hp.load_pipeline(path, DiffusionParallelConfig(use_hsdp=True, data_parallel_size=2),
+                            torch_dtype=torch.float32, progress=False)
+    out = hp.generate(pipe, **{**WAN_CALL, "prompt": PROMPTS[:2]}, num_videos_per_prompt=2, generator=seeded(4),
+                      output_type="np")
+    if rank == 0:
+        calls = [{**WAN_CALL, "prompt": PROMPTS[i // 2], "generator": g} for i, g in enumerate(seeded(4))]
+        compare(case, "wan22", path, _frames(out), calls)
+    print(f"rank {rank}: {case} ok", flush=True)
+
+
+def run_image_to_video(case: str, path: str) -> None:
+    """Wan 2.2 image to video: a list of images, one per prompt, split with the prompts."""
+    import PIL.Image
+
+    rank = hsdp.distributed.get_rank()
+    pipe = hp.load_pipeline(path, DiffusionParallelConfig(use_hsdp=True, data_parallel_size=2),
+                            torch_dtype=torch.float32, progress=False)
+    images = [PIL.Image.fromarray(np.random.default_rng(i).integers(0, 255, (32, 32, 3), dtype=np.uint8))
+              for i in range(2)]
+    base = {**WAN_CALL, "prompt": PROMPTS[:2], "image": images}
+    out = hp.generate(pipe, **base, generator=seeded(2), output_type="np")
+    if rank == 0:
+        calls = [{**WAN_CALL, "prompt": PROMPTS[i], "image": images[i], "generator": g}
+                 for i, g in enumerate(seeded(2))]
+        compare(case, "wan22", path, _frames(out), calls)
+    print(f"rank {rank}: {case} ok", flush=True)
+
+
 def run_refusals(path: str) -> None:
     """Bad input: a generator list of another length; one generator for a batch of several."""
     rank = hsdp.distributed.get_rank()
@@ -158,6 +191,10 @@ def main() -> None:
                       DiffusionParallelConfig(use_hsdp=True, data_parallel_size=2, ulysses_degree=2), 2)
         elif case == "refusals":
             run_refusals(paths["wan22"])
+        elif case == "wan22-per-prompt":
+            run_per_prompt_outputs(case, paths["wan22"])
+        elif case == "wan22-i2v-dp2":
+            run_image_to_video(case, os.environ["DP_I2V_DIR"])
         else:
             raise SystemExit(f"unknown case {case}")
 

@@ -20,15 +20,18 @@ from hsdp.testing.tiny_pipeline import make_tiny_pipeline  # noqa: E402
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("dp")
-    return {kind: make_tiny_pipeline(root / kind, kind, seed=0) for kind in ("wan22", "flux")}
+    return {kind: make_tiny_pipeline(root / kind, kind, seed=0) for kind in ("wan22", "flux", "wan22-i2v")}
 
 
 def test_two_lanes_every_output_equals_the_stock_pipeline_alone(folders):
     """D=2 on 2 ranks: Wan 2.2 (two experts) with 2 and 3 prompts, Flux with 2; lanes in one round
     with 4 and 6 steps (the experts switch at different steps), guidance on and off, and a
-    third output on one lane while the other serves; refusals of bad batches on every rank."""
-    cases = ["wan22-dp2", "wan22-dp2-3prompts", "flux-dp2", "wan22-uneven", "refusals"]
-    out = run_ranks(2, "tests/dp_worker.py", str(folders["wan22"]), str(folders["flux"]), *cases, timeout=600).stdout
+    third output on one lane while the other serves; two outputs per prompt; image to video
+    with one image per prompt; refusals of bad batches on every rank."""
+    cases = ["wan22-dp2", "wan22-dp2-3prompts", "flux-dp2", "wan22-uneven", "wan22-per-prompt", "wan22-i2v-dp2",
+             "refusals"]
+    out = run_ranks(2, "tests/dp_worker.py", str(folders["wan22"]), str(folders["flux"]), *cases, timeout=600,
+                    env={"DP_I2V_DIR": str(folders["wan22-i2v"])}).stdout
     for case in cases[:-1]:
         assert out.count(f": {case} ok") == 2, out
     assert out.count("refusals ok") == 2, out
