@@ -27,7 +27,7 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from pipelines_worker import FLUX_CALL, WAN_CALL, _frames, check_shares  # noqa: E402
 
 torch.set_num_threads(1)
-PROMPTS = ["a cat running in the snow", "a red boat on a lake", "two dogs in a garden"]
+PROMPTS = ["a cat running in the snow", "a red boat on a lake", "two dogs in a garden", "a kite over a field"]
 _stock: dict[str, Any] = {}
 
 
@@ -189,6 +189,10 @@ def main() -> None:
             assert world == 4
             run_batch(case, "wan22", paths["wan22"],
                       DiffusionParallelConfig(use_hsdp=True, data_parallel_size=2, ulysses_degree=2), 2)
+        elif case == "wan22-dp4-r2":  # 2 replica groups of 2 lanes: a ballot per shard group
+            assert world == 4
+            run_batch(case, "wan22", paths["wan22"],
+                      DiffusionParallelConfig(use_hsdp=True, data_parallel_size=4, hsdp_replicate_size=2), 3)
         elif case == "refusals":
             run_refusals(paths["wan22"])
         elif case == "wan22-per-prompt":
