@@ -19,10 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,7 +28,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_pipeline import make_folder  # noqa: E402
-from harness import MPI_ENV, ROOT, machine, table, vm_kib  # noqa: E402
+from harness import ROOT, launch, machine, table, vm_kib  # noqa: E402
 
 MIB = 1 << 20
 PROMPTS = ["a red fish swimming in the river", "a cat walking on a roof", "two boats on a lake at dawn",
@@ -72,17 +69,10 @@ def worker(folder: str, lanes: int, ranks: int, prompts: int, steps: int, frames
 
 
 def run(lanes: int, folder: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
-    exe = shutil.which("mpiexec")
-    if exe is None:
-        raise SystemExit("mpiexec is not installed (apt-get install openmpi-bin)")
     with tempfile.TemporaryDirectory(prefix="hsdp-bench-dp-") as out:
-        cmd = [exe, "-n", str(args.ranks), sys.executable, __file__, "--worker", str(lanes), "--folder", str(folder),
-               "--ranks", str(args.ranks), "--prompts", str(args.prompts), "--steps", str(args.steps),
-               "--frames", str(args.frames), "--size", str(args.size), "--dtype", args.dtype, "--out", out]
-        proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **MPI_ENV}, capture_output=True, text=True,
-                              timeout=3600)
-        if proc.returncode != 0:
-            raise SystemExit(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+        launch(args.ranks, __file__, "--worker", str(lanes), "--folder", str(folder), "--ranks", str(args.ranks),
+               "--prompts", str(args.prompts), "--steps", str(args.steps), "--frames", str(args.frames),
+               "--size", str(args.size), "--dtype", args.dtype, "--out", out, timeout=3600)
         return sorted((json.loads(f.read_text()) for f in Path(out).glob("*.json")), key=lambda r: r["rank"])
 
 

@@ -4,8 +4,9 @@
  * the event the consumer waits on covers both. The kernel's source (wire_kernel.h) is compiled
  * by NVRTC for the device at first use and launched through the CUDA driver API; both
  * libraries are opened at run time (nothing is linked, as with libnccl and libcudart).
- * UNTESTED ON A GPU: the tests run it against the fake CUDA library, which runs the same
- * source as C, and compile it with the real NVRTC. */
+ * Run on one H200 (bench/gpu_check.py wire_fp8: byte for byte the host decode); the tests run
+ * it against the fake CUDA library, which runs the same source as C, and compile it with the
+ * real NVRTC. */
 #ifndef HSDP_CUDA_DEQUANT_H
 #define HSDP_CUDA_DEQUANT_H
 

@@ -315,7 +315,7 @@ def prepare_hsdp_shard_context(model: Any, hsdp_config: Any, target_device: Any 
     if hsdp_config.wire_dtype is not None:
         check_wire_dtype(hsdp_config.wire_dtype)
         if buffers != devices.HOST:
-            devices.prepare_wire(world)  # the device decodes (NCCL: a kernel, untested on a GPU); what is missing is named
+            devices.prepare_wire(world)  # the device decodes (NCCL: a kernel); what is missing is named
     replicate, shard = _resolve_sizes(hsdp_config, world)
 
     named = list(ad.named_parameters(model))

@@ -43,7 +43,6 @@ class Lockstep:
         self.group = group
         self.schedules: list[Schedule] = []
         self._last = -1
-        self._in_serve = False
         # counters, for tests and reports
         self.ballots = 0
         self.served_forwards = 0
@@ -83,9 +82,7 @@ class Lockstep:
 
     def enter(self, schedule: Schedule) -> None:
         """The root pre-forward of `schedule` on this rank: serve what the group runs first,
-        until it is this model's turn."""
-        if self._in_serve:  # a served forward never re-enters (it calls no hooks)
-            return
+        until it is this model's turn (serving calls no hooks, so it never comes back here)."""
         while (pick := self._ballot(schedule.lockstep_id)) != schedule.lockstep_id:
             self._serve(pick)
 
@@ -95,12 +92,8 @@ class Lockstep:
             self._serve(pick)
 
     def _serve(self, index: int) -> None:
-        self._in_serve = True
-        try:
-            self.served_gathers += self.schedules[index].serve()
-            self.served_forwards += 1
-        finally:
-            self._in_serve = False
+        self.served_gathers += self.schedules[index].serve()
+        self.served_forwards += 1
 
     def report(self) -> dict[str, int]:
         return {"models": len(self.schedules), "ballots": self.ballots, "served_forwards": self.served_forwards,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..world import distributed
+from .lanes import items_of, join_outputs, lane_groups, run_items
 
 
 def _count(value: Any) -> int | None:
@@ -56,11 +57,8 @@ def generate(pipe: Any, **call_kwargs: Any) -> Any:
     check_batch(call_kwargs)
     world = distributed.init_process_group()
     rank = world.rank
-    state = getattr(pipe, "_hsdp", None)
-    groups = getattr(state, "groups", None)
-    if groups is not None and groups.dp_degree > 1:
-        from .lanes import items_of, join_outputs, run_items
-
+    groups = lane_groups(pipe)
+    if groups is not None:
         outputs = run_items(pipe, items_of(call_kwargs), world, groups)
         return join_outputs(outputs) if outputs is not None else None
     if rank != 0:

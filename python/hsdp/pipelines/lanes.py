@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..engine.lockstep import Lockstep
+from .state import PipelineState, pipeline_state
 
 # The arguments that hold one entry per prompt (cut to an item's prompt), and the one entry
 # per output (cut to the item itself), of diffusers' video and image pipelines.
@@ -120,7 +121,7 @@ def _gather_objects(world: Any, obj: Any) -> list[Any]:
     return [pickle.loads(every[r * width : r * width + int(sizes[r])].tobytes()) for r in range(world.size)]
 
 
-def _concat(outputs: Sequence[Any]) -> Any:
+def join_outputs(outputs: Sequence[Any]) -> Any:
     """The stock output type with every item's output in order: each field's batch joined."""
     import dataclasses
 
@@ -151,8 +152,11 @@ def run_items(pipe: Any, items: Sequence[dict[str, Any]], world: Any, groups: An
     lanes = groups.dp_degree
     per_lane = [list(range(d, len(items), lanes)) for d in range(lanes)]
     calls = [lane_call([items[i] for i in idx]) if idx else None for idx in per_lane]
-    outs = run_lanes(pipe, calls, world, groups)
-    if outs is None:
+    outs, errors = run_lanes(pipe, calls, world, groups)
+    failed = [e for e in errors if e is not None]
+    if failed:
+        raise RuntimeError("data parallel lanes failed: " + "; ".join(failed[:4]) + (" ..." if len(failed) > 4 else ""))
+    if world.rank != 0:
         return None
     result: list[Any] = [None] * len(items)
     for d, idx in enumerate(per_lane):
@@ -162,43 +166,47 @@ def run_items(pipe: Any, items: Sequence[dict[str, Any]], world: Any, groups: An
     return result
 
 
-def run_lanes(pipe: Any, calls: Sequence[dict[str, Any] | None], world: Any, groups: Any) -> list[Any] | None:
+def run_lanes(pipe: Any, calls: Sequence[dict[str, Any] | None], world: Any,
+              groups: Any) -> tuple[list[Any], list[str | None]]:
     """Runs calls spread over the lanes (call i on lane i mod D, in rounds; a None call runs
-    nothing); returns every call's output in order on rank 0, None elsewhere. Every rank calls
-    it with the same calls."""
+    nothing), the lanes in lockstep; a call that fails fails alone (between two forwards: an
+    error inside one would leave the other lanes waiting in its gathers) and its lane runs no
+    more calls, serving the others. Every rank calls it with the same calls; returns every call's
+    output (on rank 0; None elsewhere) and error (on every rank, None where it succeeded)."""
     lanes, lane, leader = groups.dp_degree, groups.dp_rank, groups.lane_rank == 0
     mine: list[tuple[int, Any]] = []
-    failed: list[str] = []
-    ls = _lockstep_of(pipe)
+    failed: list[tuple[int, str]] = []
     for i in range(lane, len(calls), lanes):
         if calls[i] is None:
             continue
         call = calls[i] if leader else {**calls[i], "output_type": "latent"}
         try:
             out = pipe(**call)
-        except Exception as exc:  # the other lanes still finish; every rank raises below
-            failed.append(f"output {i} (lane {lane}, rank {world.rank}): {type(exc).__name__}: {exc}")
-            break
+        except Exception as exc:  # noqa: BLE001 - the call's outcome; the other lanes go on
+            failed.append((i, f"{type(exc).__name__}: {exc}"))
+            break  # this lane only serves from now on
         if leader:
             mine.append((i, out))
+    ls = pipeline_state(pipe).lockstep if isinstance(getattr(pipe, "_hsdp", None), PipelineState) else None
     if ls is not None:
         ls.finish()  # serve the other lanes until every lane is done
-    every = _gather_objects(world, (mine if leader and not failed else [], failed))
-    errors = [e for _, errs in every for e in errs]
-    if errors:
-        raise RuntimeError("data parallel lanes failed: " + "; ".join(errors[:4]) + (" ..." if len(errors) > 4 else ""))
-    if world.rank != 0:
-        return None
+    every = _gather_objects(world, (mine if leader else [], failed))
     outputs: list[Any] = [None] * len(calls)
-    for part, _ in every:
+    errors: list[str | None] = [None] * len(calls)
+    for rank, (part, errs) in enumerate(every):
         for i, out in part:
             outputs[i] = out
-    return outputs
+        for i, err in errs:
+            if errors[i] is None:  # the lowest failing rank's words, as serve's agree_outcome
+                errors[i] = err if rank == 0 else f"rank {rank}: {err}"
+    return (outputs if world.rank == 0 else [None] * len(calls)), errors
 
 
-def _lockstep_of(pipe: Any) -> Any:
+def lane_groups(pipe: Any) -> Any:
+    """The parallel groups of a pipeline loaded with data-parallel lanes, else None."""
     state = getattr(pipe, "_hsdp", None)
-    return getattr(state, "lockstep", None) if state is not None else None
+    groups = getattr(state, "groups", None) if isinstance(state, PipelineState) else None
+    return groups if groups is not None and groups.dp_degree > 1 else None
 
 
 def install_lockstep(pipe: Any, models: Sequence[Any]) -> Lockstep | None:
@@ -215,7 +223,3 @@ def install_lockstep(pipe: Any, models: Sequence[Any]) -> Lockstep | None:
             raise ValueError("data parallel lanes need every sharded model of the pipeline on one shard group")
         ls.register(ctx.schedule)
     return ls
-
-
-def join_outputs(outputs: Sequence[Any]) -> Any:
-    return _concat(outputs)

@@ -84,48 +84,16 @@ def execute(pipe: Any, params: dict[str, Any], on_step: Callable[[int, int], Non
     return generate(pipe, **job_call(params, on_step))
 
 
-def _lanes(pipe: Any) -> Any:
-    """The pipeline's parallel groups when it has data-parallel lanes, else None."""
-    state = getattr(pipe, "_hsdp", None)
-    groups = getattr(state, "groups", None)
-    return groups if groups is not None and groups.dp_degree > 1 else None
-
-
-def run_round(world: Any, pipe: Any, jobs: list[dict[str, Any] | None],
+def run_round(world: Any, pipe: Any, jobs: list[dict[str, Any]],
               on_step: Callable[[int, int], None] | None = None) -> tuple[list[Any], list[str | None]]:
-    """Data parallel: job i of the round runs on lane i (None: the lane only serves), every
-    lane at once, the lanes gathering in lockstep (hsdp.engine.lockstep); a job that fails
-    (between two forwards: the fault injection, a bad input) fails alone while its lane keeps
-    serving the others. Every rank calls it with the same jobs; returns each job's result (on
-    rank 0; None elsewhere) and error (on every rank)."""
-    from hsdp.pipelines.lanes import _gather_objects, _lockstep_of
+    """Data parallel: job i of the round runs on lane i, every lane at once, the lanes gathering
+    in lockstep (hsdp.pipelines.lanes.run_lanes); a job that fails (between two forwards: the
+    fault injection, a bad input) fails alone. Every rank calls it with the same jobs; returns
+    each job's result (on rank 0) and error (on every rank)."""
+    from hsdp.pipelines.lanes import lane_groups, run_lanes
 
-    groups = _lanes(pipe)
-    lane, leader = groups.dp_rank, groups.lane_rank == 0
-    mine = jobs[lane] if lane < len(jobs) else None
-    result, error = None, None
-    if mine is not None:
-        try:
-            call = job_call(mine, on_step if lane == 0 else None)
-            if not leader:
-                call["output_type"] = "latent"
-            result = pipe(**call)
-        except Exception as exc:  # noqa: BLE001 - a job's failure is its outcome, not the server's
-            error = _describe(exc)
-    ls = _lockstep_of(pipe)
-    if ls is not None:
-        ls.finish()  # serve the other lanes until every lane is done
-    every = _gather_objects(world, (lane, leader, result if leader else None, error))
-    results: list[Any] = [None] * len(jobs)
-    errors: list[str | None] = [None] * len(jobs)
-    for r, (d, is_leader, res, err) in enumerate(every):
-        if d >= len(jobs) or jobs[d] is None:
-            continue
-        if err is not None and errors[d] is None:
-            errors[d] = err if r == 0 else f"rank {r}: {err}"
-        if is_leader:
-            results[d] = res
-    return (results if world.rank == 0 else [None] * len(jobs)), errors
+    calls = [job_call(params, on_step if i == 0 else None) for i, params in enumerate(jobs)]
+    return run_lanes(pipe, calls, world, lane_groups(pipe))
 
 
 def _describe(exc: BaseException) -> str:
@@ -160,7 +128,9 @@ def leader_loop(world: Any, pipe: Any, store: JobStore, output_dir: Path) -> int
     tells the other ranks to stop. Returns the number of jobs run."""
     beat = heartbeat_seconds()
     ran = 0
-    groups = _lanes(pipe)
+    from hsdp.pipelines.lanes import lane_groups
+
+    groups = lane_groups(pipe)
     while True:
         job = store.next(beat)
         if job is None:
