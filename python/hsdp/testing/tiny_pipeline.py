@@ -1,20 +1,54 @@
 """A tiny random diffusers pipeline folder, written with ``save_pretrained`` (no hub access).
 
-    python -m hsdp.testing.tiny_pipeline DIR --kind wan|wan22|wan22-i2v|flux [--seed N]
+    python -m hsdp.testing.tiny_pipeline DIR --kind wan|wan22|wan22-i2v|flux|ltx [--seed N]
+                                         [--heads H] [--layers L] [--dim D]
 
 ``DiffusionPipeline.from_pretrained(DIR)`` gives the stock pipeline class (WanPipeline,
-WanImageToVideoPipeline or FluxPipeline), and it generates in well under a second on one
-core at the sizes the tests use (Wan: 5 frames of 32x32; Flux: 32x32). Every part is what
-the real pipelines ship, at toy sizes:
+WanImageToVideoPipeline, FluxPipeline or LTXPipeline), and it generates in well under a
+second on one core at the sizes the tests use. Every part is what the real pipelines ship,
+at toy sizes:
 
 - tokenizers: a word-level ``tokenizers.Tokenizer`` wrapped in ``PreTrainedTokenizerFast``,
   with the special tokens the real ones append (T5's ``</s>``, CLIP's start and end);
-- text encoders: ``UMT5EncoderModel`` (Wan), ``CLIPTextModel`` + ``T5EncoderModel`` (Flux);
+- text encoders: ``UMT5EncoderModel`` (Wan), ``CLIPTextModel`` + ``T5EncoderModel`` (Flux),
+  ``T5EncoderModel`` (LTX);
 - transformers: ``WanTransformer3DModel`` (``wan22``: two experts ``transformer`` and
   ``transformer_2`` with ``boundary_ratio=0.875``; ``wan22-i2v``: in_channels 36 and no
-  image encoder, as Wan 2.2 image-to-video) or ``FluxTransformer2DModel``;
-- VAE ``AutoencoderKLWan`` / ``AutoencoderKL``; scheduler ``UniPCMultistepScheduler``
-  (flow prediction, as Wan ships) / ``FlowMatchEulerDiscreteScheduler`` (Flux).
+  image encoder, as Wan 2.2 image-to-video), ``FluxTransformer2DModel`` or
+  ``LTXVideoTransformer3DModel`` (which has a ``_cp_plan``);
+- VAE ``AutoencoderKLWan`` / ``AutoencoderKL`` / ``AutoencoderKLLTXVideo``; scheduler
+  ``UniPCMultistepScheduler`` (flow prediction, as Wan ships) / ``FlowMatchEulerDiscreteScheduler``
+  (Flux; LTX with LTX-Video's dynamic shifting settings).
+
+Sizes that work (the pipelines' own checks and the tiny VAEs' compression):
+
+- ``wan``, ``wan22``, ``wan22-i2v``: the pipelines want height and width multiples of 16, so
+  16x16 is the smallest (VAE 8x spatial, transformer patch 2x2); the VAE is 4x temporal, so
+  ``num_frames`` = 4k+1. The tests use 5 frames of 32x32 and ``max_sequence_length=16`` (the
+  default 512 text tokens take seconds);
+- ``flux``: height and width multiples of 4 (VAE 2x, 2x2 packing), so 4x4 is the smallest;
+  the tests use 32x32;
+- ``ltx``: the pipeline wants height and width multiples of 32, so 32x32 is the smallest;
+  the VAE is 4x spatial and 4x temporal (the real one: 32x and 8x), so ``num_frames`` = 4k+1
+  (1, 5, 9, ...; others give the 4k+1 below); 32x32 with 9 frames is 8x8x3 = 192 tokens. The
+  pipeline's defaults (``guidance_scale=3``, so CFG; ``max_sequence_length=128``) all work, and
+  2 steps of 9 frames of 32x32 take a fraction of a second.
+
+The transformers' proportions are options (``heads``, ``layers``, ``dim``, or ``--heads``,
+``--layers``, ``--dim``; ``None`` keeps the defaults below, bit for bit): ``heads`` is the number
+of attention heads, ``dim`` the head dim (``attention_head_dim``), ``layers`` the number of
+blocks. Defaults: 2 heads of 16 everywhere; layers 3 for Wan (``wan22``'s ``transformer_2``: 2),
+2 for Flux (2 double-stream and 2 single-stream blocks) and LTX. With ``layers=L``: Wan's
+``transformer`` gets L and ``wan22``'s ``transformer_2`` gets max(1, L-1), so the two experts keep
+different depths (as the default 3 and 2: an expert loaded in the other's place fails on shapes;
+the real Wan 2.2 A14B experts are both 40); Flux gets L double-stream and L single-stream blocks.
+Constraints (a ``ValueError`` names the parameter): each is a positive int; Flux's ``dim`` must be
+even and at least 6 (its ``axes_dims_rope``, three even sizes of at least 2 summing to the head dim,
+are derived from it: 16 -> (4, 6, 6), 128 -> (16, 56, 56) as the real Flux); Wan's ``dim`` must be
+even (its rotary embedding turns pairs of channels in each head); LTX's ``heads * dim`` must be
+even and at least 6 (its rotary embedding turns pairs of channels over all heads together, a third
+of the pairs for each of the 3 axes). The text encoders, the VAEs and Wan's FFN width (64) do
+not change with these options; Flux's and LTX's FFNs are 4x the model width, as ever.
 
 Models are saved with a small ``max_shard_size``, so each transformer and text encoder is
 split over 2+ safetensors files with an index (the loader's index path).
@@ -30,7 +64,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-KINDS = ("wan", "wan22", "wan22-i2v", "flux")
+KINDS = ("wan", "wan22", "wan22-i2v", "flux", "ltx")
 
 # Words the tokenizers know; anything else is the unknown token.
 _WORDS = (
@@ -41,6 +75,48 @@ _WORDS = (
 ).split()
 
 MAX_SHARD_SIZE = "40KB"  # small enough that every transformer and text encoder spans 2+ files
+
+# Each kind's transformer when heads, layers or dim is None (the folders tests and records depend on).
+DEFAULT_HEADS = 2
+DEFAULT_DIM = 16
+DEFAULT_LAYERS = {"wan": 3, "wan22": 3, "wan22-i2v": 3, "flux": 2, "ltx": 2}
+
+
+def _positive(name: str, value: int | None, default: int) -> int:
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"tiny pipeline {name} must be a positive int, not {value!r}")  # noqa: TRY004
+    if value < 1:
+        raise ValueError(f"tiny pipeline {name} must be a positive int, not {value}")
+    return value
+
+
+def flux_axes_dims_rope(dim: int) -> tuple[int, int, int]:
+    """Flux's ``axes_dims_rope`` for head dim `dim`: three even sizes of at least 2 that sum to
+    `dim`, the first the smallest such size of at least dim/8 and the other two equal (16 ->
+    (4, 6, 6), 128 -> (16, 56, 56) as the real Flux). `dim` must be even and at least 6."""
+    if dim % 2 or dim < 6:
+        raise ValueError(f"tiny flux dim={dim}: Flux's axes_dims_rope are three even sizes of at least 2 "
+                         "summing to the head dim, so dim must be even and at least 6")
+    first = max(2, -(-dim // 8))
+    first += first % 2
+    if (dim - first) % 4:
+        first += 2
+    return first, (dim - first) // 2, (dim - first) // 2
+
+
+def _check_dims(kind: str, heads: int, dim: int) -> None:
+    if kind == "flux":
+        flux_axes_dims_rope(dim)
+    elif kind == "ltx":
+        if heads * dim % 2 or heads * dim < 6:
+            raise ValueError(f"tiny ltx heads={heads}, dim={dim}: LTX's rotary embedding turns pairs of channels "
+                             "over all heads together, a third of the pairs for each of the 3 axes, so heads * dim "
+                             f"must be even and at least 6, not {heads * dim}")
+    elif dim % 2:
+        raise ValueError(f"tiny {kind} dim={dim}: Wan's rotary embedding turns pairs of channels in each head, "
+                         "so dim must be even")
 
 
 def _tokenizer(specials: list[str], template: str, unk: str, pad: str, eos: str, max_len: int,
@@ -104,17 +180,17 @@ def _clip(d: int) -> Any:
     return CLIPTextModel(cfg).eval()
 
 
-def _wan_transformer(in_channels: int, d_text: int, layers: int) -> Any:
+def _wan_transformer(in_channels: int, d_text: int, layers: int, heads: int, dim: int) -> Any:
     from diffusers import WanTransformer3DModel
 
     return WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=in_channels,
+        patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=dim, in_channels=in_channels,
         out_channels=16, text_dim=d_text, freq_dim=32, ffn_dim=64, num_layers=layers, cross_attn_norm=True,
         qk_norm="rms_norm_across_heads", rope_max_seq_len=64,
     ).eval()
 
 
-def _wan(kind: str) -> tuple[type, dict[str, Any]]:
+def _wan(kind: str, heads: int, layers: int, dim: int) -> tuple[type, dict[str, Any]]:
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanImageToVideoPipeline, WanPipeline
 
     d_text = 32
@@ -127,24 +203,25 @@ def _wan(kind: str) -> tuple[type, dict[str, Any]]:
                              temperal_downsample=[False, True, True]).eval(),
         scheduler=UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
                                           num_train_timesteps=1000, flow_shift=3.0),
-        transformer=_wan_transformer(36 if i2v else 16, d_text, 3),
+        transformer=_wan_transformer(36 if i2v else 16, d_text, layers, heads, dim),
     )
     if kind == "wan":
         return WanPipeline, parts
-    parts.update(transformer_2=_wan_transformer(36 if i2v else 16, d_text, 2), boundary_ratio=0.875)
+    parts.update(transformer_2=_wan_transformer(36 if i2v else 16, d_text, max(1, layers - 1), heads, dim),
+                 boundary_ratio=0.875)
     if i2v:  # Wan 2.2 image-to-video: the image enters as latents only, no CLIP image encoder
         return WanImageToVideoPipeline, dict(parts, image_encoder=None, image_processor=None)
     return WanPipeline, parts
 
 
-def _flux() -> tuple[type, dict[str, Any]]:
+def _flux(heads: int, layers: int, dim: int) -> tuple[type, dict[str, Any]]:
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 
     d = 32
     transformer = FluxTransformer2DModel(
-        patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=d, pooled_projection_dim=d, axes_dims_rope=(4, 6, 6),
-        guidance_embeds=True,
+        patch_size=1, in_channels=16, num_layers=layers, num_single_layers=layers, attention_head_dim=dim,
+        num_attention_heads=heads, joint_attention_dim=d, pooled_projection_dim=d,
+        axes_dims_rope=flux_axes_dims_rope(dim), guidance_embeds=True,
     ).eval()
     # 2 levels: 2x downsampling; 4 latent channels, packed 2x2 into the transformer's 16
     vae = AutoencoderKL(
@@ -161,22 +238,71 @@ def _flux() -> tuple[type, dict[str, Any]]:
     )
 
 
-def build_tiny_pipeline(kind: str, seed: int = 0) -> Any:
-    """The tiny pipeline object itself (random weights from `seed`), not saved."""
-    import torch
+def _ltx(heads: int, layers: int, dim: int) -> tuple[type, dict[str, Any]]:
+    from diffusers import (
+        AutoencoderKLLTXVideo,
+        FlowMatchEulerDiscreteScheduler,
+        LTXPipeline,
+        LTXVideoTransformer3DModel,
+    )
 
+    d_text, latent = 32, 16
+    # the blocks attend to the caption projected to heads * dim, so cross_attention_dim is that too
+    transformer = LTXVideoTransformer3DModel(
+        in_channels=latent, out_channels=latent, patch_size=1, patch_size_t=1, num_attention_heads=heads,
+        attention_head_dim=dim, cross_attention_dim=heads * dim, num_layers=layers, caption_channels=d_text,
+    ).eval()
+    # 2 blocks, each halving space and time: 4x spatial and 4x temporal (the real VAE: patch 4 and
+    # 3 blocks, 32x and 8x); no timestep conditioning (as LTX-Video 0.9.0)
+    blocks = 2
+    vae = AutoencoderKLLTXVideo(
+        in_channels=3, out_channels=3, latent_channels=latent, block_out_channels=(4,) * blocks,
+        down_block_types=("LTXVideoDownBlock3D",) * blocks, decoder_block_out_channels=(4,) * blocks,
+        layers_per_block=(1,) * (blocks + 1), decoder_layers_per_block=(1,) * (blocks + 1),
+        spatio_temporal_scaling=(True,) * blocks, decoder_spatio_temporal_scaling=(True,) * blocks,
+        decoder_inject_noise=(False,) * (blocks + 1), downsample_type=("conv",) * blocks,
+        upsample_residual=(False,) * blocks, upsample_factor=(1,) * blocks, timestep_conditioning=False,
+        patch_size=1, patch_size_t=1, encoder_causal=True, decoder_causal=False,
+    ).eval()
+    # LTX-Video's scheduler settings (shift from the token count)
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05,
+        base_image_seq_len=1024, max_image_seq_len=4096, shift_terminal=0.1,
+    )
+    return LTXPipeline, {"scheduler": scheduler, "vae": vae, "text_encoder": _t5(d_text), "tokenizer": _t5_tokenizer(),
+                         "transformer": transformer}
+
+
+def build_tiny_pipeline(kind: str, seed: int = 0, *, heads: int | None = None, layers: int | None = None,
+                        dim: int | None = None) -> Any:
+    """The tiny pipeline object itself (random weights from `seed`), not saved. `heads`,
+    `layers` and `dim` (head dim) size the transformer(s); None keeps the defaults (see the
+    module docstring for what each kind does with them and the constraints)."""
     if kind not in KINDS:
         raise ValueError(f"tiny pipeline kind {kind!r} is not one of {', '.join(KINDS)}")
+    h = _positive("heads", heads, DEFAULT_HEADS)
+    n = _positive("layers", layers, DEFAULT_LAYERS[kind])
+    d = _positive("dim", dim, DEFAULT_DIM)
+    _check_dims(kind, h, d)
+    import torch
+
     torch.manual_seed(seed)
-    cls, parts = _flux() if kind == "flux" else _wan(kind)
+    if kind == "flux":
+        cls, parts = _flux(h, n, d)
+    elif kind == "ltx":
+        cls, parts = _ltx(h, n, d)
+    else:
+        cls, parts = _wan(kind, h, n, d)
     return cls(**parts)
 
 
-def make_tiny_pipeline(dir: str | os.PathLike[str], kind: str, seed: int = 0) -> Path:
+def make_tiny_pipeline(dir: str | os.PathLike[str], kind: str, seed: int = 0, *, heads: int | None = None,
+                       layers: int | None = None, dim: int | None = None) -> Path:
     """Write a tiny random ``kind`` pipeline (see the module docstring) into `dir` with
     ``save_pretrained``; returns the folder. It is written beside `dir` and renamed into
-    place, so an interrupted write never looks complete; an existing `dir` is replaced."""
-    pipe = build_tiny_pipeline(kind, seed)
+    place, so an interrupted write never looks complete; an existing `dir` is replaced.
+    `heads`, `layers`, `dim`: as for `build_tiny_pipeline`."""
+    pipe = build_tiny_pipeline(kind, seed, heads=heads, layers=layers, dim=dim)
     folder = Path(dir)
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -192,8 +318,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("dir", type=Path, help="the folder to write (replaced if it exists)")
     p.add_argument("--kind", choices=KINDS, default="wan22", help="which pipeline (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default %(default)s)")
+    p.add_argument("--heads", type=int, help="the transformer's attention heads (default 2)")
+    p.add_argument("--layers", type=int,
+                   help="the transformer's blocks (default 3 for Wan, 2 for Flux and LTX; wan22's second expert "
+                        "gets one fewer, Flux as many single-stream blocks)")
+    p.add_argument("--dim", type=int, help="the attention head dim (default 16)")
     args = p.parse_args(argv)
-    folder = make_tiny_pipeline(args.dir, args.kind, args.seed)
+    try:
+        folder = make_tiny_pipeline(args.dir, args.kind, args.seed, heads=args.heads, layers=args.layers,
+                                    dim=args.dim)
+    except ValueError as e:
+        p.error(str(e))
     print(folder)
     return 0
 
