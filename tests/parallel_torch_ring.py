@@ -11,14 +11,14 @@ from typing import Any
 import torch
 
 import hsdp
-from hsdp.parallel.ulysses_wan import apply_sequence_parallel_torch, cfg_combine
+from hsdp.parallel.context import apply_sequence_parallel_torch, cfg_combine
 from torch_models import is_wan_block, make_wan, wan_inputs
 
 
 def check_wan(groups: Any, target_device: str | None = None) -> float:
     """The check; returns the relative difference. target_device: where the units' buffers
     go (tests/torch_models.target_device)."""
-    from hsdp.parallel.ring_wan import USPWanAttnProcessor
+    from hsdp.parallel.attention import SequenceParallelAttention
 
     args, kwargs = wan_inputs()  # 32 tokens
     x, t, ctx = args
@@ -29,7 +29,7 @@ def check_wan(groups: Any, target_device: str | None = None) -> float:
                              target_device=target_device)
     if groups.sp is not None:  # else CFG parallel alone: each rank runs its branch's tokens whole
         apply_sequence_parallel_torch(model, groups.sp)
-        assert isinstance(model.blocks[0].attn1.processor, USPWanAttnProcessor)
+        assert isinstance(model.blocks[0].attn1.processor._parallel_config, SequenceParallelAttention)
     with torch.inference_mode():
         def run(m: Any, g: Any) -> torch.Tensor:
             return cfg_combine(g, lambda i: m(x, t, ctx * (1 - i), **kwargs)[0], 5.0)

@@ -13,7 +13,7 @@ import torch
 
 import hsdp
 from hsdp import parallel
-from hsdp.parallel.ulysses_wan import apply_sequence_parallel_torch
+from hsdp.parallel.context import apply_sequence_parallel_torch
 from torch_models import check_on_device, is_wan_block, make_wan, target_device, worker_world, wan_inputs
 
 

@@ -39,9 +39,13 @@ def reference(kind: str, path: str) -> np.ndarray:
         from diffusers import DiffusionPipeline
 
         pipe = DiffusionPipeline.from_pretrained(path, dtype=torch.float32)
-        call = WAN_CALL if kind == "wan22" else FLUX_CALL
+        call = _call(kind)
         _references[kind] = _frames(pipe(**call, generator=torch.Generator().manual_seed(0), output_type="np"))
     return _references[kind]
+
+
+def _call(kind: str) -> dict[str, Any]:
+    return WAN_CALL if kind == "wan22" else dict(FLUX_CALL, **ODD) if kind == "flux-odd" else FLUX_CALL
 
 
 def count_forwards(pipe: Any) -> dict[str, list[int]]:
@@ -83,7 +87,13 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "wan22-2x2": ("wan22", dict(use_hsdp=True, hsdp_shard_size=2, hsdp_replicate_size=2)),
     "wan22-ulysses2-cfg2": ("wan22", dict(use_hsdp=True, ulysses_degree=2, cfg_parallel_size=2)),
     "wan22-ulysses2-ring2": ("wan22", dict(use_hsdp=True, ulysses_degree=2, ring_degree=2)),  # USP
+    # Flux through its context-parallel plan; "-odd": 36 px, 81 image tokens, split unevenly
+    "flux-ulysses2-odd": ("flux", dict(use_hsdp=True, ulysses_degree=2)),
+    "flux-ring2-odd": ("flux", dict(use_hsdp=True, ring_degree=2)),
+    "flux-ulysses2-ring2": ("flux", dict(use_hsdp=True, ulysses_degree=2, ring_degree=2)),
+    "flux-ulysses2-cfg2": ("flux", dict(use_hsdp=True, ulysses_degree=2, cfg_parallel_size=2)),
 }
+ODD = dict(height=36, width=36)  # Flux: 9 x 9 packed latent patches
 
 
 def run_case(case: str, paths: dict[str, str]) -> None:
@@ -93,7 +103,7 @@ def run_case(case: str, paths: dict[str, str]) -> None:
     pipe = hp.load_pipeline(paths[kind], config, torch_dtype=torch.float32, progress=False)
     check_shares(pipe, config)
     counts = count_forwards(pipe)
-    call = WAN_CALL if kind == "wan22" else FLUX_CALL
+    call = _call(kind + "-odd" if case.endswith("-odd") else kind)
     out = hp.generate(pipe, **call, generator=torch.Generator().manual_seed(0), output_type="np")
     steps = call["num_inference_steps"]
     forwards = sum(c[0] for c in counts.values())
@@ -106,7 +116,7 @@ def run_case(case: str, paths: dict[str, str]) -> None:
     if rank != 0:
         assert out is None
     else:
-        got, ref = _frames(out), reference(kind, paths[kind])
+        got, ref = _frames(out), reference(kind + "-odd" if case.endswith("-odd") else kind, paths[kind])
         diff = float(np.abs(got - ref).max())
         assert got.shape == ref.shape and diff <= 1e-4, (case, got.shape, ref.shape, diff)
         print(f"{case}: max abs {diff:.3g}", flush=True)

@@ -106,6 +106,11 @@ def test_bad_input_exits_2_naming_what_is_wrong(folders, tmp_path, capsys, monke
         (["--model", wan, "--prompt", "a cat", "--true-cfg-scale", "4"], "--true-cfg-scale is for Flux pipelines"),
         (["--model", wan, "--prompt", "a cat", "--dtype", "int8"], "invalid choice: 'int8'"),
         (["--model", wan, "--prompt", "a cat", "--verify-tolerance", "-1"], "--verify-tolerance must be >= 0"),
+        # sequence parallel, from the folder's config files: heads for Ulysses, tokens for both
+        (["--model", wan, "--prompt", "a cat", "--ulysses-degree", "4"],
+         "transformer/config.json has num_attention_heads=2, not divisible by it"),
+        (["--model", flux, "--prompt", "a cat", "--ring-degree", "4", "--height", "4", "--width", "4"],
+         "splits the 1 image tokens of --height 4 --width 4 over 4 ranks, more ranks than tokens"),
     ]
     # Found by load_pipeline, still before any weight is read: a sharded model without safetensors
     no_weights = tmp_path / "no-weights"

@@ -4,6 +4,8 @@ stock unsharded pipeline; hsdp.testing.tiny_pipeline; the refusals."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import shutil
 from pathlib import Path
@@ -29,17 +31,20 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def test_two_ranks_every_mode_equals_the_stock_pipeline(folders):
-    """1x2, Ulysses 2, CFG 2 on Wan 2.2's two experts, Flux on 1x2 and CFG 2 (fp32 frames equal
-    to the stock pipeline's), a bf16 run, and a bad folder on one rank only (every rank raises)."""
-    cases = ["bad-folder", "wan22-1x2", "wan22-ulysses2", "wan22-cfg2", "flux-1x2", "flux-cfg2", "bf16"]
+    """1x2, Ulysses 2, CFG 2 on Wan 2.2's two experts, Flux on 1x2, CFG 2, Ulysses 2 and ring 2
+    (the last two over 81 image tokens: split unevenly) (fp32 frames equal to the stock
+    pipeline's), a bf16 run, and a bad folder on one rank only (every rank raises)."""
+    cases = ["bad-folder", "wan22-1x2", "wan22-ulysses2", "wan22-cfg2", "flux-1x2", "flux-cfg2", "bf16",
+             "flux-ulysses2-odd", "flux-ring2-odd"]
     out = run_ranks(2, "tests/pipelines_worker.py", str(folders["wan22"]), str(folders["flux"]), *cases,
                     timeout=600).stdout
-    for case in ("bad folder", "wan22-1x2", "wan22-ulysses2", "wan22-cfg2", "flux-1x2", "flux-cfg2", "bf16"):
+    for case in ("bad folder", "wan22-1x2", "wan22-ulysses2", "wan22-cfg2", "flux-1x2", "flux-cfg2", "bf16",
+                 "flux-ulysses2-odd", "flux-ring2-odd"):
         assert out.count(f"{case} ok") == 2, out
 
 
 def test_four_ranks_replicas_ulysses_with_cfg_and_usp(folders):
-    cases = ["wan22-2x2", "wan22-ulysses2-cfg2", "wan22-ulysses2-ring2"]
+    cases = ["wan22-2x2", "wan22-ulysses2-cfg2", "wan22-ulysses2-ring2", "flux-ulysses2-ring2", "flux-ulysses2-cfg2"]
     out = run_ranks(4, "tests/pipelines_worker.py", str(folders["wan22"]), str(folders["flux"]), *cases,
                     timeout=600).stdout
     for case in cases:
@@ -149,16 +154,22 @@ def test_parallel_modes_a_pipeline_cannot_run_are_refused(folders):
     from hsdp.pipelines.loader import _check_modes
 
     flux = read_components(folders["flux"], True, True)
-    with pytest.raises(NotImplementedError, match="ulysses_degree=2, ring_degree=1. is built for diffusers' "
-                                                  "WanTransformer3DModel only; component 'transformer' "
-                                                  "is a FluxTransformer2DModel"):
-        _check_modes(DiffusionParallelConfig(ulysses_degree=2), FluxPipeline, flux)
-    with pytest.raises(NotImplementedError, match="ring_degree=2. is built for diffusers' WanTransformer3DModel only"):
-        _check_modes(DiffusionParallelConfig(ring_degree=2), FluxPipeline, flux)
+    # any transformer with a context-parallel plan takes Ulysses and ring; heads are checked from config.json
+    _check_modes(DiffusionParallelConfig(ulysses_degree=2, ring_degree=2), FluxPipeline, flux)
+    with pytest.raises(ValueError, match=r"ulysses_degree=4 splits the attention heads .* component 'transformer' "
+                                         r"\(FluxTransformer2DModel, .*transformer/config.json\) has "
+                                         r"num_attention_heads=2, not divisible by it"):
+        _check_modes(DiffusionParallelConfig(ulysses_degree=4), FluxPipeline, flux)
+    _check_modes(DiffusionParallelConfig(ring_degree=4), FluxPipeline, flux)  # ring splits tokens, not heads
+    planless = [dataclasses.replace(c, cls=SD3Transformer2DModel, class_name="SD3Transformer2DModel")
+                if c.role == "transformer" else c for c in flux]
+    with pytest.raises(NotImplementedError, match=r"component 'transformer': sequence parallel \(ulysses_degree=1, "
+                                                  r"ring_degree=2\) needs the model's context-parallel plan, and "
+                                                  r"SD3Transformer2DModel declares none .*register_plan"):
+        _check_modes(DiffusionParallelConfig(ring_degree=2), FluxPipeline, planless)
     _check_modes(DiffusionParallelConfig(cfg_parallel_size=2, use_hsdp=True), FluxPipeline, flux)
     with pytest.raises(NotImplementedError, match="not for StableDiffusion3Pipeline"):
         _check_modes(DiffusionParallelConfig(cfg_parallel_size=2), StableDiffusion3Pipeline, flux)
-    assert SD3Transformer2DModel  # imported: the class exists, it only has no probe
 
 
 class _Doubler(torch.nn.Module):

@@ -27,8 +27,8 @@ PUBLIC_MODULES: dict[str, str] = {
     "hsdp.dtypes": "hsdp.engine.dtypes",
     "hsdp.trace": "hsdp.engine.trace",
     "hsdp.ring": "hsdp.parallel.ring",
-    "hsdp.parallel_torch": "hsdp.parallel.ulysses_wan",
-    "hsdp.ring_torch": "hsdp.parallel.ring_wan",
+    "hsdp.parallel_torch": "hsdp.parallel.context",
+    "hsdp.ring_torch": "hsdp.parallel.attention",
 }
 
 

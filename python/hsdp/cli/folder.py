@@ -33,9 +33,16 @@ class PipelineFolder:
     takes_image: bool  # image-to-video
     spatial_multiple: int  # height and width must be multiples of this (VAE x patch)
     temporal_factor: int | None  # num_frames - 1 must be a multiple of this (video models)
+    heads: tuple[tuple[str, int], ...] = ()  # each transformer's num_attention_heads, from its config.json
 
     def describe_multiple(self) -> str:
         return f"{self.spatial_multiple} (the VAE's spatial factor x the transformer's patch)"
+
+    def tokens(self, height: int, width: int, num_frames: int | None) -> int:
+        """The transformer's image (video) tokens for these sizes: the sequence that sequence
+        parallel splits."""
+        frames = 1 if self.temporal_factor is None or num_frames is None else (num_frames - 1) // self.temporal_factor + 1
+        return frames * (height // self.spatial_multiple) * (width // self.spatial_multiple)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -98,6 +105,8 @@ def read_folder(path: str | Path) -> PipelineFolder:
     if not transformers:
         raise FolderError(f"--model {root}: model_index.json lists no transformer")
     patch = _patch(transformers[0], "transformer", root)
+    heads = tuple((name, c["num_attention_heads"]) for name in ("transformer", "transformer_2")
+                  if (c := _component_config(root, index, name)) and isinstance(c.get("num_attention_heads"), int))
     if class_name.startswith("Wan"):
         spatial = int(vae.get("scale_factor_spatial", 8))
         temporal: int | None = int(vae.get("scale_factor_temporal", 4))
@@ -105,4 +114,4 @@ def read_folder(path: str | Path) -> PipelineFolder:
         spatial = 2 ** (len(vae.get("block_out_channels", [0, 0, 0, 0])) - 1)
         patch = 2
         temporal = None
-    return PipelineFolder(root, class_name, output, takes_image, spatial * patch, temporal)
+    return PipelineFolder(root, class_name, output, takes_image, spatial * patch, temporal, heads)

@@ -186,6 +186,7 @@ def check_args(args: argparse.Namespace) -> tuple[PipelineFolder, DiffusionParal
         config.require_supported()
     except (ValueError, NotImplementedError) as exc:
         raise UsageError(str(exc)) from None
+    _check_sequence_split(args, folder, config)
     flux = folder.class_name.startswith("Flux")
     if args.true_cfg_scale is not None:
         if not flux:
@@ -203,6 +204,26 @@ def check_args(args: argparse.Namespace) -> tuple[PipelineFolder, DiffusionParal
             raise UsageError(f"--cfg-parallel-size 2 runs the two branches of classifier-free guidance on separate "
                              f"ranks, but --guidance-scale {args.guidance_scale:g} turns guidance off; {why}")
     return folder, config
+
+
+def _check_sequence_split(args: argparse.Namespace, folder: PipelineFolder, config: DiffusionParallelConfig) -> None:
+    """Ulysses splits the heads and sequence parallel the tokens: both known from the folder's
+    config files and the sizes, so refused here, once, before any rank starts."""
+    for name, heads in folder.heads:
+        if heads % config.ulysses_degree:
+            raise UsageError(
+                f"--ulysses-degree {config.ulysses_degree} splits the attention heads across its ranks, and "
+                f"{folder.path / name / 'config.json'} has num_attention_heads={heads}, not divisible by it; "
+                f"choose a degree that divides {heads}, or split the tokens with --ring-degree")
+    sp = config.sequence_parallel_size
+    if sp > 1 and args.height is not None and args.width is not None:
+        tokens = folder.tokens(args.height, args.width, args.num_frames)
+        if tokens < sp:
+            raise UsageError(
+                f"--ulysses-degree {config.ulysses_degree} x --ring-degree {config.ring_degree} splits the "
+                f"{tokens} image tokens of --height {args.height} --width {args.width}"
+                + (f" --num-frames {args.num_frames}" if args.num_frames is not None else "")
+                + f" over {sp} ranks, more ranks than tokens; use a smaller degree or a larger size")
 
 
 def _check_writable(output: Path) -> None:

@@ -122,7 +122,7 @@ def apply_sequence_parallel(model: Any, sp: Any) -> Any:
     if not isinstance(model, VideoDiT):
         raise TypeError(
             f"apply_sequence_parallel takes a reference hsdp.models.VideoDiT, got {type(model).__name__}; "
-            "for a diffusers Wan transformer use hsdp.parallel_torch.apply_sequence_parallel_torch"
+            "for a diffusers transformer use hsdp.parallel_torch.apply_sequence_parallel_torch"
         )
     if sp is not None:
         sp.check_heads(model.config.num_heads)

@@ -15,7 +15,7 @@ Order of work, the same on every rank:
 4. ``<PipelineClass>.from_pretrained(path, <component>=<prebuilt>, ..., dtype=...)`` (the
    class ``model_index.json`` names) loads the rest whole (VAE, tokenizers, scheduler, image processors) and builds the
    pipeline class the folder names.
-5. Ulysses / ring attention (USP) on every Wan transformer; the CFG split (:mod:`hsdp.pipelines.cfg`) on every
+5. Ulysses / ring attention (USP) on every transformer, where its context-parallel plan says; the CFG split (:mod:`hsdp.pipelines.cfg`) on every
    transformer; the state for reports on ``pipe._hsdp``.
 """
 
@@ -53,15 +53,20 @@ def _check_modes(config: Any, pipe_cls: type, components: list[Component]) -> No
         return
     config.require_supported()  # TP, PP, DP, EP: NotImplementedError naming each
     transformers = [c for c in components if c.role == "transformer"]
-    if config.sequence_parallel_size > 1:  # Ulysses, ring attention, or both (USP)
-        from diffusers import WanTransformer3DModel
+    if config.sequence_parallel_size > 1:  # Ulysses, ring attention, or both (USP): by the model's plan
+        from ..parallel.context import no_plan_message, plan_of
 
+        what = f"sequence parallel (ulysses_degree={config.ulysses_degree}, ring_degree={config.ring_degree})"
         for c in transformers:
-            if not issubclass(c.cls, WanTransformer3DModel):
-                raise NotImplementedError(
-                    f"sequence parallel (ulysses_degree={config.ulysses_degree}, ring_degree={config.ring_degree}) "
-                    f"is built for diffusers' WanTransformer3DModel only; component '{c.name}' is a {c.class_name}"
-                )
+            if plan_of(c.cls) is None:
+                raise NotImplementedError(f"component '{c.name}': " + no_plan_message(c.class_name, what))
+            heads = c.cls.load_config(c.folder).get("num_attention_heads")
+            if isinstance(heads, int) and heads % config.ulysses_degree:
+                raise ValueError(
+                    f"ulysses_degree={config.ulysses_degree} splits the attention heads across its ranks, and "
+                    f"component '{c.name}' ({c.class_name}, {c.folder / 'config.json'}) has num_attention_heads="
+                    f"{heads}, not divisible by it; choose a ulysses_degree that divides {heads} (ring_degree "
+                    f"splits the tokens instead)")
     if config.cfg_parallel_size > 1:
         if config.cfg_parallel_size != 2:
             raise ValueError(f"cfg_parallel_size must be 1 or 2 (cond and uncond), got {config.cfg_parallel_size}")
@@ -149,8 +154,8 @@ def load_pipeline(
       transformer component, and every text encoder unless ``shard_text_encoders=False``,
       is streamed rank-locally into HSDP units (the registry in
       :mod:`hsdp.pipelines.conditions` says which submodules); None or ``use_hsdp=False``
-      loads them whole. Its Ulysses and ring degrees (Wan transformers; ring on GPUs is
-      untested) and CFG parallel size apply either way.
+      loads them whole. Its Ulysses and ring degrees (any transformer with a context-parallel
+      plan, :mod:`hsdp.parallel.context`) and CFG parallel size apply either way.
     - ``torch_dtype``: float32, bfloat16 or float16; what the sharded models are stored and
       computed in (``_keep_in_fp32_modules`` stay float32) and what diffusers loads the rest in.
     - ``device``: where the models run (None: the CPU); ``"cuda"`` shards onto each rank's GPU.
@@ -212,7 +217,7 @@ def load_pipeline(
     # a transformer passed in kwargs runs with the same parallel modes as the loaded ones
     transformers = [(n, m) for n, m in pipe.components.items() if _is_transformer(n, m)]
     if groups.sp is not None:
-        from ..parallel.ulysses_wan import apply_sequence_parallel_torch
+        from ..parallel.context import apply_sequence_parallel_torch
 
         for _, model in transformers:
             apply_sequence_parallel_torch(model, groups.sp)
