@@ -1,6 +1,6 @@
 """One rank of the pipeline checks (started by tests/test_pipelines.py under mpiexec).
 
-`python tests/pipelines_worker.py WAN22_DIR FLUX_DIR CASE...`: each case loads a tiny
+`python tests/pipelines_worker.py WAN22_DIR FLUX_DIR [KIND=DIR...] CASE...`: each case loads a tiny
 pipeline with hsdp.pipelines.load_pipeline under one DiffusionParallelConfig, runs the stock
 pipeline call through hsdp.pipelines.generate, and compares rank 0's float32 frames with the
 stock unsharded diffusers pipeline loaded from the same folder (max abs <= 1e-4 on [0, 1]).
@@ -24,6 +24,8 @@ torch.set_num_threads(1)
 STEPS = 4
 WAN_CALL = dict(prompt="a cat running in the snow", negative_prompt="blurry low quality", height=32, width=32,
                 num_frames=5, num_inference_steps=STEPS, guidance_scale=4.0, max_sequence_length=16)
+LTX_CALL = dict(prompt="a boat on a lake", negative_prompt="blurry", height=32, width=32, num_frames=9,
+                num_inference_steps=3, guidance_scale=3.0, max_sequence_length=16)
 FLUX_CALL = dict(prompt="a red car on a street", negative_prompt="blurry", height=32, width=32,
                  num_inference_steps=3, true_cfg_scale=4.0, guidance_scale=3.5, max_sequence_length=16)
 _references: dict[str, np.ndarray] = {}
@@ -45,7 +47,8 @@ def reference(kind: str, path: str) -> np.ndarray:
 
 
 def _call(kind: str) -> dict[str, Any]:
-    return WAN_CALL if kind == "wan22" else dict(FLUX_CALL, **ODD) if kind == "flux-odd" else FLUX_CALL
+    calls = {"wan22": WAN_CALL, "flux": FLUX_CALL, "flux-odd": dict(FLUX_CALL, **ODD), "ltx": LTX_CALL}
+    return calls[kind]
 
 
 def count_forwards(pipe: Any) -> dict[str, list[int]]:
@@ -92,6 +95,9 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "flux-ring2-odd": ("flux", dict(use_hsdp=True, ring_degree=2)),
     "flux-ulysses2-ring2": ("flux", dict(use_hsdp=True, ulysses_degree=2, ring_degree=2)),
     "flux-ulysses2-cfg2": ("flux", dict(use_hsdp=True, ulysses_degree=2, cfg_parallel_size=2)),
+    # LTX-Video: the text split too, its padding mask gathered along the keys
+    "ltx-ulysses2": ("ltx", dict(use_hsdp=True, ulysses_degree=2)),
+    "ltx-ring2": ("ltx", dict(use_hsdp=True, ring_degree=2)),  # the mask's key blocks travel the ring
 }
 ODD = dict(height=36, width=36)  # Flux: 9 x 9 packed latent patches
 
@@ -107,10 +113,15 @@ def run_case(case: str, paths: dict[str, str]) -> None:
     out = hp.generate(pipe, **call, generator=torch.Generator().manual_seed(0), output_type="np")
     steps = call["num_inference_steps"]
     forwards = sum(c[0] for c in counts.values())
-    # two calls per guided step; CFG parallel: one per rank
-    assert forwards == (steps if config.cfg_parallel_size == 2 else 2 * steps), (case, counts)
+    # two calls per guided step (LTX: one call, both branches in its batch); CFG parallel: one per rank
+    per_step = 1 if kind == "ltx" or config.cfg_parallel_size == 2 else 2
+    assert forwards == per_step * steps, (case, counts)
     if kind == "wan22":
         assert all(c[0] > 0 for c in counts.values()), f"{case}: an expert never ran: {counts}"
+    if config.sequence_parallel_size > 1:  # the attention really ran over the split sequence
+        routed = [m._hsdp_sequence_parallel.attention.calls for m in (pipe.transformer, pipe.transformer_2 if
+                  getattr(pipe, "transformer_2", None) is not None else pipe.transformer)]
+        assert all(routed), (case, routed)
     split = hp.pipeline_state(pipe).cfg_split
     assert (split.steps if split else 0) == (steps if config.cfg_parallel_size == 2 else 0)
     if rank != 0:
@@ -150,8 +161,10 @@ def run_bad_folder_on_one_rank(paths: dict[str, str]) -> None:
 
 def main() -> None:
     paths = {"wan22": sys.argv[1], "flux": sys.argv[2]}
+    cases = [a for a in sys.argv[3:] if "=" not in a]
+    paths.update(a.split("=", 1) for a in sys.argv[3:] if "=" in a)  # KIND=DIR: more folders
     hsdp.distributed.init_process_group()
-    for case in sys.argv[3:]:
+    for case in cases:
         if case == "bf16":
             run_bf16(paths)
         elif case == "bad-folder":

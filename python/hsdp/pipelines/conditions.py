@@ -9,6 +9,7 @@ class                                         units
 ============================================  =============================================
 diffusers ``WanTransformer3DModel``           ``blocks.<i>``
 diffusers ``FluxTransformer2DModel``          ``transformer_blocks.<i>``, ``single_transformer_blocks.<i>``
+diffusers ``LTXVideoTransformer3DModel``, ``QwenImageTransformer2DModel``  ``transformer_blocks.<i>``
 transformers ``T5EncoderModel``, ``UMT5EncoderModel``  ``encoder.block.<i>``
 transformers ``CLIPTextModel``, ``CLIPTextModelWithProjection``  ``text_model.encoder.layers.<i>`` (4.x),
                                               ``encoder.layers.<i>`` (5.x)
@@ -93,6 +94,8 @@ def describe(conditions: Iterable[ShardCondition]) -> str:
 
 register_shard_conditions("WanTransformer3DModel", "blocks.<i>")
 register_shard_conditions("FluxTransformer2DModel", ["transformer_blocks.<i>", "single_transformer_blocks.<i>"])
+register_shard_conditions("LTXVideoTransformer3DModel", "transformer_blocks.<i>")
+register_shard_conditions("QwenImageTransformer2DModel", "transformer_blocks.<i>")
 register_shard_conditions("T5EncoderModel", "encoder.block.<i>")
 register_shard_conditions("UMT5EncoderModel", "encoder.block.<i>")
 # transformers 5 builds CLIPTextModel without the text_model level that 4.x (and checkpoints) have
