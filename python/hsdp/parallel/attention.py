@@ -150,7 +150,8 @@ def ring_attention(ring: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return block_attention(q, k, v, scale, bias_of(0) if bias_of else None)[0]
     longest = max(lens)
     b, h, _, d = k.shape
-    bufs = [torch.zeros((2, b, h, longest, d), dtype=k.dtype, device=k.device) for _ in range(2)]
+    # past a shorter block the buffer holds stale bytes: they travel, and are never read
+    bufs = [torch.empty((2, b, h, longest, d), dtype=k.dtype, device=k.device) for _ in range(2)]
     cur, nxt = bufs
     cur[0, :, :, : k.shape[2]].copy_(k)
     cur[1, :, :, : v.shape[2]].copy_(v)
