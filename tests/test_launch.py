@@ -422,3 +422,41 @@ def test_wan_example_runs_ulysses_with_hsdp_on_two_ranks(tmp_path) -> None:
     assert report["hsdp_mode"] == "combined"
     assert report["sequence_parallel"] == {"ulysses_degree": 2, "ring_degree": 1, "tokens": 128, "tokens_per_rank": 64}
     assert report["verify"]["ok"] is True and report["verify"]["tolerance"] == 1e-5
+
+
+RING = [(2, ["--ring-degree", "2"]), (4, ["--ulysses-degree", "2", "--ring-degree", "2"])]
+
+
+@pytest.fixture(scope="module")
+def wan_tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One checkpoint folder for the runs below: the first writes the tiny model, the rest load it."""
+    return tmp_path_factory.mktemp("wan_ckpt")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("ranks,flags", RING, ids=[" ".join(f) for _, f in RING])
+def test_wan_example_verifies_ring_attention_per_dtype(tmp_path, wan_tiny_checkpoints, ranks, flags, dtype) -> None:
+    """Ring 2 and Ulysses 2 x ring 2 with HSDP over the same ranks pass --verify's rule for
+    their dtype: float32 within 1e-5 relative of the unsharded loop; bfloat16 (issue 32) no
+    further from an unsharded float32 loop than 1.5 x the unsharded bfloat16 loop is."""
+    out = tmp_path / "wan_ring.npy"
+    proc = run_launch(
+        "-n", str(ranks), "--", WAN_EXAMPLE, *flags, "--use-hsdp", "--param-dtype", dtype, "--verify",
+        "--preset", "tiny", "--frames", "2", "--height", "8", "--width", "8", "--num-inference-steps", "2",
+        "--output", str(out), "--checkpoint-dir", str(wan_tiny_checkpoints), timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.with_suffix(".json").read_text())
+    sp = report["sequence_parallel"]
+    assert sp["ring_degree"] == 2 and sp["tokens"] == 32 and sp["tokens_per_rank"] == 32 // ranks
+    verify = report["verify"]
+    assert verify["ok"] is True, verify
+    if dtype == "float32":
+        assert verify["tolerance"] == 1e-5 and verify["rel_diff"] <= 1e-5 and "vs_float32" not in verify
+        return
+    f32 = verify["vs_float32"]
+    assert f32["factor"] == 1.5 and verify["tolerance"] == f32["bound"] == pytest.approx(1.5 * f32["unsharded_rel_l2"])
+    assert 0 < f32["unsharded_rel_l2"] < 0.1  # bfloat16 is measurably off float32, not broken
+    assert f32["sharded_rel_l2"] <= f32["bound"] and f32["ratio"] <= 1.5
+    assert f32["ratio"] == pytest.approx(f32["sharded_rel_l2"] / f32["unsharded_rel_l2"])
+    assert "relative L2 vs an unsharded float32 run" in proc.stdout and "(within 1.5x" in proc.stdout

@@ -82,6 +82,18 @@ EXIT_CONFIG = 2  # a configuration error, or a degree the runtime cannot run
 SP_TOLERANCE = 1e-5  # relative, once the tokens are split (a product over fewer rows rounds differently)
 
 
+# --verify below float32 with the tokens split (issue 32's criterion): the split run may be at
+# most this many times as far from the float32 unsharded loop as the unsharded loop in the
+# run's own dtype is. Measured on Wan in bfloat16 (docs/performance.md, "Ring attention in
+# bfloat16"): ring 2 and Ulysses 2 x ring 2, tiny and small presets, 0.994-1.002, with the ring
+# blocks merged in float32 and before that (each block rounded to bfloat16) alike; Ulysses
+# alone is bit-exact (1.0). Both errors are ~1.2 % there, and a split run's own rounding moves
+# its error by under 1 % of itself. The bound is loose on these random-weight models: a ring
+# that dropped the other rank's keys also passed (1.10 tiny, 1.05 small), so the float32 run's
+# 1e-5 (which flags it at 1.1e-2) stays the correctness check.
+HALF_ERROR_FACTOR = 1.5
+
+
 def compare(result: np.ndarray, reference: np.ndarray, sequence_parallel: bool) -> dict[str, Any]:
     """--verify's verdict: exact is required unless the tokens were split (SP_TOLERANCE)."""
     diff = float(np.max(np.abs(result - reference)))
@@ -90,6 +102,26 @@ def compare(result: np.ndarray, reference: np.ndarray, sequence_parallel: bool) 
     exact = diff == 0.0  # NaN compares unequal: not exact
     ok = exact if tolerance is None else bool(rel <= tolerance)
     return {"max_abs_diff": diff, "rel_diff": rel, "exact": exact, "tolerance": tolerance, "ok": ok}
+
+
+def rel_l2(result: np.ndarray, reference: np.ndarray) -> float:
+    """The relative L2 error ||result - reference|| / ||reference||."""
+    return float(np.linalg.norm(result - reference) / max(float(np.linalg.norm(reference)), 1e-30))
+
+
+def compare_to_float32(result: np.ndarray, reference: np.ndarray, reference_f32: np.ndarray) -> dict[str, Any]:
+    """--verify's verdict below float32 with the tokens split: ``result`` (the split run) must
+    be within HALF_ERROR_FACTOR x the error of ``reference`` (the unsharded loop in the same
+    dtype), both measured against ``reference_f32`` (the unsharded loop in float32). The
+    difference from ``reference`` is still reported, as ``compare`` does."""
+    verdict = compare(result, reference, sequence_parallel=True)
+    sharded, unsharded = rel_l2(result, reference_f32), rel_l2(reference, reference_f32)
+    bound = HALF_ERROR_FACTOR * unsharded
+    verdict.update(
+        vs_float32={"sharded_rel_l2": sharded, "unsharded_rel_l2": unsharded,
+                    "ratio": sharded / max(unsharded, 1e-30), "factor": HALF_ERROR_FACTOR, "bound": bound},
+        tolerance=bound, ok=bool(sharded <= bound))  # NaN compares false: not ok
+    return verdict
 
 
 def config_error(prog: str, is_rank0: bool, message: str) -> int:
@@ -185,6 +217,11 @@ def _verify_text(verify: dict[str, Any] | None) -> str:
     if verify.get("tolerance") is None:
         return text + f" ({'exact' if verify['exact'] else 'MISMATCH'})"
     verdict = "within" if verify["ok"] else "MISMATCH: above"
+    if "vs_float32" in verify:  # below float32 with a split: judged against a float32 unsharded run
+        f32 = verify["vs_float32"]
+        return text + f"; relative L2 vs an unsharded float32 run {f32['sharded_rel_l2']:.3g}, " \
+            f"unsharded in this dtype {f32['unsharded_rel_l2']:.3g}, ratio {f32['ratio']:.3f} " \
+            f"({verdict} {f32['factor']:g}x = {f32['bound']:.3g})"
     if "rel_l2" in verify:  # a float8 wire: judged by the relative L2 error of the latents
         return text + f", relative L2 {verify['rel_l2']:.3g} with a {verify['wire_dtype']} wire " \
             f"({verdict} {verify['tolerance']:g})"

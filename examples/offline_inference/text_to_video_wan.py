@@ -17,9 +17,21 @@ On GPUs (``--device cuda``: the NCCL backend, one GPU per rank, LOCAL_RANK):
     torchrun --nproc-per-node 8 examples/offline_inference/text_to_video_wan.py \\
         --device cuda --use-hsdp --hsdp-shard-size 8
 
-With ``--hsdp-wire-dtype float8_e4m3fn`` the shards are held and gathered block-scaled in
-float8 (half the bytes); ``--verify`` then checks the latents against the unsharded bfloat16
-loop within a relative L2 error of ``WIRE_TOLERANCE`` instead of bit for bit, and reports it.
+``--verify`` reruns the loop on rank 0 unsharded, from the same seeded inputs, and checks
+the final latents against it:
+
+- without a sequence split (``--ulysses-degree``, ``--ring-degree``), in either dtype: equal
+  bit for bit (sharding moves the weights, never the arithmetic);
+- ``--param-dtype float32`` with a split: within 1e-5 relative (``SP_TOLERANCE``);
+- ``--param-dtype bfloat16`` with a split: a second unsharded loop runs in float32, and the
+  split run's relative L2 error against it must be at most ``HALF_ERROR_FACTOR`` (1.5) x the
+  error of the unsharded bfloat16 loop against it (both errors, their ratio and the bound
+  are reported). Ring attention's merge rounds differently from one whole-sequence
+  attention, so bit-exactness is not the measure in half precision, but the split may not
+  lose more accuracy than the unsharded model does in that dtype (a loose check on these
+  random-weight models: the float32 run is the one that checks the split is right);
+- ``--hsdp-wire-dtype float8_e4m3fn`` (shards held and gathered block-scaled in float8, half
+  the bytes): within a relative L2 error of ``WIRE_TOLERANCE`` of the unsharded bfloat16 loop.
 
 Exit status: 0 on success, 1 when --verify finds a difference, 2 for a configuration error
 or a parallel degree the runtime cannot execute yet.
@@ -56,10 +68,12 @@ from inference_report import (
     check_guidance_args,
     check_run_args,
     compare,
+    compare_to_float32,
     config_error,
     format_table,
     gather_ints,
     peak_rss_bytes,
+    rel_l2,
     reset_peak_rss,
     report_rows,
     write_json,
@@ -137,9 +151,9 @@ def empty_model(folder: Path) -> Any:
     return model.eval()
 
 
-def unsharded_model(args: argparse.Namespace, folder: Path) -> Any:
+def unsharded_model(folder: Path, param_dtype: str) -> Any:
     """The whole model on this rank, computing what a sharded one does: the dtypes a
-    ``--param-dtype`` shard holds and the same input casts (hsdp's unsharded_reference)."""
+    ``param_dtype`` shard holds and the same input casts (hsdp's unsharded_reference)."""
     from diffusers import WanTransformer3DModel
 
     from hsdp.adapters.torch import unsharded_reference
@@ -151,12 +165,12 @@ def unsharded_model(args: argparse.Namespace, folder: Path) -> Any:
     for p in model.parameters():
         p.data = p.data.clone()
     model._hsdp_shard_conditions = [is_block]
-    return unsharded_reference(model, args.param_dtype)
+    return unsharded_reference(model, param_dtype)
 
 
 def build_model(args: argparse.Namespace, hsdp_cfg: Any | None, folder: Path) -> Any:
     if hsdp_cfg is None:
-        return unsharded_model(args, folder).to(args.device)
+        return unsharded_model(folder, args.param_dtype).to(args.device)
     return hsdp.load_model_sharded(empty_model(folder), folder, hsdp_cfg, target_device=args.device)
 
 
@@ -219,19 +233,26 @@ def _held_bytes(model: Any, sharded: bool) -> int:
     return stats["sharded_bytes"] + stats["whole_bytes"]
 
 
+def _unsharded_loop(args: argparse.Namespace, param_dtype: str, x_t: torch.Tensor,
+                    contexts: tuple[torch.Tensor, torch.Tensor]) -> np.ndarray:
+    progress = Progress(True, "verify step", args.num_inference_steps)
+    progress.note(f"verify: running the same loop unsharded on rank 0 ({args.device}, {param_dtype})")
+    model = unsharded_model(checkpoint_dir(args), param_dtype).to(args.device)
+    reference, _ = denoise(model, x_t, contexts, args.num_inference_steps, progress, args.guidance_scale)
+    return reference.float().cpu().numpy()
+
+
 def _verify(args: argparse.Namespace, x_t: torch.Tensor, contexts: tuple[torch.Tensor, torch.Tensor],
             result: torch.Tensor, sequence_parallel: bool) -> dict[str, Any]:
-    progress = Progress(True, "verify step", args.num_inference_steps)
-    progress.note(f"verify: running the same loop unsharded on rank 0 ({args.device})")
-    model = unsharded_model(args, checkpoint_dir(args)).to(args.device)
-    reference, _ = denoise(model, x_t, contexts, args.num_inference_steps, progress, args.guidance_scale)
-    got, want = result.float().cpu().numpy(), reference.float().cpu().numpy()
-    # a sequence split may round differently (it measured exact here)
+    """The module docstring's rules, by dtype."""
+    got, want = result.float().cpu().numpy(), _unsharded_loop(args, args.param_dtype, x_t, contexts)
     verdict = compare(got, want, sequence_parallel)
     if args.hsdp_wire_dtype is not None:  # float8 weights: close, not equal
-        rel_l2 = float(np.linalg.norm(got - want) / max(float(np.linalg.norm(want)), 1e-30))
-        verdict.update(wire_dtype=args.hsdp_wire_dtype, rel_l2=rel_l2, tolerance=WIRE_TOLERANCE,
-                       ok=bool(rel_l2 <= WIRE_TOLERANCE))
+        error = rel_l2(got, want)
+        verdict.update(wire_dtype=args.hsdp_wire_dtype, rel_l2=error, tolerance=WIRE_TOLERANCE,
+                       ok=bool(error <= WIRE_TOLERANCE))
+    elif sequence_parallel and args.param_dtype != "float32":  # judged against a float32 loop
+        verdict = compare_to_float32(got, want, _unsharded_loop(args, "float32", x_t, contexts))
     return verdict
 
 
