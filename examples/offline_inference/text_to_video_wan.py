@@ -278,7 +278,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         groups = par.init_parallel_groups(parallel, world)
         pt, ph, pw = COMMON["patch_size"]
         tokens = (args.frames // pt) * (args.height // ph) * (args.width // pw)
-        local_tokens = groups.sp.local_tokens(tokens) if groups.sp is not None else tokens
+        local_tokens = tokens
+        if groups.sp is not None:  # any count of at least the degree: the first ranks hold one token more
+            if tokens < groups.sp.degree:
+                raise ValueError(f"sequence parallel over {groups.sp.degree} ranks needs at least as many tokens; "
+                                 f"--frames, --height and --width give {tokens}")
+            local_tokens = -(-tokens // groups.sp.degree)
         if groups.sp is not None:
             groups.sp.check_heads(PRESETS[args.preset]["num_attention_heads"])
     except (ValueError, NotImplementedError) as exc:
