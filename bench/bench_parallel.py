@@ -24,19 +24,39 @@ Ring attention (``--ring``: this section alone):
 - *ring memory*: the peak a rank gains during one forward of the reference model, as above,
   at ring 1, 2 and 4. Goal: 1/ring.
 
+Flux (``--flux``: this section alone; ``--runs N`` repeats it, each run with its own baseline):
+
+- *flux time*: one transformer forward (a denoising step's call; Flux-dev is guidance-distilled,
+  so one call a step) of a stock diffusers ``FluxTransformer2DModel`` with random weights,
+  float32 (what diffusers builds on the CPU), ``FLUX`` below: Flux's head dim and rotary axes,
+  4 heads, 2 double and 4 single blocks, at a 1024 x 1024 image (4096 image tokens) and 512
+  text tokens. 1 rank with the model whole and no hsdp, against Ulysses 2 and ring 2 on 2
+  ranks, each with hsdp sharding the blocks' weights over the same 2 ranks
+  (``apply_hsdp_to_model`` + ``hsdp.parallel.context.apply_sequence_parallel_torch``). Threads:
+  as the *time* section, the harness's launch environment, one thread per rank
+  (``OMP_NUM_THREADS=1``: 2 ranks fill the 2 cores); 1 rank with 2 threads (torch's default
+  here) is timed beside it, the bound a second core gives one process. Before each launch the
+  section waits (30 s polls, 10 min at most) for the 1-minute load average to fall below 1.0
+  and records it. Goal (issue 32): Ulysses 2 / 1 rank and ring 2 / 1 rank at most 0.6. Writes
+  ``bench/records/bench_parallel_flux.json``.
+
     .venv/bin/python bench/bench_parallel.py
     .venv/bin/python bench/bench_parallel.py --ring
+    .venv/bin/python bench/bench_parallel.py --flux --runs 3
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import interleaved, launch, machine, reset_peak_rss, table, vm_kib  # noqa: E402
+from harness import MPI_ENV, interleaved, launch, machine, reset_peak_rss, table, vm_kib  # noqa: E402
 
 SIZES_MIB = (1, 4, 16, 64)
 # 16 frames of 32 x 32 latents with 1x2x2 patches: 4096 tokens, a (4, 4096, 4096) float32
@@ -250,7 +270,169 @@ def ring_main() -> None:
                  "1 / ring"], rows))
 
 
+# Flux at real proportions, small enough for 2 cores: Flux's head dim 128 and rotary axes
+# (16, 56, 56), its text width 4096 and pooled 768, its 64 packed latent channels (16 x 2 x 2);
+# 4 heads (Flux: 24), 2 double-stream and 4 single-stream blocks (Flux: 19 and 38, the same 1:2)
+FLUX = dict(patch_size=1, in_channels=64, num_layers=2, num_single_layers=4, attention_head_dim=128,
+            num_attention_heads=4, joint_attention_dim=4096, pooled_projection_dim=768, axes_dims_rope=(16, 56, 56))
+# a 1024 x 1024 image: 128 x 128 latents packed 2 x 2, 64 x 64 = 4096 image tokens; Flux-dev's 512 text tokens
+FLUX_TOKENS = dict(height=64, width=64, text=512)
+FLUX_REPS = 5
+# (label, ranks, torch threads per rank, sequence parallel)
+FLUX_CASES = [("1 rank, whole", 1, 1, "none"), ("1 rank, whole", 1, 2, "none"),
+              ("Ulysses 2 + HSDP 2", 2, 1, "ulysses"), ("ring 2 + HSDP 2", 2, 1, "ring")]
+FLUX_RECORD = Path(__file__).resolve().parent / "records" / "bench_parallel_flux.json"
+
+
+def is_flux_block(name: str, module: object) -> bool:
+    """hsdp's units: each double- and single-stream block (as tests/torch_models.py shards Flux)."""
+    return name.split(".")[0] in ("transformer_blocks", "single_transformer_blocks") and name.count(".") == 1
+
+
+def flux_inputs() -> dict:
+    import torch
+
+    h, w, text = FLUX_TOKENS.values()
+    g = torch.Generator().manual_seed(1)
+    img_ids = torch.zeros(h, w, 3)  # as FluxPipeline._prepare_latent_image_ids: (0, row, column)
+    img_ids[..., 1] = torch.arange(h)[:, None]
+    img_ids[..., 2] = torch.arange(w)[None, :]
+    return {
+        "hidden_states": torch.randn(1, h * w, FLUX["in_channels"], generator=g),
+        "encoder_hidden_states": torch.randn(1, text, FLUX["joint_attention_dim"], generator=g),
+        "pooled_projections": torch.randn(1, FLUX["pooled_projection_dim"], generator=g),
+        "timestep": torch.tensor([0.5]),
+        "img_ids": img_ids.reshape(h * w, 3),
+        "txt_ids": torch.zeros(text, 3),
+        "return_dict": False,
+    }
+
+
+def arg(name: str) -> str:
+    return sys.argv[sys.argv.index(name) + 1]
+
+
+def rank_flux() -> None:
+    import torch
+
+    mode, threads, ref = arg("--rank-flux"), int(arg("--threads")), Path(arg("--ref"))
+    torch.set_num_threads(threads)
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(0)
+    model = FluxTransformer2DModel(**FLUX).eval()
+    rank, barrier = 0, (lambda: None)
+    if mode != "none":  # hsdp shards the blocks over the world, and the tokens split over it
+        import hsdp
+        from hsdp import parallel
+        from hsdp.parallel.context import apply_sequence_parallel_torch
+
+        world = hsdp.distributed.init_process_group()
+        rank, barrier = world.rank, world.barrier
+        degree = {"ulysses_degree" if mode == "ulysses" else "ring_degree": world.size}
+        groups = parallel.init_parallel_groups(hsdp.DiffusionParallelConfig(use_hsdp=True, **degree), world)
+        model._hsdp_shard_conditions = [is_flux_block]
+        hsdp.apply_hsdp_to_model(model, hsdp.HSDPInferenceConfig(enabled=True, param_dtype="float32"))
+        apply_sequence_parallel_torch(model, groups.sp)
+    kw = flux_inputs()
+    times = []
+    with torch.inference_mode():
+        out = model(**kw)[0]  # warm: allocator, oneDNN/BLAS buffers; hsdp records its prefetch order
+        for _ in range(FLUX_REPS):
+            barrier()
+            t0 = time.perf_counter()
+            model(**kw)
+            times.append(time.perf_counter() - t0)
+    if rank != 0:
+        return
+    res = {"threads": torch.get_num_threads(), "seconds": sorted(times)[len(times) // 2], "times": times,
+           "dtype": str(out.dtype).removeprefix("torch.")}
+    if mode == "none" and threads == 1:
+        torch.save(out, ref)
+    else:  # sanity: the output against the 1-rank, 1-thread one
+        expect = torch.load(ref)
+        diff = (out - expect).abs().max().item()
+        res.update(max_abs_diff=diff, max_abs_ref=expect.abs().max().item(),
+                   relative=diff / expect.abs().max().item())
+    print("RESULT " + json.dumps(res))
+
+
+def wait_quiet(below: float = 1.0, poll: float = 30, patience: float = 600) -> dict:
+    """Waits until the 1-minute load average is below `below` (polls every `poll` s, gives up
+    after `patience` s); returns what it saw."""
+    t0 = time.monotonic()
+    while True:
+        load = os.getloadavg()
+        waited = time.monotonic() - t0
+        if load[0] < below or waited >= patience:
+            return {"load_before": [round(x, 2) for x in load], "waited_s": round(waited), "quiet": load[0] < below}
+        print(f"  load average {load[0]:.2f} >= {below}: waiting ({waited:.0f} s so far)", file=sys.stderr, flush=True)
+        time.sleep(poll)
+
+
+def flux_main() -> None:
+    import platform
+
+    import diffusers
+    import torch
+
+    runs = int(arg("--runs")) if "--runs" in sys.argv else 1
+    h, w, text = FLUX_TOKENS.values()
+    config = (f"FluxTransformer2DModel, {FLUX['num_attention_heads']} heads x head dim {FLUX['attention_head_dim']} "
+              f"(rotary axes {FLUX['axes_dims_rope']}), {FLUX['num_layers']} double + {FLUX['num_single_layers']} "
+              f"single blocks, {h * w} image + {text} text tokens, float32, random weights")
+    git = lambda *a: subprocess.run(["git", *a], cwd=Path(__file__).resolve().parent.parent,  # noqa: E731
+                                    capture_output=True, text=True).stdout.strip()
+    record = {"script": "bench_parallel", "section": "flux", "argv": sys.argv,
+              "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine(),
+              "commit": git("rev-parse", "HEAD"), "python_hsdp_uncommitted": git("status", "--porcelain", "python/hsdp"),
+              "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                           "diffusers": diffusers.__version__},
+              "config": {"model": FLUX, "tokens": FLUX_TOKENS, "dtype": "float32", "reps": FLUX_REPS,
+                         "statistic": "median of the reps after one warm-up forward, rank 0's clock"},
+              "threads": "the harness's launch environment: OMP_NUM_THREADS=1 per rank (hsdp.launch's), "
+                         "torch.set_num_threads(threads) in the rank; 'threads' in each row is "
+                         "torch.get_num_threads() as the rank ran",
+              "env": {k: v for k, v in MPI_ENV.items() if "THREADS" in k},
+              "runs": []}
+    print(f"Flux, one transformer forward ({machine()}): {config}; median of {FLUX_REPS} after a warm-up. "
+          f"Threads: one per rank (the harness's OMP_NUM_THREADS=1), and 1 rank with 2")
+    for run in range(runs):
+        rows, results = [], []
+        with tempfile.TemporaryDirectory() as tmp:
+            ref = str(Path(tmp) / "out.pt")
+            for label, ranks, threads, mode in FLUX_CASES:
+                seen = wait_quiet()
+                r = result(launch(ranks, __file__, "--rank-flux", mode, "--threads", str(threads), "--ref", ref))
+                r.update(label=label, ranks=ranks, mode=mode, **seen,
+                         load_after=[round(x, 2) for x in os.getloadavg()])
+                results.append(r)
+        base1 = results[0]["seconds"]
+        base2 = results[1]["seconds"]
+        for r in results:
+            r["vs_1x1"], r["vs_1x2"] = r["seconds"] / base1, r["seconds"] / base2
+            diff = f"{r['max_abs_diff']:.2e}" if "max_abs_diff" in r else "(reference)"
+            rows.append([r["label"], f"{r['ranks']} x {r['threads']}", f"{r['seconds']:.3f}", f"{r['vs_1x1']:.3f}",
+                         f"{r['vs_1x2']:.3f}", diff, f"{r['load_before'][0]:.2f}", f"{r['load_after'][0]:.2f}"])
+        record["runs"].append(results)
+        print(f"\nRun {run + 1} of {runs}")
+        print(table(["run", "ranks x threads", "step s", "vs 1 rank x 1", "vs 1 rank x 2", "max abs diff",
+                     "load before", "load after"], rows))
+        FLUX_RECORD.parent.mkdir(exist_ok=True)
+        FLUX_RECORD.write_text(json.dumps(record, indent=1) + "\n")
+    summary = [[r["label"], f"{r['ranks']} x {r['threads']}",
+                ", ".join(f"{run[i]['vs_1x1']:.3f}" for run in record["runs"]),
+                ", ".join(f"{run[i]['vs_1x2']:.3f}" for run in record["runs"])]
+               for i, r in enumerate(record["runs"][0])]
+    print(f"\nStep time against 1 rank, {runs} run(s); goal: Ulysses 2 and ring 2 at most 0.6 of 1 rank")
+    print(table(["run", "ranks x threads", "vs 1 rank x 1 thread", "vs 1 rank x 2 threads"], summary))
+    print(f"record: {FLUX_RECORD.relative_to(Path(__file__).resolve().parent.parent)}")
+
+
 def main() -> None:
+    if "--flux" in sys.argv:
+        flux_main()
+        return
     if "--ring" in sys.argv:
         ring_main()
         return
@@ -286,7 +468,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if "--rank-ring-exchange" in sys.argv:
+    if "--rank-flux" in sys.argv:
+        rank_flux()
+    elif "--rank-ring-exchange" in sys.argv:
         rank_ring_exchange()
     elif "--rank-ring-time" in sys.argv:
         rank_ring_time()
