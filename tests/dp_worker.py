@@ -24,26 +24,31 @@ from hsdp.engine.config import DiffusionParallelConfig
 from hsdp.pipelines.lanes import run_lanes
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from pipelines_worker import FLUX_CALL, WAN_CALL, _frames, check_shares  # noqa: E402
+from pipelines_worker import FLUX_CALL, TILED_CALL, WAN_CALL, _frames, check_shares, tile  # noqa: E402
 
 torch.set_num_threads(1)
 PROMPTS = ["a cat running in the snow", "a red boat on a lake", "two dogs in a garden", "a kite over a field"]
 _stock: dict[str, Any] = {}
 
 
-def stock(kind: str, path: str, call: dict[str, Any]) -> np.ndarray:
-    """The stock unsharded pipeline called with one output alone (rank 0)."""
-    if path not in _stock:
+def stock(kind: str, path: str, call: dict[str, Any], tiled: bool = False) -> np.ndarray:
+    """The stock unsharded pipeline called with one output alone (rank 0); tiled: its VAE
+    tiled as the test tiles it (pipelines_worker.tile)."""
+    key = f"{path}-tiled" if tiled else path
+    if key not in _stock:
         from diffusers import DiffusionPipeline
 
-        _stock[path] = DiffusionPipeline.from_pretrained(path, dtype=torch.float32)
-    return _frames(_stock[path](**call, output_type="np"))
+        _stock[key] = DiffusionPipeline.from_pretrained(path, dtype=torch.float32)
+        if tiled:
+            tile(_stock[key].vae)
+    return _frames(_stock[key](**call, output_type="np"))
 
 
-def compare(case: str, kind: str, path: str, got: np.ndarray, calls: list[dict[str, Any]]) -> None:
+def compare(case: str, kind: str, path: str, got: np.ndarray, calls: list[dict[str, Any]],
+            tiled: bool = False) -> None:
     assert got.shape[0] == len(calls), (case, got.shape, len(calls))
     for i, call in enumerate(calls):
-        ref = stock(kind, path, call)
+        ref = stock(kind, path, call, tiled)
         diff = float(np.abs(got[i : i + 1] - ref).max())
         assert got[i : i + 1].shape == ref.shape and diff <= 1e-4, (case, i, got.shape, ref.shape, diff)
         print(f"{case}: output {i} max abs {diff:.3g}", flush=True)
@@ -60,6 +65,10 @@ def run_batch(case: str, kind: str, path: str, config: DiffusionParallelConfig, 
     pipe = hp.load_pipeline(path, config, torch_dtype=torch.float32, progress=False)
     check_shares(pipe, config)
     base = WAN_CALL if kind == "wan22" else FLUX_CALL
+    tiled = config.vae_patch_parallel_size > 1
+    if tiled:  # each lane's first ranks share its VAE's tiles
+        tile(pipe.vae)
+        base = {**base, **TILED_CALL}
     prompts = PROMPTS[:n]
     negs = [f"blurry {i}" for i in range(n)]
     out = hp.generate(pipe, **{**base, "prompt": prompts, "negative_prompt": negs}, generator=seeded(n),
@@ -69,9 +78,12 @@ def run_batch(case: str, kind: str, path: str, config: DiffusionParallelConfig, 
     if rank == 0:
         calls = [{**base, "prompt": p, "negative_prompt": q, "generator": g}
                  for p, q, g in zip(prompts, negs, seeded(n), strict=True)]
-        compare(case, kind, path, _frames(out), calls)
+        compare(case, kind, path, _frames(out), calls, tiled)
     else:
         assert out is None
+    if tiled:
+        spread = hp.pipeline_state(pipe).vae
+        assert spread.group.size == 2 and spread.last["tiles"] > 2, spread.last  # one lane's ranks
     print(f"rank {rank}: {case} ok ({ls.report()})", flush=True)
 
 
@@ -187,6 +199,10 @@ def main() -> None:
             assert world == 4
             run_batch(case, "wan22", paths["wan22"],
                       DiffusionParallelConfig(use_hsdp=True, data_parallel_size=2, ulysses_degree=2), 2)
+        elif case == "wan22-dp2-ulysses2-vae2":  # each lane's VAE over its own 2 ranks
+            assert world == 4
+            run_batch(case, "wan22", paths["wan22"], DiffusionParallelConfig(
+                use_hsdp=True, data_parallel_size=2, ulysses_degree=2, vae_patch_parallel_size=2), 2)
         elif case == "wan22-dp4-r2":  # 2 replica groups of 2 lanes: a ballot per shard group
             assert world == 4
             run_batch(case, "wan22", paths["wan22"],

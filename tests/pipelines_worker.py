@@ -41,14 +41,25 @@ def reference(kind: str, path: str) -> np.ndarray:
         from diffusers import DiffusionPipeline
 
         pipe = DiffusionPipeline.from_pretrained(path, dtype=torch.float32)
+        if kind.endswith("-tiled"):
+            tile(pipe.vae)
         call = _call(kind)
         _references[kind] = _frames(pipe(**call, generator=torch.Generator().manual_seed(0), output_type="np"))
     return _references[kind]
 
 
 def _call(kind: str) -> dict[str, Any]:
-    calls = {"wan22": WAN_CALL, "flux": FLUX_CALL, "flux-odd": dict(FLUX_CALL, **ODD), "ltx": LTX_CALL}
+    calls = {"wan22": WAN_CALL, "flux": FLUX_CALL, "flux-odd": dict(FLUX_CALL, **ODD), "ltx": LTX_CALL,
+             "wan22-tiled": dict(WAN_CALL, **TILED_CALL), "flux-tiled": FLUX_CALL,
+             "wan22-i2v-tiled": dict(WAN_CALL, **TILED_CALL, image=_image())}
     return calls[kind]
+
+
+def _image() -> Any:
+    from PIL import Image
+
+    pixels = (np.random.default_rng(0).random((48, 80, 3)) * 255).astype(np.uint8)
+    return Image.fromarray(pixels)
 
 
 def count_forwards(pipe: Any) -> dict[str, list[int]]:
@@ -98,7 +109,28 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     # LTX-Video: the text split too, its padding mask gathered along the keys
     "ltx-ulysses2": ("ltx", dict(use_hsdp=True, ulysses_degree=2)),
     "ltx-ring2": ("ltx", dict(use_hsdp=True, ring_degree=2)),  # the mask's key blocks travel the ring
+    # the VAE's tiles over 2 ranks, against the stock pipeline tiled the same way (-tiled: small tiles)
+    "wan22-vae2-tiled": ("wan22", dict(use_hsdp=True, hsdp_shard_size=2, vae_patch_parallel_size=2)),
+    "wan22-ulysses2-vae2-tiled": ("wan22", dict(use_hsdp=True, ulysses_degree=2, vae_patch_parallel_size=2)),
+    "wan22-i2v-vae2-tiled": ("wan22-i2v", dict(use_hsdp=True, hsdp_shard_size=2, vae_patch_parallel_size=2)),
+    "flux-vae2-tiled": ("flux", dict(use_hsdp=True, hsdp_shard_size=2, vae_patch_parallel_size=2)),
 }
+# Tiles small enough that the tiny folders have several: Wan 48 x 80 px -> 3 x 5 = 15 tiles (odd: uneven
+# over 2 ranks); Flux 32 x 32 px -> 3 x 3 = 9
+WAN_TILES = dict(tile_sample_min_height=32, tile_sample_min_width=32, tile_sample_stride_height=16,
+                 tile_sample_stride_width=16)
+FLUX_TILES = dict(tile_sample_min_size=16, tile_latent_min_size=8)
+TILED_CALL = dict(height=48, width=80)
+
+
+def tile(vae: Any) -> None:
+    """The test's tile sizes on a VAE (what a user sets after load_pipeline)."""
+    if type(vae).__name__ == "AutoencoderKL":  # its enable_tiling takes no sizes: the attributes
+        vae.enable_tiling()
+        for name, value in FLUX_TILES.items():
+            setattr(vae, name, value)
+    else:
+        vae.enable_tiling(**WAN_TILES)
 ODD = dict(height=36, width=36)  # Flux: 9 x 9 packed latent patches
 
 
@@ -109,15 +141,23 @@ def run_case(case: str, paths: dict[str, str]) -> None:
     pipe = hp.load_pipeline(paths[kind], config, torch_dtype=torch.float32, progress=False)
     check_shares(pipe, config)
     counts = count_forwards(pipe)
-    call = _call(kind + "-odd" if case.endswith("-odd") else kind)
+    variant = kind + "-odd" if case.endswith("-odd") else kind + "-tiled" if case.endswith("-tiled") else kind
+    if case.endswith("-tiled"):
+        tile(pipe.vae)
+    call = _call(variant)
     out = hp.generate(pipe, **call, generator=torch.Generator().manual_seed(0), output_type="np")
     steps = call["num_inference_steps"]
     forwards = sum(c[0] for c in counts.values())
     # two calls per guided step (LTX: one call, both branches in its batch); CFG parallel: one per rank
     per_step = 1 if kind == "ltx" or config.cfg_parallel_size == 2 else 2
     assert forwards == per_step * steps, (case, counts)
-    if kind == "wan22":
+    if kind.startswith("wan22"):
         assert all(c[0] > 0 for c in counts.values()), f"{case}: an expert never ran: {counts}"
+    if config.vae_patch_parallel_size > 1:  # every VAE rank decoded its share of several tiles
+        spread = hp.pipeline_state(pipe).vae
+        assert spread.last["tiles"] > config.vae_patch_parallel_size, (case, spread.last)
+        if "i2v" in kind:  # and the image's encode too
+            assert spread.last_encode["tiles"] > config.vae_patch_parallel_size, (case, spread.last_encode)
     if config.sequence_parallel_size > 1:  # the attention really ran over the split sequence
         routed = [m._hsdp_sequence_parallel.attention.calls for m in (pipe.transformer, pipe.transformer_2 if
                   getattr(pipe, "transformer_2", None) is not None else pipe.transformer)]
@@ -127,7 +167,7 @@ def run_case(case: str, paths: dict[str, str]) -> None:
     if rank != 0:
         assert out is None
     else:
-        got, ref = _frames(out), reference(kind + "-odd" if case.endswith("-odd") else kind, paths[kind])
+        got, ref = _frames(out), reference(variant, paths[kind])
         diff = float(np.abs(got - ref).max())
         assert got.shape == ref.shape and diff <= 1e-4, (case, got.shape, ref.shape, diff)
         print(f"{case}: max abs {diff:.3g}", flush=True)

@@ -43,8 +43,9 @@ def test_two_lanes_every_output_equals_the_stock_pipeline_alone(folders):
 def test_four_ranks_lanes_of_cfg_and_ulysses_pairs(folders):
     """D=2 x CFG 2 and D=2 x Ulysses 2 on 4 ranks: lanes of 2 ranks each; D=4 with 2 replica
     groups (S=2): each shard group's 2 lanes gather in lockstep, the groups independently (3
-    prompts: one group's second lane has none)."""
-    cases = ["wan22-dp2-cfg2", "wan22-dp2-ulysses2", "wan22-dp4-r2"]
+    prompts: one group's second lane has none); D=2 x Ulysses 2 with each lane's VAE tiles over
+    its own 2 ranks."""
+    cases = ["wan22-dp2-cfg2", "wan22-dp2-ulysses2", "wan22-dp4-r2", "wan22-dp2-ulysses2-vae2"]
     out = run_ranks(4, "tests/dp_worker.py", str(folders["wan22"]), str(folders["flux"]), *cases, timeout=600).stdout
     for case in cases:
         assert out.count(f": {case} ok") == 4, out

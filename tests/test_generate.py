@@ -111,6 +111,8 @@ def test_bad_input_exits_2_naming_what_is_wrong(folders, tmp_path, capsys, monke
          "transformer/config.json has num_attention_heads=2, not divisible by it"),
         (["--model", flux, "--prompt", "a cat", "--ring-degree", "4", "--height", "4", "--width", "4"],
          "splits the 1 image tokens of --height 4 --width 4 over 4 ranks, more ranks than tokens"),
+        (["--model", wan, "--prompt", "a cat", "--use-hsdp", "--hsdp-shard-size", "2", "--vae-patch-parallel-size",
+          "3"], "vae_patch_parallel_size=3 spreads the VAE's tiles over ranks that run the same request"),
     ]
     # Found by load_pipeline, still before any weight is read: a sharded model without safetensors
     no_weights = tmp_path / "no-weights"

@@ -17,7 +17,8 @@ def reference_pipeline(folder: str | Path, pipe: Any, dtype: Any, device: str | 
     dtype, each component ``pipe`` holds sharded is loaded in float32 and made by
     :func:`hsdp.adapters.torch.unsharded_reference` to store its weights as hsdp stores them
     and to cast its units' floating inputs as hsdp's hooks do (FSDP2's
-    ``cast_forward_inputs``); the other components load as ``load_pipeline`` loads them."""
+    ``cast_forward_inputs``); the other components load as ``load_pipeline`` loads them. A VAE
+    ``pipe`` tiles (``vae_patch_parallel_size``) is tiled the same way."""
     import diffusers
     import torch
 
@@ -41,4 +42,16 @@ def reference_pipeline(folder: str | Path, pipe: Any, dtype: Any, device: str | 
     stock = getattr(diffusers, index["_class_name"]).from_pretrained(str(folder), dtype=dtype, **parts)
     if device is not None:
         stock.to(device)
+    _same_tiling(pipe, stock)
     return stock
+
+
+def _same_tiling(pipe: Any, stock: Any) -> None:
+    """The stock VAE tiled as ``pipe``'s (``vae_patch_parallel_size`` switches tiling on, and a
+    tiled decode blends tiles: the reference must tile the same way)."""
+    vae, ref = getattr(pipe, "vae", None), getattr(stock, "vae", None)
+    if vae is None or ref is None or not getattr(vae, "use_tiling", False):
+        return
+    for name, value in vars(vae).items():  # the tile sizes, strides and overlaps enable_tiling set
+        if name.startswith("tile_") or name == "use_tiling":
+            setattr(ref, name, value)

@@ -184,6 +184,8 @@ class DiffusionParallelConfig:
     hsdp_wire_dtype: str | None = None
     # per-rank bytes of units kept gathered across forwards (HSDPInferenceConfig.resident_bytes)
     hsdp_resident_bytes: int | str | None = None
+    # ranks of each request's group that share the VAE's tiled decode and encode (hsdp.pipelines.vae)
+    vae_patch_parallel_size: int = 1
     world_size: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -212,6 +214,7 @@ class DiffusionParallelConfig:
         self.hsdp_shard_size = _as_shard_size(self.hsdp_shard_size)
         self.hsdp_wire_dtype = _as_wire_dtype(self.hsdp_wire_dtype)
         self.hsdp_resident_bytes = _as_resident_bytes(self.hsdp_resident_bytes)
+        self.vae_patch_parallel_size = _as_positive_int("vae_patch_parallel_size", self.vae_patch_parallel_size)
 
         # Classifier-free guidance has exactly two branches (conditional, unconditional), so
         # there is nothing to split across more than two ranks.
@@ -232,6 +235,21 @@ class DiffusionParallelConfig:
                 )
         self.sequence_parallel_size = derived_sp
 
+        self._resolve_world()
+        self._check_vae_group()
+
+    def _check_vae_group(self) -> None:
+        # The VAE's tiles are spread over ranks that run the same request: the whole world, or
+        # with data parallel lanes one lane's ranks. It adds no ranks.
+        n, group = self.vae_patch_parallel_size, self.world_size // self.lanes
+        if n > group:
+            where = (f"the {group} ranks of a data parallel lane (world {self.world_size} / "
+                     f"data_parallel_size={self.lanes})" if self.lanes > 1 else f"the world of {group} rank" + ("s" if group > 1 else ""))
+            raise ValueError(
+                f"vae_patch_parallel_size={n} spreads the VAE's tiles over ranks that run the same request, "
+                f"and there are only {where}; use at most {group}")
+
+    def _resolve_world(self) -> None:
         other_world = self.other_parallel_world
         if not self.use_hsdp:
             # The hsdp_* fields are kept as given; they only matter once HSDP is switched on.
@@ -336,6 +354,10 @@ class DiffusionParallelConfig:
 
     def describe(self) -> str:
         """One line for logs, e.g. ``HSDP standalone: replicate=1 x shard=4 (world 4)``."""
+        vae = f"; the VAE's tiles over {self.vae_patch_parallel_size} ranks" if self.vae_patch_parallel_size > 1 else ""
+        return self._describe_ranks() + vae
+
+    def _describe_ranks(self) -> str:
         mode = self.hsdp_mode
         if mode == "off":
             details = self._factors(short=True)
@@ -498,6 +520,7 @@ class DiffusionParallelConfig:
             "data_parallel_size",
             "enable_expert_parallel",
             "hsdp_resident_bytes",
+            "vae_patch_parallel_size",
         ):
             default = None if name == "data_parallel_size" else getattr(defaults, name)
             kwargs[name] = getattr(args, name, default)
@@ -611,5 +634,14 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
         help="data-parallel degree (default: 1): D lanes, each running its own requests (a batch of "
         "prompts is spread over them); with --use-hsdp the weights stay sharded over all of them "
         "(shard size auto: world / replicate) and the lanes gather in lockstep.",
+    )
+    group.add_argument(
+        "--vae-patch-parallel-size",
+        type=int,
+        default=1,
+        dest="vae_patch_parallel_size",
+        metavar="N",
+        help="spread the tiles of the VAE's tiled decode (and image-to-video encode) over N ranks of each "
+        "request (default %(default)s: one rank decodes); turns the VAE's tiling on. Adds no ranks.",
     )
     return group

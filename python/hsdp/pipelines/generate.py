@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..world import distributed
-from .lanes import items_of, join_outputs, lane_groups, run_items
+from .lanes import decoding_ranks, items_of, join_outputs, lane_groups, run_items
 
 
 def _count(value: Any) -> int | None:
@@ -47,7 +47,8 @@ def generate(pipe: Any, **call_kwargs: Any) -> Any:
     Ranks other than 0 run with ``output_type="latent"``: the denoising loop is the same
     on every rank, but only rank 0 runs the VAE decode and the post-processing. Users who
     call ``pipe(...)`` directly can do the same (pass ``output_type="latent"`` where
-    ``hsdp.distributed.get_rank() != 0``).
+    ``hsdp.distributed.get_rank() != 0``). With ``vae_patch_parallel_size=N`` ranks 0 to
+    N - 1 decode, each its share of the tiles (:mod:`hsdp.pipelines.vae`); rank 0 writes.
 
     With data parallel lanes (``data_parallel_size=D``) the batch's outputs are spread over
     the lanes instead (:mod:`hsdp.pipelines.lanes`): output i runs on lane i mod D, in one
@@ -61,7 +62,7 @@ def generate(pipe: Any, **call_kwargs: Any) -> Any:
     if groups is not None:
         outputs = run_items(pipe, items_of(call_kwargs), world, groups)
         return join_outputs(outputs) if outputs is not None else None
-    if rank != 0:
+    if rank >= decoding_ranks(pipe):
         call_kwargs = {**call_kwargs, "output_type": "latent"}
     out = pipe(**call_kwargs)
     return out if rank == 0 else None

@@ -8,8 +8,9 @@ k. Item i belongs to lane i mod D, and each lane runs its items as one stock cal
 image, ...; one output per prompt), so item i equals the stock pipeline called with it alone,
 up to the rounding of a batch (a lane holds 1/D of the batch a single call would). Every lane
 decodes its own items (the VAE is replicated); only each lane's leader decodes (the other
-ranks of a lane run with ``output_type="latent"``), and the leaders' outputs go to rank 0 in
-one gather at the end.
+ranks of a lane run with ``output_type="latent"``), or with ``vae_patch_parallel_size=N``
+the lane's first N ranks, each its share of the tiles (the leader writes), and the leaders'
+outputs go to rank 0 in one gather at the end.
 """
 
 from __future__ import annotations
@@ -174,12 +175,13 @@ def run_lanes(pipe: Any, calls: Sequence[dict[str, Any] | None], world: Any,
     more calls, serving the others. Every rank calls it with the same calls; returns every call's
     output (on rank 0; None elsewhere) and error (on every rank, None where it succeeded)."""
     lanes, lane, leader = groups.dp_degree, groups.dp_rank, groups.lane_rank == 0
+    decodes = groups.lane_rank < decoding_ranks(pipe)  # the lane's leader, and its VAE ranks
     mine: list[tuple[int, Any]] = []
     failed: list[tuple[int, str]] = []
     for i in range(lane, len(calls), lanes):
         if calls[i] is None:
             continue
-        call = calls[i] if leader else {**calls[i], "output_type": "latent"}
+        call = calls[i] if decodes else {**calls[i], "output_type": "latent"}
         try:
             out = pipe(**call)
         except Exception as exc:  # noqa: BLE001 - the call's outcome; the other lanes go on
@@ -200,6 +202,13 @@ def run_lanes(pipe: Any, calls: Sequence[dict[str, Any] | None], world: Any,
             if errors[i] is None:  # the lowest failing rank's words, as serve's agree_outcome
                 errors[i] = err if rank == 0 else f"rank {rank}: {err}"
     return (outputs if world.rank == 0 else [None] * len(calls)), errors
+
+
+def decoding_ranks(pipe: Any) -> int:
+    """How many ranks of each request run the VAE decode: 1 (the leader), or the ranks
+    ``vae_patch_parallel_size`` spreads its tiles over."""
+    state = getattr(pipe, "_hsdp", None)
+    return state.vae_ranks if isinstance(state, PipelineState) else 1
 
 
 def lane_groups(pipe: Any) -> Any:

@@ -16,7 +16,8 @@ Order of work, the same on every rank:
    class ``model_index.json`` names) loads the rest whole (VAE, tokenizers, scheduler, image processors) and builds the
    pipeline class the folder names.
 5. Ulysses / ring attention (USP) on every transformer, where its context-parallel plan says; the CFG split (:mod:`hsdp.pipelines.cfg`) on every
-   transformer; the state for reports on ``pipe._hsdp``.
+   transformer; the VAE's tiles over ``vae_patch_parallel_size`` ranks (:mod:`hsdp.pipelines.vae`); the
+   state for reports on ``pipe._hsdp``.
 """
 
 from __future__ import annotations
@@ -236,11 +237,19 @@ def load_pipeline(
 
         lockstep = install_lockstep(pipe, [prebuilt[c.name] for c in components if c.name in prebuilt])
 
+    vae = None
+    if parallel_config is not None and parallel_config.vae_patch_parallel_size > 1:
+        from .vae import install
+
+        # the ranks running one request: the world, or a data parallel lane (split: collective)
+        group = world if groups.dp_degree == 1 else world.split(color=groups.dp_rank, key=groups.lane_rank)
+        vae = install(pipe, group, parallel_config.vae_patch_parallel_size)
+
     states = {}
     for c in components:
         module = getattr(pipe, c.name, None)
         if isinstance(module, torch.nn.Module):
             states[c.name] = component_state(c.name, c.class_name, c.role, module)
     object.__setattr__(pipe, "_hsdp", PipelineState(world.size, world.rank, parallel_config, groups, hsdp_cfg,
-                                                    states, split, lockstep))
+                                                    states, split, lockstep, vae))
     return pipe

@@ -43,6 +43,12 @@ class PipelineState:
     components: dict[str, ComponentState]
     cfg_split: Any = None  # the CFG splitter installed on the transformers, if any
     lockstep: Any = None  # data parallel over sharded models: their shard group's ballot (engine/lockstep.py)
+    vae: Any = None  # the VAE's tiles spread over ranks (hsdp.pipelines.vae.TileSpread), if asked for
+
+    @property
+    def vae_ranks(self) -> int:
+        """How many ranks of each request decode (the first ones): 1, or vae_patch_parallel_size."""
+        return self.vae.n if self.vae is not None and self.vae.tiled else 1
 
     @property
     def sharded(self) -> list[str]:

@@ -1,0 +1,246 @@
+"""Parallel VAE (``vae_patch_parallel_size=N``): the tiles of a VAE's own tiled decode, and of
+its tiled encode, spread over N ranks of a request's group.
+
+diffusers' VAEs with tiling (Wan's, Flux's ``AutoencoderKL``, LTX-Video's, ...) decode a
+latent as overlapping tiles, one independent decoder run per tile (Wan: one call per latent
+frame, sharing a cache the tile starts by clearing), and then blend the tiles' overlaps.
+:class:`TileSpread` runs that stock ``tiled_decode`` itself on each of the N ranks, with the
+decoder's ``forward`` replaced for the call:
+
+- [Note: tiles round robin] Tile t (in the stock loop's order; a new tile at each decoder
+  call, or for VAEs with ``clear_cache`` at the first call after it) belongs to rank t mod N.
+  Its owner computes it; every other rank skips it.
+- **Decode.** The writer (the group's rank 0) gets each tile it does not own from its owner,
+  call by call (a small header, then the bytes; point to point), so its stock blend runs on
+  the very tensors a one-rank tiled decode makes: the result is the stock tiled decode's,
+  bit for bit. The other ranks send their tiles as they finish them and keep none; their
+  stock loop runs on empty placeholders and stops at its first blend, and they return a
+  1-pixel placeholder (the pipeline's post-processing runs on it; only the writer's output
+  is kept). So no rank but the writer holds more than one tile and its activations.
+- **Encode** (Wan 2.2 image-to-video): every rank of the group needs the latents, so each
+  tile is broadcast from its owner to the whole group and every rank blends.
+- Tiling is switched on (``enable_tiling()``, the VAE's default tile sizes) unless the user
+  switched it on already; tile sizes a user sets later are used as set. A VAE without tiled
+  decode decodes whole, with a warning.
+
+Transfers go through the host (a GPU tile is copied to the CPU): UNTESTED ON A GPU.
+Imported only by callers, so ``import hsdp`` never pulls torch in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..adapters.torch import as_numpy
+
+log = logging.getLogger("hsdp")
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_HEADER = 10  # status, dtype index, ndim, up to 7 dims
+_FAILED = -1
+_NOTHING = np.empty(0, dtype=np.uint8)
+
+
+class _Done(Exception):
+    """A non-writing rank's stock loop reached its blend: its tiles are sent, it is done."""
+
+
+def _header(t: torch.Tensor | None) -> np.ndarray:
+    h = np.zeros(_HEADER, dtype=np.int64)
+    if t is None:
+        h[0] = _FAILED
+        return h
+    if t.dtype not in _DTYPES or t.dim() > _HEADER - 3:
+        raise TypeError(f"parallel VAE: a tile of dtype {t.dtype} and {t.dim()} dims cannot be sent")
+    h[0], h[1], h[2] = 1, _DTYPES.index(t.dtype), t.dim()
+    h[3 : 3 + t.dim()] = t.shape
+    return h
+
+
+def _empty_for(h: np.ndarray) -> torch.Tensor:
+    return torch.empty(tuple(int(x) for x in h[3 : 3 + int(h[2])]), dtype=_DTYPES[int(h[1])])
+
+
+class TileSpread:
+    """One VAE's tiled decode and encode spread over the first `n` ranks of `group` (every
+    rank of the group runs the same request). Installed on the instance: its ``tiled_decode``
+    and ``tiled_encode`` become this object's."""
+
+    def __init__(self, vae: Any, group: Any, n: int) -> None:
+        self.vae, self.group, self.n = vae, group, n
+        self.rank = int(group.rank)
+        self.tiled = callable(getattr(vae, "tiled_decode", None)) and callable(getattr(vae, "enable_tiling", None))
+        if not self.tiled:
+            if self.rank == 0:
+                log.warning("vae_patch_parallel_size=%d: the VAE (%s) has no tiled decode (tiled_decode and "
+                            "enable_tiling); it decodes whole on one rank", n, type(vae).__name__)
+            return
+        if not getattr(vae, "use_tiling", False):
+            vae.enable_tiling()  # its default tile sizes, as vllm-omni does
+        self._stock_decode = type(vae).tiled_decode.__get__(vae)
+        vae.tiled_decode = self.tiled_decode
+        if callable(getattr(vae, "tiled_encode", None)):
+            self._stock_encode = type(vae).tiled_encode.__get__(vae)
+            vae.tiled_encode = self.tiled_encode
+        self.last: dict[str, int] = {}  # the last decode's tiles, for reports and tests
+        self.last_encode: dict[str, int] = {}
+
+    # -- transfers (host buffers; a tile on a GPU is copied over) ---------------------------
+
+    def _send(self, t: torch.Tensor | None, dest: int) -> None:
+        self.group.sendrecv(_header(t), dest, _NOTHING, dest)
+        if t is not None:
+            self.group.sendrecv(as_numpy(t.detach().cpu().contiguous()), dest, _NOTHING, dest)
+
+    def _recv(self, source: int, device: torch.device, where: str) -> torch.Tensor:
+        h = np.empty(_HEADER, dtype=np.int64)
+        self.group.sendrecv(_NOTHING, source, h, source)
+        if h[0] == _FAILED:
+            raise RuntimeError(f"parallel VAE: rank {source} of the VAE group failed computing {where} "
+                               "(its own error is in its output)")
+        t = _empty_for(h)
+        self.group.sendrecv(_NOTHING, source, as_numpy(t), source)
+        return t.to(device)
+
+    def _broadcast(self, t: torch.Tensor | None, root: int, device: torch.device, where: str) -> torch.Tensor:
+        h = _header(t) if self.rank == root else np.empty(_HEADER, dtype=np.int64)
+        self.group.broadcast(h, root)
+        if h[0] == _FAILED:
+            raise RuntimeError(f"parallel VAE: rank {root} of the VAE group failed computing {where} "
+                               "(its own error is in its output)")
+        if self.rank == root:
+            assert t is not None
+            self.group.broadcast(as_numpy(t.detach().cpu().contiguous()), root)
+            return t
+        out = _empty_for(h)
+        self.group.broadcast(as_numpy(out), root)
+        return out.to(device)
+
+    # -- the tile loop ----------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _tiles(self, module: Any, on_call: Callable[..., torch.Tensor]) -> Iterator[dict[str, int]]:
+        """`module`'s forward replaced by on_call(tile, stock_forward, *args, **kwargs) for the
+        stock loop; tile numbers follow [Note: tiles round robin]."""
+        vae = self.vae
+        state = {"tile": -1, "new": 1, "calls": 0}
+        stock_forward = module.forward
+        clear = getattr(vae, "clear_cache", None)
+
+        def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
+            if state["new"] or clear is None:
+                state["tile"] += 1
+                state["new"] = 0
+            state["calls"] += 1
+            return on_call(state["tile"], stock_forward, *args, **kwargs)
+
+        def clear_cache() -> None:
+            assert clear is not None
+            clear()
+            state["new"] = 1
+
+        module.forward = forward
+        if clear is not None:
+            vae.clear_cache = clear_cache
+        try:
+            yield state
+        finally:
+            del module.forward
+            if clear is not None:
+                del vae.clear_cache
+
+    def tiled_decode(self, z: torch.Tensor, return_dict: bool = True) -> Any:
+        if self.n == 1 or self.rank >= self.n:  # not a VAE rank: the stock decode, whole
+            return self._stock_decode(z, return_dict=return_dict)
+        writer = self.rank == 0
+        failed: list[BaseException] = []
+
+        def on_call(tile: int, stock: Callable[..., torch.Tensor], *args: Any, **kwargs: Any) -> torch.Tensor:
+            owner = tile % self.n
+            if owner == self.rank:
+                try:
+                    out = stock(*args, **kwargs)
+                except BaseException as exc:
+                    failed.append(exc)
+                    if not writer:
+                        self._send(None, 0)  # the writer raises instead of waiting for it
+                    raise
+                if writer:
+                    return out
+                self._send(out, 0)
+                return out.new_empty((0,) * out.dim())
+            if writer:
+                return self._recv(owner, z.device, f"tile {tile}")
+            return z.new_empty((0,) * z.dim())  # not computed: the stock loop only collects (and joins) it
+
+        if writer:
+            with self._tiles(self.vae.decoder, on_call) as state:
+                out = self._stock_decode(z, return_dict=return_dict)
+            self.last = {"tiles": state["tile"] + 1, "calls": state["calls"], "ranks": self.n}
+            log.info("parallel VAE: decoded %s", self.spread(self.last["tiles"]))
+            return out
+        blends = {name: getattr(self.vae, name) for name in ("blend_v", "blend_h") if hasattr(self.vae, name)}
+        try:
+            for name in blends:
+                setattr(self.vae, name, self._stop)
+            with self._tiles(self.vae.decoder, on_call) as state:
+                self._stock_decode(z, return_dict=return_dict)
+        except _Done:
+            pass
+        except Exception:
+            if failed:
+                raise
+            # past its tiles: the stock code met a placeholder where the writer has a tile
+        finally:
+            for name in blends:
+                delattr(self.vae, name)
+        self.last = {"tiles": state["tile"] + 1, "calls": state["calls"], "ranks": self.n}
+        sample = z.new_zeros((z.shape[0], 3, *(1,) * (z.dim() - 2)))  # 1 pixel (and frame): not the output
+        from diffusers.models.autoencoders.vae import DecoderOutput
+
+        return DecoderOutput(sample=sample) if return_dict else (sample,)
+
+    def spread(self, tiles: int) -> str:
+        """How `tiles` tiles fall on the ranks, e.g. '15 tiles over 2 ranks: 8 + 7 (uneven)'."""
+        counts = [len(range(r, tiles, self.n)) for r in range(self.n)]
+        uneven = " (uneven: the first ranks take one more)" if len(set(counts)) > 1 else ""
+        ranks = "1 rank" if self.n == 1 else f"{self.n} ranks"
+        return f"{tiles} tiles over {ranks}: {' + '.join(map(str, counts))}{uneven}"
+
+    @staticmethod
+    def _stop(*args: Any, **kwargs: Any) -> Any:
+        raise _Done
+
+    def tiled_encode(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if self.n == 1:
+            return self._stock_encode(x, *args, **kwargs)
+
+        def on_call(tile: int, stock: Callable[..., torch.Tensor], *a: Any, **kw: Any) -> torch.Tensor:
+            owner = tile % self.n
+            out = None
+            if owner == self.rank:
+                try:
+                    out = stock(*a, **kw)
+                except BaseException:
+                    self.group.broadcast(_header(None), owner)  # the others raise too
+                    raise
+            return self._broadcast(out, owner, x.device, f"encoding tile {tile}")
+
+        with self._tiles(self.vae.encoder, on_call) as state:
+            out = self._stock_encode(x, *args, **kwargs)
+        self.last_encode = {"tiles": state["tile"] + 1, "calls": state["calls"], "ranks": self.n}
+        return out
+
+
+def install(pipe: Any, group: Any, n: int) -> TileSpread | None:
+    """Spread `pipe`'s VAE's tiles over the first `n` ranks of `group` (see the module docstring)."""
+    vae = getattr(pipe, "vae", None)
+    if n <= 1 or vae is None:
+        return None
+    return TileSpread(vae, group, n)

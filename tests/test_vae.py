@@ -1,0 +1,62 @@
+"""The parallel VAE's refusals and fallbacks in one process (its multi-rank runs against the
+stock pipeline are in tests/test_pipelines.py and tests/test_dp.py)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+torch = pytest.importorskip("torch")  # torch is an optional dependency; make test installs it
+
+from hsdp.engine.config import DiffusionParallelConfig  # noqa: E402
+from hsdp.pipelines.vae import TileSpread  # noqa: E402
+
+
+class _Group:
+    def __init__(self, size: int, rank: int) -> None:
+        self.size, self.rank = size, rank
+
+
+def test_sizes_the_world_cannot_hold_are_refused_naming_the_limit():
+    with pytest.raises(ValueError, match=r"vae_patch_parallel_size=3 .* only the world of 2 ranks; use at most 2"):
+        DiffusionParallelConfig(use_hsdp=True, hsdp_shard_size=2, vae_patch_parallel_size=3)
+    with pytest.raises(ValueError, match=r"only the 2 ranks of a data parallel lane \(world 4 / "
+                                         r"data_parallel_size=2\); use at most 2"):
+        DiffusionParallelConfig(use_hsdp=True, data_parallel_size=2, ulysses_degree=2, vae_patch_parallel_size=4)
+    with pytest.raises(ValueError, match="vae_patch_parallel_size must be a positive int, got 0"):
+        DiffusionParallelConfig(vae_patch_parallel_size=0)
+    config = DiffusionParallelConfig(use_hsdp=True, ulysses_degree=2, vae_patch_parallel_size=2)
+    assert config.world_size == 2 and "the VAE's tiles over 2 ranks" in config.describe()  # it adds no ranks
+    assert DiffusionParallelConfig.from_dict(config.to_dict()) == config
+
+
+def test_a_vae_without_tiled_decode_decodes_whole_with_a_warning(caplog):
+    class Plain(torch.nn.Module):
+        def decode(self, z):
+            return z
+
+    with caplog.at_level(logging.WARNING, logger="hsdp"):
+        spread = TileSpread(Plain(), _Group(2, 0), 2)
+    assert not spread.tiled and "has no tiled decode" in caplog.text and "decodes whole on one rank" in caplog.text
+
+
+def test_tiling_is_switched_on_and_a_lone_rank_decodes_as_stock():
+    from diffusers import AutoencoderKL
+
+    def vae():
+        torch.manual_seed(0)
+        return AutoencoderKL(block_out_channels=(8, 8), layers_per_block=1, latent_channels=4, norm_num_groups=4,
+                             down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+                             sample_size=16).eval()
+
+    ours, ref = vae(), vae()
+    assert not ours.use_tiling
+    spread = TileSpread(ours, _Group(2, 1), 1)  # a group of 2, the VAE over 1 rank: the stock decode
+    assert ours.use_tiling and spread.tiled
+    ref.enable_tiling()
+    z = torch.randn(1, 4, 20, 20, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        assert torch.equal(ours.decode(z).sample, ref.decode(z).sample)
+    assert spread.spread(15) == "15 tiles over 1 rank: 15"
+    assert TileSpread(vae(), _Group(2, 0), 2).spread(15) == "15 tiles over 2 ranks: 8 + 7 (uneven: the first ranks take one more)"
