@@ -50,8 +50,9 @@ def reference(kind: str, path: str) -> np.ndarray:
 
 def _call(kind: str) -> dict[str, Any]:
     calls = {"wan22": WAN_CALL, "flux": FLUX_CALL, "flux-odd": dict(FLUX_CALL, **ODD), "ltx": LTX_CALL,
-             "wan22-tiled": dict(WAN_CALL, **TILED_CALL), "flux-tiled": FLUX_CALL,
-             "wan22-i2v-tiled": dict(WAN_CALL, **TILED_CALL, image=_image())}
+             "wan22-tiled": dict(WAN_CALL, **TILED_CALL), "flux-tiled": dict(FLUX_CALL, num_inference_steps=2),
+             "wan22-i2v-tiled": dict(WAN_CALL, **TILED_CALL, image=_image()),
+             "ltx-tiled": dict(LTX_CALL, num_inference_steps=2)}
     return calls[kind]
 
 
@@ -114,13 +115,16 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "wan22-ulysses2-vae2-tiled": ("wan22", dict(use_hsdp=True, ulysses_degree=2, vae_patch_parallel_size=2)),
     "wan22-i2v-vae2-tiled": ("wan22-i2v", dict(use_hsdp=True, hsdp_shard_size=2, vae_patch_parallel_size=2)),
     "flux-vae2-tiled": ("flux", dict(use_hsdp=True, hsdp_shard_size=2, vae_patch_parallel_size=2)),
+    "ltx-vae2-tiled": ("ltx", dict(use_hsdp=True, hsdp_shard_size=2, vae_patch_parallel_size=2)),
 }
 # Tiles small enough that the tiny folders have several: Wan 48 x 80 px -> 3 x 5 = 15 tiles (odd: uneven
 # over 2 ranks); Flux 32 x 32 px -> 3 x 3 = 9
 WAN_TILES = dict(tile_sample_min_height=32, tile_sample_min_width=32, tile_sample_stride_height=16,
                  tile_sample_stride_width=16)
 FLUX_TILES = dict(tile_sample_min_size=16, tile_latent_min_size=8)
-TILED_CALL = dict(height=48, width=80)
+LTX_TILES = dict(tile_sample_min_height=16, tile_sample_min_width=16, tile_sample_stride_height=8,
+                 tile_sample_stride_width=8)  # 32 x 32 px, 4x spatial: 4 x 4 = 16 tiles
+TILED_CALL = dict(height=48, width=80, num_inference_steps=2)  # the VAE is what is checked
 
 
 def tile(vae: Any) -> None:
@@ -130,7 +134,7 @@ def tile(vae: Any) -> None:
         for name, value in FLUX_TILES.items():
             setattr(vae, name, value)
     else:
-        vae.enable_tiling(**WAN_TILES)
+        vae.enable_tiling(**(LTX_TILES if "LTX" in type(vae).__name__ else WAN_TILES))
 ODD = dict(height=36, width=36)  # Flux: 9 x 9 packed latent patches
 
 

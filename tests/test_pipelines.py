@@ -34,12 +34,12 @@ def test_two_ranks_every_mode_equals_the_stock_pipeline(folders):
     """1x2, Ulysses 2, CFG 2 on Wan 2.2's two experts, Flux on 1x2, CFG 2, Ulysses 2 and ring 2
     (the last two over 81 image tokens: split unevenly), LTX-Video on Ulysses 2 and ring 2 (its
     text and padding mask split too), the VAE's tiles over 2 ranks (Wan 2.2 with HSDP 1x2 and with
-    Ulysses 2, its image-to-video encode and decode, Flux; against the stock pipeline tiled the
-    same way) (fp32 frames equal to the stock pipeline's), a bf16 run, and a bad folder on one
+    Ulysses 2, its image-to-video encode and decode, Flux, LTX-Video; against the stock pipeline
+    tiled the same way) (fp32 frames equal to the stock pipeline's), a bf16 run, and a bad folder on one
     rank only (every rank raises)."""
     cases = ["bad-folder", "wan22-1x2", "wan22-ulysses2", "wan22-cfg2", "flux-1x2", "flux-cfg2", "bf16",
              "flux-ulysses2-odd", "flux-ring2-odd", "ltx-ulysses2", "ltx-ring2", "wan22-vae2-tiled",
-             "wan22-ulysses2-vae2-tiled", "wan22-i2v-vae2-tiled", "flux-vae2-tiled"]
+             "wan22-ulysses2-vae2-tiled", "wan22-i2v-vae2-tiled", "flux-vae2-tiled", "ltx-vae2-tiled"]
     out = run_ranks(2, "tests/pipelines_worker.py", str(folders["wan22"]), str(folders["flux"]),
                     f"ltx={folders['ltx']}", f"wan22-i2v={folders['wan22-i2v']}", *cases,
                     timeout=600).stdout

@@ -375,7 +375,7 @@ def test_sigterm_lets_the_running_job_end_fails_the_queued_and_leaves_nothing(vi
         with httpx.Client(base_url=video.url, headers=AUTH, timeout=JOB_TIMEOUT) as c:
             results[name] = c.post("/v1/videos/sync", data=_form(prompt=f"a {name}", num_inference_steps=steps))
 
-    running = threading.Thread(target=post, args=("tree", "30"))
+    running = threading.Thread(target=post, args=("tree", "90"))  # long enough to outlast the checks below under load
     running.start()
     (job,) = _until("the job in progress", lambda: [j for j in client.get("/v1/videos").json()["data"]
                                                    if j["prompt"] == "a tree" and j["status"] == "in_progress"])

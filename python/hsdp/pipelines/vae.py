@@ -30,6 +30,7 @@ Imported only by callers, so ``import hsdp`` never pulls torch in.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -155,9 +156,11 @@ class TileSpread:
             if clear is not None:
                 del vae.clear_cache
 
-    def tiled_decode(self, z: torch.Tensor, return_dict: bool = True) -> Any:
+    def tiled_decode(self, z: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        """The stock ``tiled_decode(z, ...)`` (Wan's and Flux's take ``return_dict``, LTX's
+        ``temb`` first), spread."""
         if self.n == 1 or self.rank >= self.n:  # not a VAE rank: the stock decode, whole
-            return self._stock_decode(z, return_dict=return_dict)
+            return self._stock_decode(z, *args, **kwargs)
         writer = self.rank == 0
         failed: list[BaseException] = []
 
@@ -181,7 +184,7 @@ class TileSpread:
 
         if writer:
             with self._tiles(self.vae.decoder, on_call) as state:
-                out = self._stock_decode(z, return_dict=return_dict)
+                out = self._stock_decode(z, *args, **kwargs)
             self.last = {"tiles": state["tile"] + 1, "calls": state["calls"], "ranks": self.n}
             log.info("parallel VAE: decoded %s", self.spread(self.last["tiles"]))
             return out
@@ -190,7 +193,7 @@ class TileSpread:
             for name in blends:
                 setattr(self.vae, name, self._stop)
             with self._tiles(self.vae.decoder, on_call) as state:
-                self._stock_decode(z, return_dict=return_dict)
+                self._stock_decode(z, *args, **kwargs)
         except _Done:
             pass
         except Exception:
@@ -204,7 +207,8 @@ class TileSpread:
         sample = z.new_zeros((z.shape[0], 3, *(1,) * (z.dim() - 2)))  # 1 pixel (and frame): not the output
         from diffusers.models.autoencoders.vae import DecoderOutput
 
-        return DecoderOutput(sample=sample) if return_dict else (sample,)
+        bound = inspect.signature(self._stock_decode).bind(z, *args, **kwargs)
+        return DecoderOutput(sample=sample) if bound.arguments.get("return_dict", True) else (sample,)
 
     def spread(self, tiles: int) -> str:
         """How `tiles` tiles fall on the ranks, e.g. '15 tiles over 2 ranks: 8 + 7 (uneven)'."""
