@@ -37,6 +37,7 @@ from hsdp.cli.media import SUFFIXES, check_suffix, write_output
 from hsdp.cli.ranks import command_main, launch_self, usage_error
 from hsdp.cli.verify import reference_pipeline
 from hsdp.engine.config import DiffusionParallelConfig, add_parallel_args
+from hsdp.pipelines.cache import CACHE_HELP
 
 __all__ = ["build_parser", "main"]
 
@@ -107,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", type=Path, default=None, metavar="FILE",
                    help="written by rank 0: .mp4 or .gif (video), .png (image models), .npy (the raw [0, 1] "
                    "frames); default outputs/generate.mp4 or .png. The run report goes beside it as .json")
+    p.add_argument("--cache", default=None, metavar="KIND[:ARGS]", help=CACHE_HELP + "; --verify's stock "
+                   "pipeline runs the same cache")
     p.add_argument("--verify", action="store_true",
                    help="rank 0 also runs the stock unsharded pipeline and compares the frames; exit 1 "
                    "on a difference above --verify-tolerance")
@@ -187,6 +190,13 @@ def check_args(args: argparse.Namespace) -> tuple[PipelineFolder, DiffusionParal
     except (ValueError, NotImplementedError) as exc:
         raise UsageError(str(exc)) from None
     _check_sequence_split(args, folder, config)
+    if args.cache is not None:
+        from hsdp.pipelines.cache import parse_cache
+
+        try:
+            parse_cache(args.cache, num_inference_steps=args.num_inference_steps, model=folder.class_name)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
     flux = folder.class_name.startswith("Flux")
     if args.true_cfg_scale is not None:
         if not flux:
@@ -341,6 +351,10 @@ def _verify(args: argparse.Namespace, folder: PipelineFolder, pipe: Any, kwargs:
 
     stock = reference_pipeline(folder.path, pipe, dtype, args.device)
     stock.set_progress_bar_config(disable=True)
+    if args.cache is not None:
+        for name in ("transformer", "transformer_2"):
+            if getattr(stock, name, None) is not None:
+                getattr(stock, name).enable_cache(_cache_config(args, folder))
     started = time.perf_counter()
     tolerance = args.verify_tolerance
     diff = 0.0
@@ -395,6 +409,10 @@ def run(args: argparse.Namespace, folder: PipelineFolder, config: DiffusionParal
     load_seconds = time.perf_counter() - started
     load_peak = peak_rss_bytes()
     pipe.set_progress_bar_config(disable=not rank0)  # diffusers' step bar, once
+    if args.cache is not None:  # on every transformer, deciding per request (hsdp.pipelines.cache)
+        from hsdp.pipelines.cache import enable_cache
+
+        enable_cache(pipe, _cache_config(args, folder))
 
     kwargs = call_kwargs(args, folder)
     clock = StepClock()
@@ -410,6 +428,7 @@ def run(args: argparse.Namespace, folder: PipelineFolder, config: DiffusionParal
                                    int(load_seconds * 1e6), cuda_peak])
     components = list(held)
     held_rows = gather_ints(world, [held[c][0] for c in components]) if components else None
+    cache_rows = _gather_cache_counts(pipe, world, gather_ints) if args.cache is not None else None
 
     if not rank0:
         return 0
@@ -442,12 +461,31 @@ def run(args: argparse.Namespace, folder: PipelineFolder, config: DiffusionParal
         "components": {c: {"bytes": held[c][1], "sharded": held[c][2]} for c in components},
         "timing": timing,
         "verify": verify,
+        "cache": {"spec": args.cache, **cache_rows} if cache_rows is not None else None,
     }
     write_json(args.output.with_suffix(".json"), report)
     print(format_table(f"{PROG}: {folder.class_name} from {folder.path}", _rows(report, fmt_bytes)), flush=True)
     if verify is not None and not verify["ok"]:
         return EXIT_MISMATCH
     return 0
+
+
+def _cache_config(args: argparse.Namespace, folder: PipelineFolder) -> Any:
+    from hsdp.pipelines.cache import parse_cache
+
+    return parse_cache(args.cache, num_inference_steps=args.num_inference_steps, model=folder.class_name)
+
+
+def _gather_cache_counts(pipe: Any, world: Any, gather_ints: Any) -> dict[str, Any]:
+    """Every rank's computed and skipped forwards per transformer (a lane leader's are its
+    requests', a CFG rank's its branch's)."""
+    from hsdp.pipelines.cache import cache_report
+
+    counts = cache_report(pipe) or {}
+    names = sorted(counts)
+    rows = gather_ints(world, [v for n in names for v in (counts[n]["computed"], counts[n]["skipped"])])
+    return {"per_rank": [{n: {"computed": int(r[2 * i]), "skipped": int(r[2 * i + 1])} for i, n in enumerate(names)}
+                         for r in rows]}
 
 
 def _span(values: Sequence[int], fmt: Any) -> str:
@@ -482,6 +520,11 @@ def _rows(report: dict[str, Any], fmt_bytes: Any) -> list[tuple[str, str]]:
         rows.append(("outputs per minute", f"{t['outputs_per_minute']:.2f} ({t['call_seconds']:.2f} s for the call)"))
     else:
         rows.append(("output", f"{report['output']} {tuple(report['frames_shape'])}"))
+    cache = report.get("cache")
+    if cache is not None:
+        for name, c in cache["per_rank"][0].items():
+            rows.append((f"cache ({cache['spec']}): {name}",
+                         f"{c['computed']} forwards computed, {c['skipped']} skipped (rank 0)"))
     v = report["verify"]
     if v is None:
         rows.append(("verify", "not run (pass --verify)"))

@@ -143,6 +143,7 @@ class PlanHooks:
         self.sp = sp
         self.attention = attention
         self.model_name = type(model).__name__
+        self.routed = False  # a forward has routed attention calls: the processors are hsdp's
         self.handles: list[Any] = []
         # the model's own forward starts a new forward: every split so far even, no call yet
         self.handles.append(model.register_forward_pre_hook(self._start, prepend=True))
@@ -222,7 +223,11 @@ class PlanHooks:
 
     def _gather_outputs(self, name: str, specs: list[Any]) -> Callable[..., Any]:
         def hook(mod: Any, args: Any, output: Any) -> Any:
-            if not self.attention.calls:
+            # Checked until one forward routed its attention: a later forward may route none
+            # (a step cache that skipped the blocks), the first computes them all.
+            if self.attention.calls:
+                self.routed = True
+            elif not self.routed:
                 raise RuntimeError(
                     f"sequence parallel: {self.model_name} ran a forward with its tokens split and no attention call "
                     f"reached hsdp's router; its attention processors must call diffusers' dispatch_attention_fn "

@@ -245,11 +245,15 @@ def load_pipeline(
         group = world if groups.dp_degree == 1 else world.split(color=groups.dp_rank, key=groups.lane_rank)
         vae = install(pipe, group, parallel_config.vae_patch_parallel_size)
 
+    from .cache import watch
+
+    caches = watch(pipe, transformers, groups)  # step caches a user enables later decide per request
+
     states = {}
     for c in components:
         module = getattr(pipe, c.name, None)
         if isinstance(module, torch.nn.Module):
             states[c.name] = component_state(c.name, c.class_name, c.role, module)
     object.__setattr__(pipe, "_hsdp", PipelineState(world.size, world.rank, parallel_config, groups, hsdp_cfg,
-                                                    states, split, lockstep, vae))
+                                                    states, split, lockstep, vae, caches))
     return pipe

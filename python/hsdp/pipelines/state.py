@@ -44,6 +44,7 @@ class PipelineState:
     cfg_split: Any = None  # the CFG splitter installed on the transformers, if any
     lockstep: Any = None  # data parallel over sharded models: their shard group's ballot (engine/lockstep.py)
     vae: Any = None  # the VAE's tiles spread over ranks (hsdp.pipelines.vae.TileSpread), if asked for
+    caches: Any = None  # per transformer: its step cache's watch (hsdp.pipelines.cache.CacheWatch)
 
     @property
     def vae_ranks(self) -> int:
