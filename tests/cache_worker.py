@@ -38,7 +38,7 @@ def cache_config(kind: str) -> Any:
     if kind == "fbc":
         return FirstBlockCacheConfig(threshold=FBC_THRESHOLD)
     if kind == "taylor":
-        from hsdp.pipelines.cache import TAYLORSEER_MODULES
+        from hsdp.cli.cache_spec import TAYLORSEER_MODULES
 
         return TaylorSeerCacheConfig(cache_interval=2, disable_cache_before_step=2, max_order=1,
                                      cache_identifiers=list(TAYLORSEER_MODULES))

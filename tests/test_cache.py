@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")  # torch is an optional dependency; make te
 
 from mpirun import run_ranks  # noqa: E402
 
-from hsdp.pipelines.cache import parse_cache  # noqa: E402
+from hsdp.cli.cache_spec import parse_cache  # noqa: E402
 from hsdp.testing.tiny_pipeline import make_tiny_pipeline  # noqa: E402
 
 

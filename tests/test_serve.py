@@ -13,6 +13,7 @@ import concurrent.futures
 import io
 import os
 import queue
+import re
 import shutil
 import signal
 import subprocess
@@ -157,7 +158,8 @@ def image_server(folders, tmp_path_factory) -> Iterator[Server]:
 
 @pytest.fixture(scope="module")
 def video(folders, tmp_path_factory, image_server) -> Iterator[Server]:
-    server = Server(folders["wan22"], tmp_path_factory.mktemp("serve-video"), ["--api-key", KEY],
+    server = Server(folders["wan22"], tmp_path_factory.mktemp("serve-video"),
+                    ["--api-key", KEY, "--cache", "none", "--cache", "first-block:0.2"],
                     {"HSDP_SERVE_FAULT_PROMPT": FAULT})
     try:
         yield server.wait_ready()
@@ -241,12 +243,36 @@ def test_cfg_parallel_servers_refuse_jobs_that_do_not_guide(folders):
     assert ok["true_cfg_scale"] == 4.0 and ok["negative_prompt"] == "blurry"
 
 
+def test_a_request_picks_its_step_cache_among_the_servers(folders):
+    from hsdp.cli.folder import read_folder
+    from hsdp.serve.params import RequestError, image_params, video_params
+
+    wan, flux = read_folder(folders["wan22"]), read_folder(folders["flux"])
+    allowed = ("first-block:0.2", "taylorseer")
+    assert video_params({"prompt": "a cat"}, None, wan, caches=allowed)["cache"] == "first-block:0.2"  # the default
+    assert video_params({"prompt": "a cat"}, None, wan, caches=("none", *allowed))["cache"] is None
+    pick = video_params({"prompt": "a cat", "extra_params": '{"cache": "taylorseer"}'}, None, wan, caches=allowed)
+    assert pick["cache"] == "taylorseer"
+    assert video_params({"prompt": "a cat", "extra_params": '{"cache": "none"}'}, None, wan, caches=allowed)["cache"] is None
+    assert image_params({"prompt": "a car", "extra_params": {"cache": "taylorseer"}}, flux, caches=allowed)["cache"] == "taylorseer"
+    for extra, words in (('{"cache": "first-block:0.9"}', "'first-block:0.9' is not one this server allows: "
+                                                          "'first-block:0.2', 'taylorseer', 'none'"),
+                         ('{"steps": 3}', "takes 'cache' only; unknown: 'steps'"),
+                         ("[1]", "must be a JSON object, got list"), ("{", "must be a JSON object (")):
+        with pytest.raises(RequestError, match=re.escape(words)) as err:
+            video_params({"prompt": "a cat", "extra_params": extra}, None, wan, caches=allowed)
+        assert err.value.param == "extra_params"
+    with pytest.raises(RequestError, match="is not one this server allows: 'none'"):
+        video_params({"prompt": "a cat", "extra_params": '{"cache": "taylorseer"}'}, None, wan)  # no --cache
+
+
 @pytest.mark.parametrize("flags, words", [
     (["--model", "{tmp}/none"], "--model {tmp}/none: no such folder"),
     (["--model", "{wan}", "--port", "70000"], "--port must be in 0..65535, got 70000"),
     (["--model", "{wan}", "--api-key", " "], "--api-key is empty"),
     (["--model", "{wan}", "--max-queue", "0"], "--max-queue must be >= 1, got 0"),
     (["--model", "{wan}", "--ring-degree", "0"], "ring_degree must be a positive int, got 0"),
+    (["--model", "{wan}", "--cache", "lru:3"], "the kind must be one of first-block, taylorseer, magcache"),
     (["--model", "{wan}", "--use-hsdp", "--hsdp-shard-size", "2", "--tensor-parallel-size", "2"],
      "use_hsdp=True cannot be combined with tensor parallel (tensor_parallel_size=2)"),
 ])
@@ -344,6 +370,20 @@ def test_other_bad_requests_and_the_server_stays_up(video, client):
     assert r.status_code == 404 and "POST /v1/videos" in r.json()["error"]["message"], r.text
     assert client.get("/v1/videos/nope").status_code == 404
     assert httpx.get(f"{video.url}/health").json()["status"] == "ok"
+
+
+def test_a_job_with_a_step_cache_reports_its_skipped_forwards(client):
+    """The server allows first-block:0.2 besides no cache (the default): a job asking for it
+    runs with it and reports each expert's forwards; the next job runs without."""
+    r = client.post("/v1/videos/sync", data=_form(prompt="a cat in the snow", seed="7", num_inference_steps="8",
+                                                  extra_params='{"cache": "first-block:0.2"}'))
+    assert r.status_code == 200, r.text
+    job = client.get(f"/v1/videos/{r.headers['X-Video-Id']}").json()
+    counts = job["cache"]["forwards"]
+    assert job["cache"]["spec"] == "first-block:0.2" and set(counts) == {"transformer", "transformer_2"}, job
+    assert sum(c["skipped"] for c in counts.values()) > 0 and sum(c["computed"] for c in counts.values()) > 0, job
+    r = client.post("/v1/videos/sync", data=_form(prompt="a cat in the snow", seed="7"))
+    assert "cache" not in client.get(f"/v1/videos/{r.headers['X-Video-Id']}").json()
 
 
 def test_a_failure_inside_the_model_fails_its_job_and_the_next_job_runs(client):

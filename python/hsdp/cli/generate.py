@@ -37,7 +37,7 @@ from hsdp.cli.media import SUFFIXES, check_suffix, write_output
 from hsdp.cli.ranks import command_main, launch_self, usage_error
 from hsdp.cli.verify import reference_pipeline
 from hsdp.engine.config import DiffusionParallelConfig, add_parallel_args
-from hsdp.pipelines.cache import CACHE_HELP
+from hsdp.cli.cache_spec import CACHE_HELP
 
 __all__ = ["build_parser", "main"]
 
@@ -191,7 +191,7 @@ def check_args(args: argparse.Namespace) -> tuple[PipelineFolder, DiffusionParal
         raise UsageError(str(exc)) from None
     _check_sequence_split(args, folder, config)
     if args.cache is not None:
-        from hsdp.pipelines.cache import parse_cache
+        from hsdp.cli.cache_spec import parse_cache
 
         try:
             parse_cache(args.cache, num_inference_steps=args.num_inference_steps, model=folder.class_name)
@@ -471,7 +471,7 @@ def run(args: argparse.Namespace, folder: PipelineFolder, config: DiffusionParal
 
 
 def _cache_config(args: argparse.Namespace, folder: PipelineFolder) -> Any:
-    from hsdp.pipelines.cache import parse_cache
+    from hsdp.cli.cache_spec import parse_cache
 
     return parse_cache(args.cache, num_inference_steps=args.num_inference_steps, model=folder.class_name)
 

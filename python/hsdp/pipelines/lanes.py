@@ -167,13 +167,14 @@ def run_items(pipe: Any, items: Sequence[dict[str, Any]], world: Any, groups: An
     return result
 
 
-def run_lanes(pipe: Any, calls: Sequence[dict[str, Any] | None], world: Any,
-              groups: Any) -> tuple[list[Any], list[str | None]]:
+def run_lanes(pipe: Any, calls: Sequence[dict[str, Any] | None], world: Any, groups: Any,
+              before: Any = None) -> tuple[list[Any], list[str | None]]:
     """Runs calls spread over the lanes (call i on lane i mod D, in rounds; a None call runs
     nothing), the lanes in lockstep; a call that fails fails alone (between two forwards: an
     error inside one would leave the other lanes waiting in its gathers) and its lane runs no
     more calls, serving the others. Every rank calls it with the same calls; returns every call's
-    output (on rank 0; None elsewhere) and error (on every rank, None where it succeeded)."""
+    output (on rank 0; None elsewhere) and error (on every rank, None where it succeeded).
+    ``before(i)``, when given, runs on the ranks of call i's lane just before it."""
     lanes, lane, leader = groups.dp_degree, groups.dp_rank, groups.lane_rank == 0
     decodes = groups.lane_rank < decoding_ranks(pipe)  # the lane's leader, and its VAE ranks
     mine: list[tuple[int, Any]] = []
@@ -183,6 +184,8 @@ def run_lanes(pipe: Any, calls: Sequence[dict[str, Any] | None], world: Any,
             continue
         call = calls[i] if decodes else {**calls[i], "output_type": "latent"}
         try:
+            if before is not None:  # this lane's own setup for call i (serve: the job's step cache)
+                before(i)
             out = pipe(**call)
         except Exception as exc:  # noqa: BLE001 - the call's outcome; the other lanes go on
             failed.append((i, f"{type(exc).__name__}: {exc}"))

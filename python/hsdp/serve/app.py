@@ -26,7 +26,7 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", param
 
 
 def create_app(store: JobStore, folder: PipelineFolder, model_id: str, ready: threading.Event,
-               api_key: str | None = None, cfg_parallel: bool = False) -> Any:
+               api_key: str | None = None, cfg_parallel: bool = False, caches: tuple[str, ...] = ()) -> Any:
     """The FastAPI application serving ``store``'s jobs for the pipeline in ``folder``
     (``cfg_parallel``: the ranks split classifier-free guidance, so every job must guide)."""
     app = FastAPI(title="hsdp serve", docs_url=None, redoc_url=None, openapi_url=None)
@@ -74,7 +74,7 @@ def create_app(store: JobStore, folder: PipelineFolder, model_id: str, ready: th
             else:
                 fields[key] = value
         check_model(fields)
-        return video_params(fields, image, folder, cfg_parallel)
+        return video_params(fields, image, folder, cfg_parallel, caches)
 
     @app.get("/health")
     async def health() -> Any:
@@ -160,7 +160,7 @@ def create_app(store: JobStore, folder: PipelineFolder, model_id: str, ready: th
                 raise RequestError(None, "the body must be a JSON object (Content-Type: application/json)") from None
             if isinstance(body, dict):
                 check_model(body)
-            job = submit(image_params(body, folder, cfg_parallel))
+            job = submit(image_params(body, folder, cfg_parallel, caches))
         except REFUSED as exc:
             return refusal(exc)
         await wait(job)

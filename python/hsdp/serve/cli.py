@@ -34,6 +34,7 @@ from typing import Any
 
 from hsdp.cli.folder import FolderError, PipelineFolder, read_folder
 from hsdp.engine.config import DiffusionParallelConfig, add_parallel_args
+from hsdp.cli.cache_spec import CACHE_HELP
 
 __all__ = ["CONTROL_ENV", "build_parser", "main"]
 
@@ -77,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="cpu or cuda (one GPU per rank); default: load_pipeline's choice")
     p.add_argument("--replicate-text-encoders", action="store_true",
                    help="keep whole text encoders on every rank instead of sharding them")
+    p.add_argument("--cache", action="append", default=None, metavar="KIND[:ARGS]",
+                   help=CACHE_HELP + ". Repeat it to allow several: the first is every job's default, and a "
+                   "request picks another (or none) with extra_params={\"cache\": \"...\"}; --cache none first: no cache by "
+                   "default")
     add_parallel_args(p)
     return p
 
@@ -101,6 +106,17 @@ def check_args(args: argparse.Namespace) -> tuple[PipelineFolder, DiffusionParal
         config.require_supported()
     except (ValueError, NotImplementedError) as exc:
         raise UsageError(str(exc)) from None
+    args.caches = tuple(dict.fromkeys(args.cache or ()))
+    if args.caches:
+        from hsdp.cli.cache_spec import parse_cache
+
+        for spec in args.caches:
+            if spec == "none":  # allowed: a job without a cache (first: the default)
+                continue
+            try:
+                parse_cache(spec, model=folder.class_name)
+            except ValueError as exc:
+                raise UsageError(str(exc)) from None
     return folder, config
 
 
@@ -269,7 +285,8 @@ def run(args: argparse.Namespace, folder: PipelineFolder, config: DiffusionParal
     output_dir = Path(tempfile.mkdtemp(prefix="hsdp-serve-")) if temporary else args.output_dir
     output_dir.mkdir(parents=True, exist_ok=True)
     try:
-        app = create_app(store, folder, model_id, ready, args.api_key, cfg_parallel=config.cfg_parallel_size == 2)
+        app = create_app(store, folder, model_id, ready, args.api_key, cfg_parallel=config.cfg_parallel_size == 2,
+                         caches=args.caches)
         server, thread = _start_http(app, args.host, args.port)
 
         # A signal stops new jobs (503) at once; the HTTP server stays up, answering status

@@ -46,6 +46,7 @@ class Job:
     error: str | None = None
     output: Path | None = None  # the video file (videos)
     images: list[str] | None = None  # base64 PNGs (images)
+    cache_counts: dict[str, dict[str, int]] | None = None  # its step cache's forwards, per transformer
     done: threading.Event = field(default_factory=threading.Event)
 
     def public(self) -> dict[str, Any]:
@@ -72,6 +73,8 @@ class Job:
             out["seconds"] = None if p.get("num_frames") is None else f"{p['num_frames'] / p['fps']:.3g}"
         if self.started_at is not None and self.completed_at is not None:
             out["inference_seconds"] = round(self.completed_at - self.started_at, 3)
+        if p.get("cache") is not None:  # the job's step cache and, once it ran on rank 0's lane, its counts
+            out["cache"] = {"spec": p["cache"], "forwards": self.cache_counts}
         return out
 
 

@@ -130,8 +130,39 @@ _CFG_OFF = ("this server splits classifier-free guidance across ranks (--cfg-par
             "must guide: ")
 
 
+def _extra(fields: Mapping[str, Any], caches: tuple[str, ...]) -> str | None:
+    """``extra_params`` (a JSON object, or its text in a form): ``cache``, one of the server's
+    ``--cache`` specs or "none"; the job's step cache (default: the server's first)."""
+    import json
+
+    default = caches[0] if caches and caches[0] != "none" else None
+    extra = fields.get("extra_params")
+    if extra is None or extra == "":
+        return default
+    if isinstance(extra, str):
+        try:
+            extra = json.loads(extra)
+        except json.JSONDecodeError as exc:
+            raise RequestError("extra_params", f"extra_params must be a JSON object ({exc})") from None
+    if not isinstance(extra, dict):
+        raise RequestError("extra_params", f"extra_params must be a JSON object, got {type(extra).__name__}")
+    unknown = sorted(set(extra) - {"cache"})
+    if unknown:
+        raise RequestError("extra_params", f"extra_params takes 'cache' only; unknown: {', '.join(map(repr, unknown))}")
+    if "cache" not in extra:
+        return default
+    cache = extra["cache"]
+    if cache in (None, "none"):
+        return None
+    if cache not in caches:
+        allowed = ", ".join(repr(c) for c in dict.fromkeys((*caches, "none")))
+        raise RequestError("extra_params", f"extra_params.cache {cache!r} is not one this server allows: {allowed} "
+                           "(the server's --cache flags)")
+    return str(cache)
+
+
 def video_params(fields: Mapping[str, Any], image: bytes | None, folder: PipelineFolder,
-                 cfg_parallel: bool = False) -> dict[str, Any]:
+                 cfg_parallel: bool = False, caches: tuple[str, ...] = ()) -> dict[str, Any]:
     """A ``POST /v1/videos`` form (its text fields, and the ``input_reference`` file's bytes)."""
     if folder.output != "video":
         raise RequestError(None, f"{folder.class_name} makes images, not videos: use POST /v1/images/generations", 404)
@@ -160,10 +191,12 @@ def video_params(fields: Mapping[str, Any], image: bytes | None, folder: Pipelin
     if image is not None:
         _check_image(image)
         params["image_b64"] = base64.b64encode(image).decode("ascii")
+    params["cache"] = _extra(fields, caches)
     return params
 
 
-def image_params(body: Any, folder: PipelineFolder, cfg_parallel: bool = False) -> dict[str, Any]:
+def image_params(body: Any, folder: PipelineFolder, cfg_parallel: bool = False,
+                 caches: tuple[str, ...] = ()) -> dict[str, Any]:
     """A ``POST /v1/images/generations`` JSON body. Flux guides through ``guidance_scale`` (the
     distilled embedding); ``true_cfg_scale`` above 1 with a ``negative_prompt`` turns on
     classifier-free guidance."""
@@ -186,4 +219,5 @@ def image_params(body: Any, folder: PipelineFolder, cfg_parallel: bool = False) 
     if fmt not in (None, "b64_json"):
         raise RequestError("response_format", f"response_format must be 'b64_json' (this server keeps no image "
                            f"URLs), got {fmt!r}")
+    params["cache"] = _extra(body, caches)
     return params

@@ -76,11 +76,45 @@ def job_call(params: dict[str, Any], on_step: Callable[[int, int], None] | None 
     return kwargs
 
 
+def use_cache(pipe: Any, params: dict[str, Any]) -> None:
+    """The job's step cache (``params["cache"]``: a ``--cache`` spec, or None) on every
+    transformer of this rank's pipeline, changed only when it differs from the last job's
+    (MagCache's ratios depend on the step count too); the counts restart for the job."""
+    from hsdp.cli.cache_spec import parse_cache
+    from hsdp.pipelines.cache import enable_cache
+    from hsdp.pipelines.state import PipelineState
+
+    spec = params.get("cache")
+    key = (spec, params.get("num_inference_steps") if spec and spec.startswith("magcache") else None)
+    current = getattr(pipe, "_hsdp_serve_cache", (None, None))
+    state = getattr(pipe, "_hsdp", None)
+    if key != current:
+        for name in ("transformer", "transformer_2"):
+            model = getattr(pipe, name, None)
+            if model is not None and current[0] is not None:
+                model.disable_cache()
+        if spec is not None:
+            model_name = type(pipe).__name__
+            enable_cache(pipe, parse_cache(spec, num_inference_steps=params.get("num_inference_steps"), model=model_name))
+        object.__setattr__(pipe, "_hsdp_serve_cache", key)
+    if isinstance(state, PipelineState) and state.caches:
+        for watch in state.caches.values():
+            watch.counts.reset()
+
+
+def cache_counts(pipe: Any) -> dict[str, dict[str, int]] | None:
+    """This rank's counts for the job that just ran (None: no cache)."""
+    from hsdp.pipelines.cache import cache_report
+
+    return cache_report(pipe) if getattr(pipe, "_hsdp_serve_cache", (None, None))[0] is not None else None
+
+
 def execute(pipe: Any, params: dict[str, Any], on_step: Callable[[int, int], None] | None = None) -> Any:
     """Run one job's pipeline call on this rank (every rank calls it with the same ``params``);
     rank 0's output, None elsewhere."""
     from hsdp.pipelines import generate
 
+    use_cache(pipe, params)
     return generate(pipe, **job_call(params, on_step))
 
 
@@ -93,7 +127,7 @@ def run_round(world: Any, pipe: Any, jobs: list[dict[str, Any]],
     from hsdp.pipelines.lanes import lane_groups, run_lanes
 
     calls = [job_call(params, on_step if i == 0 else None) for i, params in enumerate(jobs)]
-    return run_lanes(pipe, calls, world, lane_groups(pipe))
+    return run_lanes(pipe, calls, world, lane_groups(pipe), before=lambda i: use_cache(pipe, jobs[i]))
 
 
 def _describe(exc: BaseException) -> str:
@@ -148,6 +182,7 @@ def leader_loop(world: Any, pipe: Any, store: JobStore, output_dir: Path) -> int
             result = execute(pipe, job.params, lambda step, total: store.set_progress(
                 job, int(100 * step / total) if total else 0))
             _save(job, result, output_dir)
+            job.cache_counts = cache_counts(pipe)
         except Exception as exc:  # noqa: BLE001 - a job's failure is its outcome, not the server's
             error = _describe(exc)
         error = agree_outcome(world, error)
@@ -189,6 +224,7 @@ def _leader_round(world: Any, pipe: Any, store: JobStore, output_dir: Path, jobs
     first = jobs[0]
     results, errors = run_round(world, pipe, [j.params for j in jobs], lambda step, total: store.set_progress(
         first, int(100 * step / total) if total else 0))
+    first.cache_counts = cache_counts(pipe)  # rank 0 ran the first job (lane 0): its counts are that job's
     for job, result, error in zip(jobs, results, errors, strict=True):
         if error is None:
             try:
