@@ -32,12 +32,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from hsdp.cli.cache_spec import CACHE_HELP
 from hsdp.cli.folder import FolderError, PipelineFolder, read_folder
 from hsdp.cli.media import SUFFIXES, check_suffix, write_output
 from hsdp.cli.ranks import command_main, launch_self, usage_error
 from hsdp.cli.verify import reference_pipeline
 from hsdp.engine.config import DiffusionParallelConfig, add_parallel_args
-from hsdp.cli.cache_spec import CACHE_HELP
 
 __all__ = ["build_parser", "main"]
 
@@ -387,7 +387,13 @@ def run(args: argparse.Namespace, folder: PipelineFolder, config: DiffusionParal
 
     import torch
 
-    from hsdp.cli.report import fmt_bytes, format_table, gather_ints, peak_rss_bytes, write_json
+    from hsdp.cli.report import (
+        fmt_bytes,
+        format_table,
+        gather_ints,
+        peak_rss_bytes,
+        write_json,
+    )
     from hsdp.pipelines import PipelineFolderError, generate, load_pipeline
 
     rank0 = world.rank == 0

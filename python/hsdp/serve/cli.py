@@ -32,9 +32,9 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from hsdp.cli.cache_spec import CACHE_HELP
 from hsdp.cli.folder import FolderError, PipelineFolder, read_folder
 from hsdp.engine.config import DiffusionParallelConfig, add_parallel_args
-from hsdp.cli.cache_spec import CACHE_HELP
 
 __all__ = ["CONTROL_ENV", "build_parser", "main"]
 
@@ -140,8 +140,8 @@ def _die_with_parent() -> None:
 
 def launch_ranks(nproc: int, argv: Sequence[str]) -> int:
     """Runs ``python -m hsdp serve ARGV`` on ``nproc`` ranks under mpiexec; its exit status."""
-    from hsdp.world import launch
     from hsdp.cli import ranks
+    from hsdp.world import launch
 
     mpiexec = launch.find_mpiexec(None)
     if mpiexec is None:
