@@ -60,3 +60,14 @@ def test_tiling_is_switched_on_and_a_lone_rank_decodes_as_stock():
         assert torch.equal(ours.decode(z).sample, ref.decode(z).sample)
     assert spread.spread(15) == "15 tiles over 1 rank: 15"
     assert TileSpread(vae(), _Group(2, 0), 2).spread(15) == "15 tiles over 2 ranks: 8 + 7 (uneven: the first ranks take one more)"
+
+
+def test_three_ranks_uneven_tiles_decode_and_encode_bit_for_bit(tmp_path):
+    from mpirun import run_ranks
+
+    from hsdp.testing.tiny_pipeline import make_tiny_pipeline
+
+    wan, flux = (make_tiny_pipeline(tmp_path / k, k) for k in ("wan22", "flux"))
+    out = run_ranks(3, "tests/vae_worker.py", str(wan), str(flux)).stdout
+    assert out.count("wan vae ok") == 3 and out.count("flux vae ok") == 3, out
+    assert "20 tiles over 3 ranks: 7 + 7 + 6 (uneven" in out, out
