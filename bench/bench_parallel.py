@@ -56,7 +56,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import MPI_ENV, interleaved, launch, machine, reset_peak_rss, table, vm_kib  # noqa: E402
+from harness import MPI_ENV, interleaved, launch, machine, reset_peak_rss, table, vm_kib, wait_quiet  # noqa: E402
 
 SIZES_MIB = (1, 4, 16, 64)
 # 16 frames of 32 x 32 latents with 1x2x2 patches: 4096 tokens, a (4, 4096, 4096) float32
@@ -355,19 +355,6 @@ def rank_flux() -> None:
         res.update(max_abs_diff=diff, max_abs_ref=expect.abs().max().item(),
                    relative=diff / expect.abs().max().item())
     print("RESULT " + json.dumps(res))
-
-
-def wait_quiet(below: float = 1.0, poll: float = 30, patience: float = 600) -> dict:
-    """Waits until the 1-minute load average is below `below` (polls every `poll` s, gives up
-    after `patience` s); returns what it saw."""
-    t0 = time.monotonic()
-    while True:
-        load = os.getloadavg()
-        waited = time.monotonic() - t0
-        if load[0] < below or waited >= patience:
-            return {"load_before": [round(x, 2) for x in load], "waited_s": round(waited), "quiet": load[0] < below}
-        print(f"  load average {load[0]:.2f} >= {below}: waiting ({waited:.0f} s so far)", file=sys.stderr, flush=True)
-        time.sleep(poll)
 
 
 def flux_main() -> None:

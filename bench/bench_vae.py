@@ -53,7 +53,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import MPI_ENV, launch, machine, reset_peak_rss, table, vm_kib  # noqa: E402
+from harness import MPI_ENV, launch, machine, reset_peak_rss, table, vm_kib, wait_quiet  # noqa: E402
 
 # The Wan 2.1 / 2.2 (14B) VAE's own architecture (diffusers' defaults for AutoencoderKLWan:
 # base_dim 96, z_dim 16, dim_mult [1, 2, 4, 4], 2 res blocks, temporal downsampling in the
@@ -175,19 +175,6 @@ def rank_vae() -> None:
 
 def result(lines: str) -> dict:
     return json.loads(next(line for line in lines.splitlines() if line.startswith("RESULT "))[7:])
-
-
-def wait_quiet(below: float = 1.0, poll: float = 30, patience: float = 600) -> dict:
-    """Waits until the 1-minute load average is below `below` (polls every `poll` s, gives up
-    after `patience` s); returns what it saw."""
-    t0 = time.monotonic()
-    while True:
-        load = os.getloadavg()
-        waited = time.monotonic() - t0
-        if load[0] < below or waited >= patience:
-            return {"load_before": [round(x, 2) for x in load], "waited_s": round(waited), "quiet": load[0] < below}
-        print(f"  load average {load[0]:.2f} >= {below}: waiting ({waited:.0f} s so far)", file=sys.stderr, flush=True)
-        time.sleep(poll)
 
 
 def mib(kib: float) -> str:

@@ -50,6 +50,20 @@ def reset_peak_rss() -> None:
         f.write("5")
 
 
+def wait_quiet(below: float = 1.0, poll: float = 30, patience: float = 600) -> dict[str, object]:
+    """Waits until the 1-minute load average is below `below` (polls every `poll` s, gives up
+    after `patience` s); returns what it saw. A timed launch on a machine others use (a test
+    suite, another bench) measures them too: the records keep these loads."""
+    t0 = time.monotonic()
+    while True:
+        load = os.getloadavg()
+        waited = time.monotonic() - t0
+        if load[0] < below or waited >= patience:
+            return {"load_before": [round(x, 2) for x in load], "waited_s": round(waited), "quiet": load[0] < below}
+        print(f"  load average {load[0]:.2f} >= {below}: waiting ({waited:.0f} s so far)", file=sys.stderr, flush=True)
+        time.sleep(poll)
+
+
 def interleaved(fns: Sequence[Callable[[], object]], reps: int, sync: Callable[[], object] | None = None,
                 stat: Callable[[list[float]], float] = statistics.median) -> list[float]:
     """Median (or `stat`) seconds of each fn, run in turn rep by rep (a barrier before each
