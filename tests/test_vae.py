@@ -67,7 +67,7 @@ def test_three_ranks_uneven_tiles_decode_and_encode_bit_for_bit(tmp_path):
 
     from hsdp.testing.tiny_pipeline import make_tiny_pipeline
 
-    wan, flux = (make_tiny_pipeline(tmp_path / k, k) for k in ("wan22", "flux"))
-    out = run_ranks(3, "tests/vae_worker.py", str(wan), str(flux)).stdout
-    assert out.count("wan vae ok") == 3 and out.count("flux vae ok") == 3, out
+    wan = make_tiny_pipeline(tmp_path / "wan22", "wan22")  # Flux's VAE over 2 ranks: tests/test_pipelines.py
+    out = run_ranks(3, "tests/vae_worker.py", str(wan)).stdout
+    assert out.count("wan vae ok") == 3, out
     assert "20 tiles over 3 ranks: 7 + 7 + 6 (uneven" in out, out
