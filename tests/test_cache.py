@@ -83,3 +83,28 @@ def test_caches_that_assume_one_rank_holds_the_request_are_refused_under_split_w
     CacheWatch(model, "transformer", None, False)
     with torch.inference_mode():
         model(*args, **kwargs)
+
+
+def test_a_cache_enabled_again_is_watched_again():
+    """hsdp serve switches caches between jobs (disable_cache, enable_cache): a new hook may get a
+    freed hook's id(), so the watch marks the hooks themselves. Each cycle's two forwards are counted."""
+    import gc
+
+    from diffusers import FirstBlockCacheConfig
+    from torch_models import make_wan, wan_inputs
+
+    from hsdp.pipelines.cache import CacheWatch
+
+    model = make_wan(0)
+    watch = CacheWatch(model, "transformer", None, False)
+    args, kwargs = wan_inputs()
+    with torch.inference_mode():
+        for cycle in range(12):
+            model.enable_cache(FirstBlockCacheConfig(threshold=0.2))
+            watch.counts.reset()
+            with model.cache_context("cond"):
+                model(*args, **kwargs)
+                model(*args, **kwargs)
+            assert watch.counts.computed + watch.counts.skipped == 2, (cycle, watch.counts)
+            model.disable_cache()
+            gc.collect()

@@ -106,13 +106,12 @@ class CacheWatch:
         self.sp_group = sp_group  # the sequence-parallel group (None: the rank holds every token)
         self.shared = shared  # ranks of this model's shard group compute other requests or branches
         self.counts = CacheCounts()
-        self._seen: set[int] = set()
         self.handle = model.register_forward_pre_hook(self._check, prepend=True)
 
     def _check(self, model: Any, args: Any) -> None:
         for where, registry in _registries(model):
             for hook in list(registry.hooks.values()):
-                if id(hook) in self._seen:
+                if getattr(hook, "_hsdp_watched", False):  # on the hook: a new hook may reuse a freed one's id()
                     continue
                 kind = type(hook).__name__
                 if kind in ALONE_ONLY and (self.sp_group is not None or self.shared):
@@ -132,7 +131,7 @@ class CacheWatch:
                     # TaylorSeer decides per module, alike; the first hooked module's decisions count steps
                     self._count_taylor(hook)
                     self._taylor_counted = True
-                self._seen.add(id(hook))
+                hook._hsdp_watched = True
 
     # -- counting step-only caches ------------------------------------------------------------
 
