@@ -38,6 +38,7 @@ from hsdp.cli.media import SUFFIXES, check_suffix, write_output
 from hsdp.cli.ranks import command_main, launch_self, usage_error
 from hsdp.cli.verify import reference_pipeline
 from hsdp.engine.config import DiffusionParallelConfig, add_parallel_args
+from hsdp.hub import HubError, resolve_model_flag
 
 __all__ = ["build_parser", "main"]
 
@@ -74,7 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--hsdp-shard-size 2 --height 32 --width 32 --num-frames 5 --output outputs/cat.mp4",
     )
     p.add_argument("--model", type=Path, required=True, metavar="DIR",
-                   help="a diffusers pipeline folder (model_index.json; save_pretrained's layout)")
+                   help="a diffusers pipeline folder (model_index.json; save_pretrained's layout), or a Hugging "
+                   "Face hub id (org/name) resolved from the local cache (downloaded unless HF_HUB_OFFLINE is set)")
+    p.add_argument("--revision", default=None, metavar="REV",
+                   help="the hub branch, tag or commit of a hub id --model (default: main)")
     p.add_argument("--prompt", action="append", default=None,
                    help="the text prompt; repeat it for several outputs (NAME-0, NAME-1, ... in prompt order, "
                    "seeded --seed + i), spread over the lanes with --data-parallel-size")
@@ -132,8 +136,9 @@ def _positive(args: argparse.Namespace, *names: str) -> None:
 def check_args(args: argparse.Namespace) -> tuple[PipelineFolder, DiffusionParallelConfig]:
     """Everything that can be checked from the flags and the folder's JSON files alone."""
     try:
+        args.model = resolve_model_flag(args.model, args.revision)  # a hub id: its cached snapshot
         folder = read_folder(args.model)
-    except FolderError as exc:
+    except (FolderError, HubError) as exc:
         raise UsageError(str(exc)) from None
     kind = folder.output
     if args.output is None:

@@ -59,6 +59,10 @@ def command_main(prog: str, argv: Sequence[str] | None, parser: object, check: C
         return usage_error(prog, str(exc))
     config = checked[-1]
     if config.world_size > 1 and not inside_launched_job():
+        if getattr(args, "model", None) is not None:  # the ranks load the snapshot resolved here (hsdp.hub)
+            from hsdp.hub import pin_model_argv
+
+            args_list = pin_model_argv(args_list, args.model, getattr(args, "served_model_name", None))
         sys.stderr.write(f"{prog}: starting {config.world_size} ranks ({config.describe()}) {how}\n")
         sys.stderr.flush()
         return launch(config.world_size, args_list)

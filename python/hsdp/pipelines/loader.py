@@ -79,6 +79,24 @@ def _check_modes(config: Any, pipe_cls: type, components: list[Component]) -> No
             )
 
 
+def _one_dtype(torch_dtype: Any, dtype: Any) -> Any:
+    """``torch_dtype=`` and ``dtype=`` (diffusers' current keyword) name one setting: either,
+    both alike, or neither (bfloat16)."""
+    if torch_dtype is not None and dtype is not None and torch_dtype != dtype:
+        raise ValueError(f"load_pipeline got torch_dtype={torch_dtype!r} and dtype={dtype!r}: they name the same "
+                         "setting (dtype is diffusers' current name), give one")
+    chosen = torch_dtype if torch_dtype is not None else dtype
+    return torch.bfloat16 if chosen is None else chosen
+
+
+def _folder_of(path: Any, revision: str | None, world: Any) -> Path:
+    """The pipeline folder: ``path`` itself, or the cached snapshot of the hub id it names
+    (every rank the one snapshot rank 0 resolved: :func:`hsdp.hub.resolve_model_on_ranks`)."""
+    from ..hub import resolve_model_on_ranks
+
+    return resolve_model_on_ranks(os.fspath(path), revision, world)
+
+
 def _is_transformer(name: str, module: Any) -> bool:
     from diffusers import ModelMixin
 
@@ -139,7 +157,8 @@ def load_pipeline(
     path: str | os.PathLike[str],
     parallel_config: Any = None,
     *,
-    torch_dtype: torch.dtype = torch.bfloat16,
+    torch_dtype: torch.dtype | None = None,
+    dtype: torch.dtype | None = None,
     device: Any = None,
     shard_text_encoders: bool = True,
     progress: bool = True,
@@ -157,8 +176,13 @@ def load_pipeline(
       :mod:`hsdp.pipelines.conditions` says which submodules); None or ``use_hsdp=False``
       loads them whole. Its Ulysses and ring degrees (any transformer with a context-parallel
       plan, :mod:`hsdp.parallel.context`) and CFG parallel size apply either way.
-    - ``torch_dtype``: float32, bfloat16 or float16; what the sharded models are stored and
-      computed in (``_keep_in_fp32_modules`` stay float32) and what diffusers loads the rest in.
+    - ``torch_dtype``: float32, bfloat16 (the default) or float16; what the sharded models are
+      stored and computed in (``_keep_in_fp32_modules`` stay float32) and what diffusers loads
+      the rest in. ``dtype=`` is the same (diffusers' current name); giving both, different, is
+      an error.
+    - ``path``: a folder, or a Hugging Face hub id (``org/name``) resolved from the local cache
+      (downloaded where allowed) by :func:`hsdp.hub.resolve_model_on_ranks`, every rank the same
+      snapshot; ``revision=`` (in ``kwargs``) picks the hub revision.
     - ``device``: where the models run (None: the CPU); ``"cuda"`` shards onto each rank's GPU.
     - ``progress``: log each sharded component's load on rank 0.
     - ``kwargs``: passed to the pipeline class's ``from_pretrained`` (a component given there
@@ -169,8 +193,9 @@ def load_pipeline(
     """
     from ..engine.config import DiffusionParallelConfig
 
-    folder = Path(os.fspath(path))
+    torch_dtype = _one_dtype(torch_dtype, dtype)
     world = distributed.world_for(torch.device(device).type if device is not None else None, f"device {device!r}")
+    folder = _folder_of(path, kwargs.pop("revision", None), world)
 
     err: BaseException | None = None
     components: list[Component] = []

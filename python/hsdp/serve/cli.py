@@ -61,7 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="example: hsdp serve --model tiny-wan22 --use-hsdp --hsdp-shard-size 2 --port 8091",
     )
     p.add_argument("--model", type=Path, required=True, metavar="DIR",
-                   help="a diffusers pipeline folder (model_index.json; save_pretrained's layout)")
+                   help="a diffusers pipeline folder (model_index.json; save_pretrained's layout), or a Hugging "
+                   "Face hub id (org/name) resolved from the local cache")
+    p.add_argument("--revision", default=None, metavar="REV", help="the hub revision of a hub id --model")
     p.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model id in /v1/models and requests (default: the folder's name)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
@@ -87,9 +89,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_args(args: argparse.Namespace) -> tuple[PipelineFolder, DiffusionParallelConfig]:
-    try:
+    from hsdp.hub import HubError, is_hub_id, resolve_model_flag
+
+    if args.served_model_name is None and is_hub_id(args.model):  # served as the id, not the snapshot's commit
+        args.served_model_name = str(args.model)
+    try:  # a hub id (org/name): its cached snapshot (hsdp.hub)
+        args.model = resolve_model_flag(args.model, getattr(args, "revision", None))
         folder = read_folder(args.model)
-    except FolderError as exc:
+    except (FolderError, HubError) as exc:
         raise UsageError(str(exc)) from None
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in 0..65535, got {args.port}")
