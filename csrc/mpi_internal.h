@@ -1,8 +1,14 @@
-/* mpi_internal.h - what the files of the MPI backend share (backend_mpi.c: the table and
- * the collectives; mpi_worker.c: the calls on the worker thread and the asynchronous slots;
- * mpi_watchdog.c: its use of watchdog.h, the timeout that names who is missing; mpi_direct.c: direct reads of
- * fixed chunks and their deferred frees; mpi_agreement.c: the tickets beside a unit's data;
- * mpi_world.c: world start and finalize). Only compiled with HSDP_HAVE_MPI. */
+/* mpi_internal.h - what the files of the MPI backend share. Each file calls only the ones
+ * above it in this list (backend_mpi.c, the table, is the only one that names them all):
+ *   mpi_common.c    whether MPI has ended, its errors, byte counts, communicators as groups
+ *   mpi_watchdog.c  its use of watchdog.h, the timeout that names who is missing
+ *   mpi_direct.c    direct reads of fixed chunks and their deferred frees
+ *   mpi_raw.c       the collectives themselves, on the calling thread
+ *   mpi_agreement.c the tickets beside a unit's data
+ *   mpi_worker.c    the calls on the worker thread and the asynchronous slots
+ *   mpi_world.c     world start and finalize
+ *   backend_mpi.c   the backend table
+ * Only compiled with HSDP_HAVE_MPI. */
 #ifndef HSDP_MPI_INTERNAL_H
 #define HSDP_MPI_INTERNAL_H
 
@@ -17,7 +23,7 @@
  * struct lives until the process ends so that groups freed after finalisation still find it. */
 extern hsdp_exec *hsdp_mpi_worker;
 
-/* ---------------------------------------------------------------- backend_mpi.c */
+/* ---------------------------------------------------------------- mpi_common.c */
 int hsdp_mpi_done(void);
 #define REQUIRE_LIVE()                                                                        \
     do {                                                                                      \
@@ -37,6 +43,10 @@ static inline MPI_Comm comm_of(hsdp_group *g) { return ((mpi_group *)g->impl)->c
 
 /* MPI counts are ints: past INT_MAX bytes send 64-byte blocks (chunks are multiples of 64). */
 hsdp_status hsdp_mpi_byte_count(size_t nbytes, int *count, MPI_Datatype *type, int *owned);
+/* Wraps a communicator as a group (takes ownership of c). */
+hsdp_status hsdp_mpi_wrap(MPI_Comm c, hsdp_group **out);
+
+/* ---------------------------------------------------------------- mpi_raw.c */
 /* The collectives themselves, on the calling thread (the worker's, or one holding its lock). */
 hsdp_status hsdp_mpi_raw_all_gather(hsdp_group *g, const void *send, void *recv, size_t nbytes);
 hsdp_status hsdp_mpi_raw_broadcast(hsdp_group *g, void *buf, size_t nbytes, int root);
@@ -50,8 +60,6 @@ hsdp_status hsdp_mpi_raw_split(hsdp_group *g, int color, int key, hsdp_group **o
 void hsdp_mpi_raw_free(hsdp_group *g);
 
 /* ---------------------------------------------------------------- mpi_world.c */
-/* Wraps a communicator as a group (takes ownership of c). */
-hsdp_status hsdp_mpi_wrap(MPI_Comm c, hsdp_group **out);
 int hsdp_mpi_usable(const char **why);
 hsdp_status hsdp_mpi_world(hsdp_group **out, int *we_init);
 hsdp_status hsdp_mpi_finalize(void);

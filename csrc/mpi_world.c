@@ -19,46 +19,6 @@
 #include "watchdog.h"
 #include "peer_status.h"
 
-
-/* Takes ownership of c. */
-hsdp_status hsdp_mpi_wrap(MPI_Comm c, hsdp_group **out) {
-    MPI_Comm_set_errhandler(c, MPI_ERRORS_RETURN);
-    hsdp_group *g = malloc(sizeof *g);      /* owned by the caller; hsdp_group_free */
-    mpi_group *h = malloc(sizeof *h);       /* owned by g; mpi_free */
-    if (!g || !h) {
-        free(g);
-        free(h);
-        MPI_Comm_free(&c);
-        return hsdp_fail(HSDP_ENOMEM, "could not allocate a process group");
-    }
-    static uint64_t next_id; /* only the worker (or the caller holding its lock) wraps */
-    *h = (mpi_group){.comm = c, .id = ++next_id};
-    *g = (hsdp_group){.backend = &hsdp_backend_mpi, .impl = h};
-    MPI_Comm_rank(c, &g->rank);
-    MPI_Comm_size(c, &g->size);
-    /* which world ranks these are, so a timeout can name them (NULL: it cannot) */
-    h->world_ranks = malloc(sizeof *h->world_ranks * (size_t)g->size); /* owned by h; raw_free */
-    int *mine = malloc(sizeof *mine * (size_t)g->size);                /* freed below */
-    MPI_Group grp, world;
-    if (h->world_ranks && mine && MPI_Comm_group(c, &grp) == MPI_SUCCESS) {
-        if (MPI_Comm_group(MPI_COMM_WORLD, &world) == MPI_SUCCESS) {
-            for (int i = 0; i < g->size; i++) mine[i] = i;
-            if (MPI_Group_translate_ranks(grp, g->size, mine, world, h->world_ranks) != MPI_SUCCESS) {
-                free(h->world_ranks);
-                h->world_ranks = NULL;
-            }
-            MPI_Group_free(&world);
-        }
-        MPI_Group_free(&grp);
-    } else {
-        free(h->world_ranks);
-        h->world_ranks = NULL;
-    }
-    free(mine);
-    *out = g;
-    return HSDP_OK;
-}
-
 /* Open MPI loads its components with dlopen and expects libmpi's symbols to be global; a
  * Python extension is loaded RTLD_LOCAL, so promote the library before MPI_Init. */
 static void promote_libmpi(void) {
