@@ -40,7 +40,7 @@ def check(kind: str, path: str, world: object) -> None:
         assert spread.last["tiles"] > world.size and spread.last_encode["tiles"] > world.size, spread.last  # type: ignore[attr-defined]
         if world.rank == 0:  # type: ignore[attr-defined]
             assert torch.equal(got, ref.decode(z).sample), kind
-    print(f"rank {world.rank}: {kind} vae ok ({spread.spread(spread.last['tiles'])})", flush=True)  # type: ignore[attr-defined]
+    print(f"rank {world.rank}: {kind} vae ok ({spread.spread()})", flush=True)  # type: ignore[attr-defined]
 
 
 def main() -> None:

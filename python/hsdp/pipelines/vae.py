@@ -7,9 +7,16 @@ frame, sharing a cache the tile starts by clearing), and then blend the tiles' o
 :class:`TileSpread` runs that stock ``tiled_decode`` itself on each of the N ranks, with the
 decoder's ``forward`` replaced for the call:
 
-- [Note: tiles round robin] Tile t (in the stock loop's order; a new tile at each decoder
-  call, or for VAEs with ``clear_cache`` at the first call after it) belongs to rank t mod N.
-  Its owner computes it; every other rank skips it.
+- [Note: tiles by cost] Tiles are numbered in the stock loop's order (a new tile at each
+  decoder call, or for VAEs with ``clear_cache`` at the first call after it). Before a decode,
+  every rank runs the stock loop once more with the decoder replaced by a counter (a census:
+  the tiles' latent sizes, nothing decoded; it stops at the first blend). The tiles are then
+  dealt largest first, each to the rank with the least latent area so far, ties to the highest
+  rank, so the writer, which also blends, takes the lighter share. Round robin (tile t to rank
+  t mod N) put whole columns on one rank: 8 tiles in 2 rows of 4, the last row and column
+  smaller, gave rank 0 0.526 of the area; by cost 0.503. Every rank sees the same tiles in the
+  same order, so all deal the same owners without a message. Its owner computes a tile; every
+  other rank skips it. The encode (every rank needs every tile) stays round robin.
 - **Decode.** The writer (the group's rank 0) gets each tile it does not own from its owner,
   call by call (a small header, then the bytes; point to point), so its stock blend runs on
   the very tensors a one-rank tiled decode makes: the result is the stock tiled decode's,
@@ -98,8 +105,9 @@ class TileSpread:
         if callable(getattr(vae, name, None)):
             self._stock_encode = getattr(type(vae), name).__get__(vae)
             setattr(vae, name, self.tiled_encode)
-        self.last: dict[str, int] = {}  # the last decode's tiles, for reports and tests
+        self.last: dict[str, Any] = {}  # the last decode's tiles, for reports and tests
         self.last_encode: dict[str, int] = {}
+        self.owners: list[int] = []  # the current decode's owner of each tile ([Note: tiles by cost])
 
     # -- transfers (host buffers; a tile on a GPU is copied over) ---------------------------
 
@@ -113,33 +121,45 @@ class TileSpread:
 
     def _receive_all(self, out: queue.Queue[Any]) -> None:
         """The writer's receiver thread ([Note: receive ahead]): every other VAE rank's tiles, in
-        the stock loop's order (tile t from rank t mod n; a tile's calls until its TILE_END),
-        put on `out` as (tile, tensor), until every other rank said ALL_DONE. A failed header,
-        or any error here, is put on `out` as (tile, exception)."""
-        done: set[int] = set()
+        the stock loop's order (tile t from its owner; a tile's calls until its TILE_END), put on
+        `out` as (tile, tensor), then each rank's ALL_DONE. A failed header, or any error here, is
+        put on `out` as (tile, exception)."""
         tile = -1
         try:
-            while len(done) < self.n - 1:
-                tile += 1
-                owner = tile % self.n
-                if owner == 0 or owner in done:
-                    continue
-                while True:
-                    h = np.empty(_HEADER, dtype=np.int64)
-                    self.group.sendrecv(_NOTHING, owner, h, owner)
-                    if h[0] == _TILE_END:
-                        break
-                    if h[0] == _ALL_DONE:
-                        done.add(owner)
-                        break
-                    if h[0] == _FAILED:
-                        raise RuntimeError(f"parallel VAE: rank {owner} of the VAE group failed computing tile "
-                                           f"{tile} (its own error is in its output)")
-                    t = _empty_for(h)
-                    self.group.sendrecv(_NOTHING, owner, as_numpy(t), owner)
-                    out.put((tile, t))
+            for tile, owner in enumerate(self.owners):
+                if owner != 0:
+                    while not self._receive_one(tile, owner, out):
+                        pass
+            for owner in range(1, self.n):
+                h = self._header_from(owner, tile)
+                if h[0] != _ALL_DONE:
+                    raise RuntimeError(f"parallel VAE: rank {owner} of the VAE group sent more than its tiles "
+                                       "(the ranks' tile loops differ)")
+            out.put((len(self.owners), None))  # received everything
         except BaseException as exc:  # noqa: BLE001 - handed to the decoding thread, which raises it
             out.put((tile, exc))
+
+    def _header_from(self, owner: int, tile: int) -> np.ndarray:
+        h = np.empty(_HEADER, dtype=np.int64)
+        self.group.sendrecv(_NOTHING, owner, h, owner)
+        if h[0] == _FAILED:
+            raise RuntimeError(f"parallel VAE: rank {owner} of the VAE group failed computing tile {tile} (its "
+                               "own error is in its output)")
+        return h
+
+    def _receive_one(self, tile: int, owner: int, out: queue.Queue[Any]) -> bool:
+        """One message of `tile` from `owner`: a decoder call's output (put on `out`; False), or its
+        TILE_END (True)."""
+        h = self._header_from(owner, tile)
+        if h[0] == _TILE_END:
+            return True
+        if h[0] != 1:
+            raise RuntimeError(f"parallel VAE: rank {owner} of the VAE group ended its tiles before tile {tile} "
+                               "(the ranks' tile loops differ)")
+        t = _empty_for(h)
+        self.group.sendrecv(_NOTHING, owner, as_numpy(t), owner)
+        out.put((tile, t))
+        return False
 
     def _broadcast(self, t: torch.Tensor | None, root: int, device: torch.device, where: str) -> torch.Tensor:
         h = _header(t) if self.rank == root else np.empty(_HEADER, dtype=np.int64)
@@ -197,9 +217,14 @@ class TileSpread:
         failed: list[BaseException] = []
         sent = {"tile": -1}  # a non-writer: the last of its tiles it sent (TILE_END follows it)
         received: queue.Queue[Any] = queue.Queue()
+        costs = self._census(z, args, kwargs)
+        self.owners = deal(costs, self.n)
 
         def on_call(tile: int, stock: Callable[..., torch.Tensor], *args: Any, **kwargs: Any) -> torch.Tensor:
-            owner = tile % self.n
+            owner = self.owners[tile] if tile < len(self.owners) else -1
+            if owner < 0:
+                raise RuntimeError(f"parallel VAE: the decode met tile {tile} but its census counted "
+                                   f"{len(self.owners)} tiles: the tile loop is not the same twice")
             if owner == self.rank:
                 if not writer and sent["tile"] not in (-1, tile):
                     self._mark(_TILE_END, 0)
@@ -219,6 +244,9 @@ class TileSpread:
                 got_tile, got = received.get()
                 if isinstance(got, BaseException):
                     raise got
+                if got is None:
+                    raise RuntimeError(f"parallel VAE: the writer's loop met tile {tile} after every tile was "
+                                       "received (the tile loop is not the same twice)")
                 if got_tile != tile:
                     raise RuntimeError(f"parallel VAE: the writer expected tile {tile} and received tile {got_tile}: "
                                        "the ranks' tile loops differ (the same latents and tile sizes on every rank?)")
@@ -232,10 +260,32 @@ class TileSpread:
             with self._tiles(self.vae.decoder, on_call) as state:
                 out = self._stock_decode(z, *args, **kwargs)
             receiver.join()
-            self.last = {"tiles": state["tile"] + 1, "calls": state["calls"], "ranks": self.n}
-            log.info("parallel VAE: decoded %s", self.spread(self.last["tiles"]))
+            _, last = received.get()  # the receiver's end: everything received, or why not
+            if last is not None:
+                raise last if isinstance(last, BaseException) else RuntimeError(
+                    "parallel VAE: the writer's loop ended before it used every received tile")
+            self.last = self._summary(state, costs)
+            log.info("parallel VAE: decoded %s", self.spread())
             return out
-        blends = {name: getattr(self.vae, name) for name in ("blend_v", "blend_h") if hasattr(self.vae, name)}
+        state = self._until_blend(on_call, z, args, kwargs)
+        if failed:
+            raise failed[0]
+        if sent["tile"] != -1:
+            self._mark(_TILE_END, 0)
+        self._mark(_ALL_DONE, 0)
+        self.last = self._summary(state, costs)
+        sample = z.new_zeros((z.shape[0], 3, *(1,) * (z.dim() - 2)))  # 1 pixel (and frame): not the output
+        from diffusers.models.autoencoders.vae import DecoderOutput
+
+        bound = inspect.signature(self._stock_decode).bind(z, *args, **kwargs)
+        return DecoderOutput(sample=sample) if bound.arguments.get("return_dict", True) else (sample,)
+
+    def _until_blend(self, on_call: Callable[..., torch.Tensor], z: torch.Tensor, args: tuple[Any, ...],
+                     kwargs: dict[str, Any]) -> dict[str, int]:
+        """The stock decode loop with the decoder's forward replaced by `on_call`, stopped at its
+        first blend (the loop's state: how many tiles and calls it met)."""
+        blends = [name for name in ("blend_v", "blend_h") if hasattr(self.vae, name)]
+        state: dict[str, int] = {"tile": -1, "calls": 0}
         try:
             for name in blends:
                 setattr(self.vae, name, self._stop)
@@ -243,29 +293,47 @@ class TileSpread:
                 self._stock_decode(z, *args, **kwargs)
         except _Done:
             pass
-        except Exception:
-            if failed:
-                raise
-            # past its tiles: the stock code met a placeholder where the writer has a tile
+        except Exception:  # noqa: BLE001, S110 - past its tiles: the stock code met a placeholder where it
+            # expected a tile (a loop that works on its tiles before blending); what it met before is complete
+            pass
         finally:
             for name in blends:
-                delattr(self.vae, name)
-        if sent["tile"] != -1:
-            self._mark(_TILE_END, 0)
-        self._mark(_ALL_DONE, 0)
-        self.last = {"tiles": state["tile"] + 1, "calls": state["calls"], "ranks": self.n}
-        sample = z.new_zeros((z.shape[0], 3, *(1,) * (z.dim() - 2)))  # 1 pixel (and frame): not the output
-        from diffusers.models.autoencoders.vae import DecoderOutput
+                with contextlib.suppress(AttributeError):
+                    delattr(self.vae, name)
+        return state
 
-        bound = inspect.signature(self._stock_decode).bind(z, *args, **kwargs)
-        return DecoderOutput(sample=sample) if bound.arguments.get("return_dict", True) else (sample,)
+    def _census(self, z: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[int]:
+        """Each tile's cost, in the stock loop's order: the elements its decoder calls take in
+        ([Note: tiles by cost]; nothing is decoded). Deterministic, so equal on every rank."""
+        costs: list[int] = []
 
-    def spread(self, tiles: int) -> str:
-        """How `tiles` tiles fall on the ranks, e.g. '15 tiles over 2 ranks: 8 + 7 (uneven)'."""
-        counts = [len(range(r, tiles, self.n)) for r in range(self.n)]
-        uneven = " (uneven: the first ranks take one more)" if len(set(counts)) > 1 else ""
+        def count(tile: int, stock: Callable[..., torch.Tensor], *a: Any, **kw: Any) -> torch.Tensor:
+            x = a[0] if a else next(iter(kw.values()))
+            if tile == len(costs):
+                costs.append(0)
+            costs[tile] += int(x.numel())
+            return x.new_empty((0,) * x.dim())
+
+        self._until_blend(count, z, args, kwargs)
+        return costs
+
+    def _summary(self, state: dict[str, int], costs: list[int]) -> dict[str, Any]:
+        share = [0] * self.n
+        for tile, owner in enumerate(self.owners):
+            share[owner] += costs[tile]
+        return {"tiles": state["tile"] + 1, "calls": state["calls"], "ranks": self.n,
+                "owners": list(self.owners), "counts": [self.owners.count(r) for r in range(self.n)],
+                "area_share": [round(a / max(1, sum(share)), 4) for a in share]}
+
+    def spread(self) -> str:
+        """How the last decode's tiles fell on the ranks, e.g. '6 tiles over 2 ranks: 3 + 3 (area
+        0.484 + 0.516)'."""
+        last = self.last
         ranks = "1 rank" if self.n == 1 else f"{self.n} ranks"
-        return f"{tiles} tiles over {ranks}: {' + '.join(map(str, counts))}{uneven}"
+        counts = last.get("counts") or [last.get("tiles", 0)]
+        area = " + ".join(f"{a:.3f}" for a in last.get("area_share", []))
+        return f"{last.get('tiles', 0)} tiles over {ranks}: {' + '.join(map(str, counts))}" + (
+            f" (area {area})" if area else "")
 
     @staticmethod
     def _stop(*args: Any, **kwargs: Any) -> Any:
@@ -290,6 +358,18 @@ class TileSpread:
             out = self._stock_encode(x, *args, **kwargs)
         self.last_encode = {"tiles": state["tile"] + 1, "calls": state["calls"], "ranks": self.n}
         return out
+
+
+def deal(costs: list[int], n: int) -> list[int]:
+    """The owner of each tile ([Note: tiles by cost]): largest first, each to the rank with the
+    least cost so far, ties to the highest rank (rank 0, the writer, also blends)."""
+    load = [0] * n
+    owners = [0] * len(costs)
+    for tile in sorted(range(len(costs)), key=lambda t: (-costs[t], t)):
+        rank = min(range(n), key=lambda r: (load[r], -r))
+        owners[tile] = rank
+        load[rank] += costs[tile]
+    return owners
 
 
 def install(pipe: Any, group: Any, n: int) -> TileSpread | None:
