@@ -3,6 +3,7 @@
  * backend which stream torch computes on. Everything else goes through ProcessGroup. */
 #include "pyhsdp.h" /* first: Python.h must precede system headers */
 
+#include "../backend_nccl.h"
 #include "../cuda_dequant.h"
 
 static PyObject *mod_nccl_built(PyObject *m, PyObject *unused) {

@@ -9,8 +9,11 @@
  *   dlpack.c       _Buffer.__dlpack__: the buffer exported zero-copy to torch and others
  *   dlpack_views.c dlpack_views: one export per parameter of a host buffer (torch binds)
  *   group_type.c   ProcessGroup over the backend registry
- *   nccl_functions.c  loading and bootstrapping the NCCL backend
- *   unit_type.c    Unit: one flat shard unit, its gathers and its parameter views
+ *   backend_functions.c  the module functions over the registry (backends, finalize, settings)
+ *   nccl_functions.c  loading and bootstrapping the NCCL backend (the one file here that
+ *                  includes backend_nccl.h)
+ *   unit_type.c    Unit: one flat shard unit, its gathers and its parameter views (unit_type.h;
+ *                  its constructor unit_new.c, its attributes unit_attrs.c)
  *   config_type.c  HSDPInferenceConfig */
 #ifndef HSDP_PYHSDP_H
 #define HSDP_PYHSDP_H
@@ -25,7 +28,6 @@
 #include <numpy/arrayobject.h>
 
 #include "../backend.h"
-#include "../backend_nccl.h"
 #include "../hsdp.h"
 
 /* The pool keeps at most this many idle unsharded buffers (exported as _C.POOL_SLOTS, which
@@ -116,7 +118,9 @@ typedef struct {
 } GroupObject;
 
 extern PyType_Spec hsdp_py_group_spec;
-extern PyMethodDef hsdp_py_backend_functions[];
+extern PyMethodDef hsdp_py_backend_functions[]; /* backend_functions.c */
+/* What a backend's unsharded buffers live on, as a dict (backend_functions.c). */
+PyObject *hsdp_py_device_info(const hsdp_backend *b);
 extern PyMethodDef hsdp_py_nccl_functions[]; /* nccl_functions.c */
 /* Unhooks and drops the module's out-of-memory handler (module teardown). */
 void hsdp_py_nccl_clear(modstate *ms);
