@@ -44,7 +44,7 @@ sysdeps:
 $(VENV)/.stamp: pyproject.toml | sysdeps
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q --upgrade "setuptools>=70" wheel "numpy>=2.0" "pytest>=7" "pytest-xdist>=3.5" "safetensors>=0.4"
+	$(PY) -m pip install -q --upgrade "setuptools>=77" wheel "numpy>=2.0" "pytest>=7" "pytest-xdist>=3.5" "safetensors>=0.4"
 	@echo "installing torch, diffusers, accelerate, transformers and the video writer (the torch wheel brings its CUDA libraries: a few GB)"
 	$(PY) -m pip install -q "torch>=2.4" "diffusers>=0.35" "accelerate>=1.0" "transformers>=4.45" "tokenizers>=0.20" \
 	  "ftfy>=6.0" "imageio>=2.30" "imageio-ffmpeg>=0.5"

@@ -4,7 +4,7 @@ with a CPU-only torch (started by tests/test_nccl.py).
 usage: nccl_torch_fake.py FAKE_SO N [N ...]     each N: 2 or 4, one world after the other
 
 Under FAKE_HOST_VIEW=1 the fake says its device memory is host memory the host reads, so the
-backend views its buffers as the CPU (csrc/backend_nccl.c, nccl_host_device), and torch's CPU
+backend views its buffers as the CPU (csrc/nccl_device.c, nccl_host_device), and torch's CPU
 tensors are device memory to it, as CUDA tensors are on a GPU: they go to NCCL's device
 collectives, gathers, all-to-alls and point to point as they are. The fake's worlds of
 several ranks are processes forked from the one that made the unique id (its shared region
