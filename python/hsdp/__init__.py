@@ -48,6 +48,10 @@ def __getattr__(name: str) -> object:
         from .engine.config import DiffusionParallelConfig
 
         return DiffusionParallelConfig
+    if name in ("Omni", "OmniDiffusionSamplingParams", "OmniRequestOutput"):  # vllm-omni's API (no torch)
+        from . import omni
+
+        return getattr(omni, name)
     if name in ("load_model_sharded", "save_checkpoint", "load_checkpoint"):
         from . import checkpoint
 
@@ -61,5 +65,5 @@ __all__ = [
     "float16", "float32", "float64", "float8_e4m3fn", "float8_e5m2", "full_state_dict", "get_units",
     "init_device_mesh", "load_checkpoint", "load_model_sharded", "memory_stats", "prepare_hsdp_shard_context", "reshard",
     "resident", "residency_stats", "save_checkpoint", "shard_hsdp_module", "shard_model", "trace", "unshard",
-    "WireError", "wire_error",
+    "WireError", "wire_error", "Omni", "OmniDiffusionSamplingParams", "OmniRequestOutput",
 ]
