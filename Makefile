@@ -48,8 +48,9 @@ $(VENV)/.stamp: pyproject.toml | sysdeps
 	@echo "installing torch, diffusers, accelerate, transformers and the video writer (the torch wheel brings its CUDA libraries: a few GB)"
 	$(PY) -m pip install -q "torch>=2.4" "diffusers>=0.35" "accelerate>=1.0" "transformers>=4.45" "tokenizers>=0.20" \
 	  "ftfy>=6.0" "imageio>=2.30" "imageio-ffmpeg>=0.5"
-	@echo "installing the HTTP server of hsdp serve and its test client (fastapi, uvicorn, python-multipart, httpx)"
-	$(PY) -m pip install -q "fastapi>=0.110" "uvicorn>=0.29" "python-multipart>=0.0.9" "httpx>=0.27"
+	@echo "installing the HTTP server of hsdp serve and its test clients (fastapi, uvicorn, python-multipart, prometheus_client, httpx, openai)"
+	$(PY) -m pip install -q "fastapi>=0.110" "uvicorn>=0.29" "python-multipart>=0.0.9" "prometheus_client>=0.20" "httpx>=0.27" \
+	  "openai>=1.100"
 	touch $@
 
 venv: $(VENV)/.stamp

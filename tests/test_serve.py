@@ -40,6 +40,9 @@ from hsdp.testing.tiny_pipeline import make_tiny_pipeline  # noqa: E402
 KEY = "test-key-0123"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 FAULT = "bad quality static"  # the prompt that fails inside the model (HSDP_SERVE_FAULT_PROMPT)
+FAULT_RANK1 = "a fault on rank 1 alone"  # ... on rank 1 only
+FAULTS = f"{FAULT}|{FAULT_RANK1}@1"
+LIMIT_FLAGS = ["--max-pixels", "1024", "--max-frames", "9", "--max-steps", "100", "--max-prompt-chars", "2000"]
 VIDEO = {"width": "32", "height": "32", "num_frames": "5", "num_inference_steps": "2"}
 RANK_VARS = ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_SIZE", "PMI_RANK", "PMIX_RANK",
              "MPI_LOCALNRANKS", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -61,7 +64,8 @@ class Server:
         self.env = {**base, **MPI_ENV, "HSDP_SERVE_TEST_TAG": self.tag,
                     "OMPI_MCA_btl_vader_backing_directory": str(self.shm), **(env or {})}
         self.stderr_path = tmp / f"serve-{self.tag}.err"
-        self.cmd = [sys.executable, "-m", "hsdp", "serve", "--model", str(folder), "--port", "0",
+        # vllm's shape: the model first, without --model
+        self.cmd = [sys.executable, "-m", "hsdp", "serve", str(folder), "--port", "0",
                     "--use-hsdp", "--hsdp-shard-size", "2", "--dtype", "float32", *extra]
         self.proc = subprocess.Popen(self.cmd, cwd=tmp, env=self.env, stdout=subprocess.PIPE,
                                      stderr=self.stderr_path.open("w"), text=True)
@@ -130,9 +134,17 @@ class Server:
                 self.proc.wait(30)
         shutil.rmtree(self.shm, ignore_errors=True)
 
-    def left_behind(self) -> list[str]:
-        """Processes or shared-memory segments of this server still there."""
+    def control_file(self) -> Path:
+        """The pid file the command made for rank 0 (a temporary file of the server's)."""
+        (rank0,) = self.pids(rank=0)
+        env = dict(e.split(b"=", 1) for e in Path(f"/proc/{rank0}/environ").read_bytes().split(b"\0") if b"=" in e)
+        return Path(env[b"HSDP_SERVE_CONTROL"].decode())
+
+    def left_behind(self, control: Path | None = None) -> list[str]:
+        """Processes, shared-memory segments or temporary files of this server still there."""
         left = [f"process {pid}" for pid in self.pids()]
+        if control is not None and control.exists():
+            left.append(f"control file {control}")
         left += [f"/dev/shm segment {p.name}" for p in self.shm.iterdir()] if self.shm.exists() else []
         if self.output_dir is not None and self.output_dir.exists():
             left.append(f"output folder {self.output_dir}")
@@ -159,8 +171,9 @@ def image_server(folders, tmp_path_factory) -> Iterator[Server]:
 @pytest.fixture(scope="module")
 def video(folders, tmp_path_factory, image_server) -> Iterator[Server]:
     server = Server(folders["wan22"], tmp_path_factory.mktemp("serve-video"),
-                    ["--api-key", KEY, "--cache", "none", "--cache", "first-block:0.2"],
-                    {"HSDP_SERVE_FAULT_PROMPT": FAULT})
+                    ["--api-key", KEY, "--cache", "none", "--cache", "first-block:0.2", "--omni", *LIMIT_FLAGS,
+                     "--shutdown-grace", "100"],
+                    {"HSDP_SERVE_FAULT_PROMPT": FAULTS})
     try:
         yield server.wait_ready()
     finally:
@@ -202,7 +215,7 @@ def _until(what: str, check, limit: float = JOB_TIMEOUT, polls: int = 2000):  # 
 
 
 def test_job_store_runs_in_arrival_order_and_loses_no_accepted_job():
-    from hsdp.serve.jobs import Conflict, JobStore, QueueFull, Stopping
+    from hsdp.serve.jobs import JobStore, QueueFull, Stopping
 
     store = JobStore("m", max_queue=4)
     jobs = [store.submit({"kind": "video", "prompt": f"p{i}", "seed": i, "fps": 16}) for i in range(4)]
@@ -211,11 +224,10 @@ def test_job_store_runs_in_arrival_order_and_loses_no_accepted_job():
     assert store.queue_length() == 4 and [j.status for j in jobs] == ["queued"] * 4
     first = store.next(0)
     assert first is jobs[0] and first.status == "in_progress"
-    with pytest.raises(Conflict, match="is running"):
-        store.delete(first.id)
-    assert store.delete(jobs[1].id) is jobs[1] and jobs[1].done.is_set() and store.get(jobs[1].id) is None
-    store.finish(first, None)
-    assert first.status == "completed" and first.progress == 100 and first.done.is_set()
+    assert store.delete(first.id) == (first, False) and first.cancel.is_set()  # running: asked to stop
+    assert store.delete(jobs[1].id) == (jobs[1], True) and jobs[1].done.is_set() and store.get(jobs[1].id) is None
+    store.finish(first, "stopped", cancelled=True)
+    assert first.status == "cancelled" and first.public()["error"]["code"] == "cancelled" and first.done.is_set()
     assert store.next(0) is jobs[2]
     store.finish(jobs[2], "ValueError: bad")
     assert jobs[2].public()["error"] == {"code": "generation_failed", "message": "ValueError: bad"}
@@ -224,7 +236,78 @@ def test_job_store_runs_in_arrival_order_and_loses_no_accepted_job():
         store.submit({"kind": "video", "prompt": "late", "seed": 0, "fps": 16})
     assert store.next(0) is None  # stopping: nothing more starts
     assert store.fail_queued("stopped") == 1 and jobs[3].status == "failed" and jobs[3].done.is_set()
-    assert [j.status for j in store.list()] == ["completed", "failed", "failed"]
+    assert [j.status for j in store.list()] == ["cancelled", "failed", "failed"]
+
+
+def test_a_state_folder_keeps_finished_jobs_requeues_queued_and_fails_the_one_running(tmp_path):
+    """What a restart finds (the server test below restarts a real server; this one also
+    covers a server killed while a job ran)."""
+    from hsdp.serve.jobs import JobStore
+    from hsdp.serve.state import StateDir
+
+    store = JobStore("m", state=StateDir(tmp_path))
+    done, running, waiting, gone = (store.submit({"kind": "video", "prompt": f"p{i}", "seed": i, "fps": 16})
+                                    for i in range(4))
+    assert store.next(0) is done
+    done.output = tmp_path / "outputs" / "x.mp4"
+    done.stage_durations, done.peak_memory_mb = {"encode": 0.5}, {0: 10.0, 1: 12.5}
+    store.finish(done, None)
+    assert store.next(0) is running  # ... and the server is killed here
+    assert store.delete(gone.id) == (gone, True)
+    store.state.close()
+    again = JobStore("m", state=StateDir(tmp_path))
+    assert again.restore() == (1, 1, 1)
+    by_id = {j.id: j for j in again.list()}
+    assert set(by_id) == {done.id, running.id, waiting.id}
+    assert by_id[done.id].public() == done.public() and by_id[done.id].output == done.output
+    assert by_id[running.id].status == "failed" and "not run again" in by_id[running.id].error
+    assert again.next(0).id == waiting.id  # the queued job runs
+
+
+def test_finished_jobs_expire_after_the_ttl_with_their_files(tmp_path):
+    from hsdp.serve.jobs import JobStore
+
+    store = JobStore("m", ttl=60)
+    old, new = (store.submit({"kind": "video", "prompt": p, "seed": 0, "fps": 16}) for p in ("old", "new"))
+    for job in (store.next(0), store.next(0)):
+        job.output = tmp_path / f"{job.id}.mp4"
+        job.output.write_bytes(b"mp4")
+        store.finish(job, None)
+    old.completed_at -= 61
+    assert store.expire() == 1 and [j.id for j in store.list()] == [new.id] and not old.output.exists() and new.output.exists()
+
+
+def test_seconds_sizes_and_limits(folders):
+    from hsdp.cli.folder import read_folder
+    from hsdp.serve.params import Limits, RequestError, fill_defaults, folder_options, video_params
+
+    wan = read_folder(folders["wan22"])
+    p = video_params({"prompt": "a cat", "seconds": "1", "fps": "16"}, None, wan)
+    assert p["num_frames"] == 17 and "16 frames, rounded to 17 (WanPipeline takes 4k+1" in p["frames_from_seconds"]["note"]
+    assert video_params({"prompt": "a cat", "seconds": "0.5", "fps": "8"}, None, wan)["num_frames"] == 5
+    limits = Limits(max_pixels=1024, max_frames=9, max_steps=4, max_prompt_chars=10)
+    for fields, param, words in (({"size": "64x32"}, "size", "2048 pixels; this server takes at most 1024 (--max-pixels)"),
+                                 ({"seconds": "1"}, "seconds", "num_frames 17 is over this server's limit of 9 (--max-frames)"),
+                                 ({"num_inference_steps": "5"}, "num_inference_steps", "(--max-steps)"),
+                                 ({"prompt": "x" * 11}, "prompt", "11 characters; this server takes at most 10"),
+                                 ({"num_frames": "5", "seconds": "1"}, "seconds", "either seconds or num_frames"),
+                                 ({"boundary_ratio": "1.5"}, "boundary_ratio", "must be <= 1"),
+                                 ({"input_reference": "https://x/y.png"}, "input_reference", "not fetched")):
+        with pytest.raises(RequestError, match=re.escape(words)) as err:
+            video_params({"prompt": "a cat", **fields}, None, wan, limits=limits, options=folder_options(wan))
+        assert err.value.param == param
+    with pytest.raises(RequestError, match="flow_shift does not apply"):
+        video_params({"prompt": "a cat", "flow_shift": "3"}, None, wan)  # no options: a folder without one
+    assert folder_options(wan) == ("boundary_ratio", "guidance_scale_2", "flow_shift")
+    ran = fill_defaults(video_params({"prompt": "a cat"}, None, wan, limits=limits),
+                        {"width": 832, "height": 480, "num_frames": 81, "num_inference_steps": 50}, limits, wan)
+    assert (ran["width"], ran["height"], ran["num_frames"], ran["num_inference_steps"]) == (32, 16, 9, 4)
+    assert ran["defaulted"]["size"] == "the model's default 832x480 capped by --max-pixels 1024"
+    i2v = read_folder(make_tiny_pipeline(folders["wan22"].parent / "i2v", "wan22-i2v"))
+    png = io.BytesIO()
+    __import__("PIL.Image").Image.new("RGB", (16, 16)).save(png, format="PNG")
+    data = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    assert video_params({"prompt": "a cat", "input_reference": {"image_url": data}}, None, i2v)["image_b64"]
 
 
 def test_cfg_parallel_servers_refuse_jobs_that_do_not_guide(folders):
@@ -408,6 +491,119 @@ def test_eight_concurrent_clients_each_equal_to_the_request_alone(client):
     assert all(loaded[i] == alone[i % 4] for i in range(8)), "a result under load differs from the request alone"
 
 
+def _error_shape(r: httpx.Response, status: int, words: str) -> dict:
+    assert r.status_code == status, (status, r.status_code, r.text)
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == status, error
+    assert words in error["message"], error
+    return error
+
+
+def test_every_error_has_openai_shape_and_the_right_status(video, client):
+    _error_shape(client.get("/nope"), 404, "no route GET /nope")
+    _error_shape(client.put("/v1/videos"), 405, "PUT is not allowed on /v1/videos")
+    _error_shape(client.post("/v1/videos", content=b"prompt=x", headers={"Content-Type": "text/plain"}), 415,
+                 "Content-Type 'text/plain' is not read here")
+    _error_shape(client.post("/v1/images/generations", data={"prompt": "x"}), 415, "send application/json")
+    # a 10 MB prompt in a multipart form: refused while it is read
+    _error_shape(client.post("/v1/videos", files={"prompt": (None, "x" * (10 << 20))}), 413, "maximum size")
+    # a body announced larger than the server reads: refused before it is read
+    import socket
+
+    with socket.create_connection(("127.0.0.1", int(video.url.rsplit(":", 1)[1]))) as sock:
+        sock.sendall(b"POST /v1/videos HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000000000\r\nAuthorization: Bearer " + KEY.encode() + b"\r\n\r\n{")
+        head = sock.recv(65536).decode()
+    assert head.startswith("HTTP/1.1 413") and "at most" in head, head
+    error = _error_shape(client.post("/v1/videos", data=_form(prompt="x" * 2001)), 400, "(--max-prompt-chars)")
+    assert error["param"] == "prompt"
+    _error_shape(client.post("/v1/videos", data=_form(prompt="a cat", size="64x32", width="", height="")), 400,
+                 "(--max-pixels)")
+    _error_shape(client.post("/v1/videos", json=[1]), 400, "must be a JSON object")
+    # a JSON body; a prompt at the limit, whole in the job, cut in the listing
+    long = "a cat " * 333
+    r = client.post("/v1/videos", json={"prompt": long, "size": "32x32", "num_frames": 5, "num_inference_steps": 2,
+                                        "seed": 3, "negative_prompt": "blurry"})
+    assert r.status_code == 200, r.text
+    job = r.json()
+    assert job["prompt"] == long and job["negative_prompt"] == "blurry" and job["size"] == "32x32", job
+    listed = [j for j in client.get("/v1/videos").json()["data"] if j["id"] == job["id"]]
+    assert listed[0]["prompt"].startswith(long[:200]) and len(listed[0]["prompt"]) < 250, listed
+    assert httpx.get(f"{video.url}/health").json()["status"] == "ok"
+
+
+# The SDK warns that OpenAI's own video API will close; the calls are what this server serves.
+SDK_WARNING = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
+
+
+def _openai(url: str):  # type: ignore[no-untyped-def]
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(api_key=KEY, base_url=f"{url}/v1", timeout=JOB_TIMEOUT, max_retries=0)
+
+
+@SDK_WARNING
+def test_openai_client_videos_create_with_seconds(video):
+    sdk = _openai(video.url)
+    v = sdk.videos.create(model="wan22", prompt="a boat at sea", seconds="1", size="32x32",
+                          extra_body={"num_inference_steps": 2, "fps": 4, "seed": 9})
+    assert v.status in ("queued", "in_progress") and v.size == "32x32"
+    done = _until("the SDK's job completed", lambda: (j := sdk.videos.retrieve(v.id)).status == "completed" and j)
+    job = done.model_dump()
+    assert job["num_frames"] == 5 and job["seconds"] == "1.25", job  # 1 s x 4 fps = 4 frames, rounded to 4k+1
+    assert job["frames_from_seconds"] == "1 s x 4 fps = 4 frames, rounded to 5 (WanPipeline takes 4k+1 frames)"
+    assert set(job["stage_durations"]) == {"encode", "denoise", "decode", "write"}, job
+    assert job["inference_time_s"] > 0 and set(job["peak_memory_mb_per_rank"]) == {"0", "1"}, job
+    assert job["peak_memory_mb"] > 0
+    assert sdk.videos.download_content(v.id).content[4:8] == b"ftyp"
+
+
+def test_cancel_a_running_default_sized_job_within_one_step_and_the_next_runs(client):
+    """A request without sizes: the model's defaults (832x480, 81 frames, 50 steps) capped by
+    the server's limits (--max-pixels 1024, --max-frames 9); cancelled while it runs."""
+    job = client.post("/v1/videos", data={"prompt": "a default-sized cat", "num_inference_steps": "100"}).json()
+    running = _until("the job at its third step", lambda: (j := client.get(f"/v1/videos/{job['id']}").json())
+                     ["progress"] >= 2 and j)
+    assert running["size"] == "32x16" and running["num_frames"] == 9, running
+    assert running["defaulted"]["size"] == "the model's default 832x480 capped by --max-pixels 1024", running
+    asked = time.monotonic()
+    r = client.delete(f"/v1/videos/{job['id']}")
+    assert r.status_code == 202 and r.json()["status"] == "cancelling", r.text
+    ended = _until("the job cancelled", lambda: (j := client.get(f"/v1/videos/{job['id']}").json())["status"]
+                   != "in_progress" and j, polls=100000)
+    took = time.monotonic() - asked
+    step = ended["stage_durations"]["denoise"] / ended["steps_done"]  # a step's seconds, on average
+    assert ended["status"] == "cancelled" and ended["error"]["code"] == "cancelled", ended
+    assert "cancelled while it ran (DELETE), at the end of step" in ended["error"]["message"], ended
+    assert took < step + 1.0 and ended["steps_done"] < 50, (took, step, ended)
+    assert _sync(client, prompt="after the cancel", seed="5")  # every rank moved on, in step
+    assert client.delete(f"/v1/videos/{job['id']}").json()["deleted"] is True  # ended: now it can go
+
+
+def test_a_failure_on_rank_1_alone_fails_the_job_naming_the_rank_and_the_next_runs(client):
+    r = client.post("/v1/videos/sync", data=_form(prompt=FAULT_RANK1, seed="2"))
+    assert r.status_code == 500, r.text
+    assert "rank 1: InjectedFault: injected fault" in r.json()["error"]["message"], r.text
+    job = client.get(f"/v1/videos/{r.json()['error']['message'].split()[1]}").json()
+    assert job["status"] == "failed" and job["error"]["message"].startswith("rank 1: "), job
+    assert _sync(client, prompt="a bird in the sky", seed="6")
+
+
+def test_metrics_in_prometheus_text(video, client):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    assert httpx.get(f"{video.url}/metrics").status_code == 401  # guarded by the key like the API
+    r = client.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain"), r.text
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(r.text) for s in family.samples}
+    assert samples[("hsdp_serve_queue_depth", ())] >= 0
+    for status in ("completed", "failed", "cancelled"):  # the tests above ended jobs each way
+        assert samples[("hsdp_serve_jobs_total", (("status", status),))] >= 1, status
+    assert samples[("hsdp_serve_step_latency_seconds_count", ())] >= 2
+    assert samples[("hsdp_serve_job_latency_seconds_count", ())] >= 3
+    assert all(samples[("hsdp_serve_peak_memory_mb", (("rank", r),))] > 0 for r in ("0", "1"))
+
+
 def test_sigterm_lets_the_running_job_end_fails_the_queued_and_leaves_nothing(video, client):
     results: dict[str, httpx.Response] = {}
 
@@ -436,6 +632,7 @@ def test_sigterm_lets_the_running_job_end_fails_the_queued_and_leaves_nothing(vi
     assert results["house"].status_code == 500, results["house"].text
     assert "stopped before this job ran" in results["house"].json()["error"]["message"]
     assert "stopped after" in "".join(video.stdout)
+    assert "--omni is accepted for vllm-omni's command lines and ignored" in "".join(video.stdout)
     with pytest.raises(httpx.ConnectError):
         client.get("/health")
     assert video.left_behind() == [], video.log()

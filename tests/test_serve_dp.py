@@ -5,13 +5,14 @@ the other lane's job completes, equal to its request run alone."""
 from __future__ import annotations
 
 import concurrent.futures
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 # test_serve's own checks skip this module too where a server cannot run (no diffusers, httpx, ...)
-from test_serve import AUTH, FAULT, JOB_TIMEOUT, KEY, Server, _form, _sync, httpx  # noqa: E402
+from test_serve import AUTH, FAULT, JOB_TIMEOUT, KEY, Server, _form, _sync, _until, httpx  # noqa: E402
 
 from hsdp.testing.tiny_pipeline import make_tiny_pipeline  # noqa: E402
 
@@ -46,3 +47,30 @@ def test_two_lanes_run_jobs_at_once_and_a_failing_job_fails_alone(server):
         assert _sync(client, **requests[1]) == alone[1]  # every rank moved on, in step
     log = server.log()
     assert "2 lanes of 1 rank" in log and "(a round of 2)" in log, log  # two jobs did run at once
+
+
+def test_a_cancel_stops_its_lane_alone(server):
+    """Two jobs in one round (lane 0 and lane 1); DELETE on lane 1's job stops it at its next
+    step (rank 1 hears it over the cancel channel) while lane 0's job runs on to the end."""
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=JOB_TIMEOUT) as client:
+        first, second = (client.post("/v1/videos", data=_form(prompt=p, num_inference_steps="40")).json()
+                         for p in ("a kept cat", "a cancelled cat"))
+        _until("both jobs running", lambda: all(client.get(f"/v1/videos/{j['id']}").json()["status"] == "in_progress"
+                                                for j in (first, second)))
+        assert client.delete(f"/v1/videos/{second['id']}").status_code == 202
+        ended = _until("both jobs ended", lambda: [j for j in (client.get(f"/v1/videos/{k['id']}").json()
+                                                                for k in (first, second)) if j["status"] != "in_progress"]
+                       if all(client.get(f"/v1/videos/{k['id']}").json()["status"] != "in_progress"
+                              for k in (first, second)) else None)
+        kept, cancelled = ended
+        assert kept["status"] == "completed" and kept["steps_done"] == 40, kept
+        assert cancelled["status"] == "cancelled" and "cancelled while it ran" in cancelled["error"]["message"], cancelled
+        assert _sync(client, prompt="after", seed="3")  # both lanes moved on
+
+
+def test_sigint_ends_the_server_at_once_and_leaves_nothing(server):
+    control = server.control_file()
+    server.proc.send_signal(signal.SIGINT)
+    server.wait(60)
+    left = [x for x in server.left_behind(control) if "/dev/shm" not in x]  # a killed rank may leave its segment
+    assert left == [], server.log()

@@ -44,6 +44,9 @@ DTYPES = ("bfloat16", "float32", "float16")
 # Set by the self-launching command for its ranks: the file rank 0 writes its pid into, so the
 # command can signal rank 0 alone.
 CONTROL_ENV = "HSDP_SERVE_CONTROL"
+# Set by the self-launching command: the temporary output folder it made for rank 0 and removes
+# once the ranks have ended, however they ended (mpiexec's kill of a rank included).
+TEMP_ENV = "HSDP_SERVE_TEMP_DIR"
 
 log = logging.getLogger("hsdp.serve")
 
@@ -60,7 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
         "the parallel flags need are started through mpiexec unless this already runs inside one rank of a job.",
         epilog="example: hsdp serve --model tiny-wan22 --use-hsdp --hsdp-shard-size 2 --port 8091",
     )
-    p.add_argument("--model", type=Path, required=True, metavar="DIR",
+    # vllm serve's shape: the model may come first, without --model (main() moves it there)
+    p.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
+                   help="the same as --model, as in `vllm serve MODEL`")
+    p.add_argument("--model", type=Path, default=None, metavar="DIR",
                    help="a diffusers pipeline folder (model_index.json; save_pretrained's layout), or a Hugging "
                    "Face hub id (org/name) resolved from the local cache")
     p.add_argument("--revision", default=None, metavar="REV", help="the hub revision of a hub id --model")
@@ -84,12 +90,65 @@ def build_parser() -> argparse.ArgumentParser:
                    help=CACHE_HELP + ". Repeat it to allow several: the first is every job's default, and a "
                    "request picks another (or none) with extra_params={\"cache\": \"...\"}; --cache none first: no cache by "
                    "default")
+    p.add_argument("--omni", action="store_true",
+                   help="accepted for vllm-omni's command lines and ignored: hsdp serve always serves one diffusion "
+                   "pipeline")
+    p.add_argument("--max-pixels", type=int, default=None, metavar="N",
+                   help="largest width x height a request may ask (400 beyond); a request without a size gets the "
+                   "model's default scaled down to it")
+    p.add_argument("--max-frames", type=int, default=None, metavar="N",
+                   help="most frames a request may ask (400 beyond); caps the model's default too")
+    p.add_argument("--max-steps", type=int, default=None, metavar="N",
+                   help="most denoising steps a request may ask (400 beyond); caps the model's default too")
+    p.add_argument("--max-prompt-chars", type=int, default=10000, metavar="N",
+                   help="longest prompt (and negative prompt) taken, in characters (default: %(default)s)")
+    p.add_argument("--state-dir", type=Path, default=None, metavar="DIR",
+                   help="keep jobs (SQLite) and videos here: a restart lists and serves the finished jobs and runs "
+                   "the queued ones; a job running when the server died is marked failed")
+    p.add_argument("--job-ttl", type=float, default=3600.0, metavar="SECONDS",
+                   help="finished jobs and their videos are removed this long after they ended (default: "
+                   "%(default)s; 0: kept)")
+    p.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
+                   help="after SIGTERM, how long the running job may take before it is cancelled (default: "
+                   "%(default)s); a second SIGTERM, or SIGINT, ends the server at once")
     add_parallel_args(p)
     return p
 
 
+SERVE_MODULES = {"fastapi": "fastapi", "uvicorn": "uvicorn", "multipart": "python-multipart",
+                 "prometheus_client": "prometheus_client"}
+
+
+def check_extra() -> None:
+    """The [serve] extra's packages are installed, else one line saying how (every rank would
+    otherwise die on the import with a traceback)."""
+    import importlib.util
+
+    missing = [pkg for mod, pkg in SERVE_MODULES.items() if importlib.util.find_spec(mod) is None]
+    if missing:
+        raise UsageError(f"the HTTP server needs the [serve] extra: pip install 'hsdp[serve]' (missing: "
+                         f"{', '.join(missing)})")
+
+
 def check_args(args: argparse.Namespace) -> tuple[PipelineFolder, DiffusionParallelConfig]:
     from hsdp.hub import HubError, is_hub_id, resolve_model_flag
+
+    if args.model_arg is not None:  # main() moves it to --model; here when called with a parsed line
+        if args.model is not None and Path(args.model_arg) != args.model:
+            raise UsageError(f"the model is given twice: MODEL {args.model_arg} and --model {args.model}")
+        args.model = Path(args.model_arg)
+    if args.model is None:
+        raise UsageError("the model is required: hsdp serve MODEL or --model DIR")
+    check_extra()
+    for flag in ("max_pixels", "max_frames", "max_steps", "max_prompt_chars"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    for flag in ("job_ttl", "shutdown_grace"):
+        if getattr(args, flag) < 0:
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
+    if args.state_dir is not None and args.state_dir.exists() and not args.state_dir.is_dir():
+        raise UsageError(f"--state-dir {args.state_dir} exists and is not a folder")
 
     if args.served_model_name is None and is_hub_id(args.model):  # served as the id, not the snapshot's commit
         args.served_model_name = str(args.model)
@@ -159,6 +218,9 @@ def launch_ranks(nproc: int, argv: Sequence[str]) -> int:
     fd, control = tempfile.mkstemp(prefix="hsdp-serve-", suffix=".pid")
     os.close(fd)
     added[CONTROL_ENV] = control
+    if "--output-dir" not in argv and not any(a.startswith("--output-dir=") for a in argv) \
+            and "--state-dir" not in argv and not any(a.startswith("--state-dir=") for a in argv):
+        added[TEMP_ENV] = tempfile.mkdtemp(prefix="hsdp-serve-")
     entry = Path(ranks.__file__).with_name("rank_entry.py")
     cmd = launch.build_command(mpiexec, flavour, nproc, [str(entry), "serve", *argv], added, launch._core_count())
     # A session of its own: a terminal's Ctrl-C reaches this command only, not mpiexec.
@@ -174,9 +236,9 @@ def launch_ranks(nproc: int, argv: Sequence[str]) -> int:
             text = Path(control).read_text().strip()
         except OSError:
             text = ""
-        if len(signals) == 1 and text.isdigit():
+        if len(signals) == 1 and signum == signal.SIGTERM and text.isdigit():
             os.kill(int(text), signal.SIGTERM)  # rank 0 stops the server and then every rank
-        else:  # not started yet, or asked twice: mpiexec ends the job now
+        else:  # SIGINT, not started yet, or asked twice: mpiexec ends the job now
             proc.send_signal(signal.SIGTERM)
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -186,6 +248,8 @@ def launch_ranks(nproc: int, argv: Sequence[str]) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         Path(control).unlink(missing_ok=True)
+        if TEMP_ENV in added:  # rank 0 removes it itself when it can; a killed rank cannot
+            shutil.rmtree(added[TEMP_ENV], ignore_errors=True)
     return 128 - code if code < 0 else code
 
 
@@ -193,25 +257,40 @@ def launch_ranks(nproc: int, argv: Sequence[str]) -> int:
 
 
 class _Shutdown:
-    """SIGTERM/SIGINT on rank 0: stop accepting (the job loop then ends after the running job);
-    a second one ends the job at once. On the other ranks: ignored, rank 0 says when to stop."""
+    """SIGTERM on rank 0: stop accepting; the running job gets ``grace`` seconds, then is
+    cancelled, and the job loop ends. A second SIGTERM, or SIGINT, ends the server at once
+    (the temporary folder removed first). On the other ranks: ignored, rank 0 says when to stop."""
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, grace: float = 30.0) -> None:
         self.rank = rank
+        self.grace = grace
         self.count = 0
         self.on_stop: list[Any] = []
+        self.on_grace_end: list[Any] = []
+        self.temporary: Path | None = None  # removed before an immediate exit
 
     def __call__(self, signum: int, _frame: FrameType | None) -> None:
         self.count += 1
         if self.rank != 0:
             return
-        if self.count > 1:
-            sys.stderr.write(f"{PROG}: second {signal.Signals(signum).name}: ending every rank now\n")
+        if self.count > 1 or signum == signal.SIGINT:
+            sys.stderr.write(f"{PROG}: {'second ' if self.count > 1 else ''}{signal.Signals(signum).name}: ending "
+                             "every rank now\n")
             sys.stderr.flush()
+            if self.temporary is not None:
+                shutil.rmtree(self.temporary, ignore_errors=True)
             os._exit(128 + signum)
-        sys.stderr.write(f"{PROG}: {signal.Signals(signum).name}: no new jobs; stopping after the running one\n")
+        sys.stderr.write(f"{PROG}: {signal.Signals(signum).name}: no new jobs; the running job has "
+                         f"{self.grace:g} s (--shutdown-grace) to end, then is cancelled\n")
         sys.stderr.flush()
         for callback in self.on_stop:
+            callback()
+        timer = threading.Timer(self.grace, self._grace_over)
+        timer.daemon = True
+        timer.start()
+
+    def _grace_over(self) -> None:
+        for callback in self.on_grace_end:
             callback()
 
 
@@ -262,7 +341,7 @@ def run(args: argparse.Namespace, folder: PipelineFolder, config: DiffusionParal
         return _usage_error(str(exc))
     rank0 = world.rank == 0
     logging.basicConfig(level=logging.INFO if rank0 else logging.WARNING, format="%(name)s: %(message)s")
-    shutdown = _Shutdown(world.rank)
+    shutdown = _Shutdown(world.rank, args.shutdown_grace)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, shutdown)
 
@@ -281,24 +360,50 @@ def run(args: argparse.Namespace, folder: PipelineFolder, config: DiffusionParal
 
     from .app import create_app
     from .jobs import JobStore
+    from .metrics import ServeMetrics
+    from .params import Limits
+    from .worker import LeaderSettings
 
     control = os.environ.get(CONTROL_ENV)
     if control:
         Path(control).write_text(str(os.getpid()))
+    if args.omni:
+        print(f"{PROG}: --omni is accepted for vllm-omni's command lines and ignored (this server runs one "
+              "diffusion pipeline)", flush=True)
     model_id = args.served_model_name or folder.path.resolve().name
-    store = JobStore(model_id, args.max_queue)
+    state = None
+    if args.state_dir is not None:
+        from .state import StateDir
+
+        state = StateDir(args.state_dir)
+    store = JobStore(model_id, args.max_queue, ttl=args.job_ttl, state=state)
+    restored = store.restore()
+    metrics = ServeMetrics(store, model_id)
+    limits = Limits(args.max_pixels, args.max_frames, args.max_steps, args.max_prompt_chars)
     ready = threading.Event()
-    temporary = args.output_dir is None
-    output_dir = Path(tempfile.mkdtemp(prefix="hsdp-serve-")) if temporary else args.output_dir
+    temporary = args.output_dir is None and state is None
+    if state is not None:
+        output_dir = args.output_dir or state.outputs
+    elif temporary:  # the launching command's, or one of this rank's own
+        output_dir = Path(os.environ.get(TEMP_ENV) or tempfile.mkdtemp(prefix="hsdp-serve-"))
+    else:
+        output_dir = args.output_dir
     output_dir.mkdir(parents=True, exist_ok=True)
+    if temporary:
+        shutdown.temporary = output_dir
     try:
         app = create_app(store, folder, model_id, ready, args.api_key, cfg_parallel=config.cfg_parallel_size == 2,
-                         caches=args.caches)
+                         caches=args.caches, limits=limits, metrics=metrics)
         server, thread = _start_http(app, args.host, args.port)
+        if state is not None:
+            print(f"{PROG}: state in {args.state_dir}: {restored[0]} finished job(s) kept, {restored[1]} queued "
+                  f"job(s) to run, {restored[2]} that was running marked failed", flush=True)
 
         # A signal stops new jobs (503) at once; the HTTP server stays up, answering status
         # requests and the running job's waiting client, until the job loop has ended.
         shutdown.on_stop.append(store.stop_accepting)
+        shutdown.on_grace_end.append(lambda: store.cancel_running(
+            f"cancelled: the server stopped (--shutdown-grace {args.shutdown_grace:g} s passed)"))
         if shutdown.count:  # a signal came before the server existed
             store.stop_accepting()
         print(f"{PROG}: listening on http://{args.host}:{_bound_port(server)} (loading {folder.class_name} from "
@@ -310,13 +415,15 @@ def run(args: argparse.Namespace, folder: PipelineFolder, config: DiffusionParal
         print(f"{PROG}: ready: {model_id} ({folder.class_name}); outputs in {output_dir}"
               f"{' (removed at exit)' if temporary else ''}; rank 0 is pid {os.getpid()} (SIGTERM it to stop)",
               flush=True)
-        ran = leader_loop(world, pipe, store, output_dir)
+        ran = leader_loop(world, pipe, store, LeaderSettings(output_dir, limits, folder))
         server.should_exit = True  # closes the listening socket; open requests are answered
         thread.join()
         print(f"{PROG}: stopped after {ran} job(s)", flush=True)
     finally:
         if temporary:
             shutil.rmtree(output_dir, ignore_errors=True)
+        if state is not None:
+            state.close()
     return 0
 
 
@@ -324,4 +431,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``hsdp serve ARGS``; returns the exit status."""
     from hsdp.cli.ranks import command_main
 
+    argv = _model_first(list(sys.argv[1:] if argv is None else argv))
     return command_main(PROG, argv, build_parser(), check_args, run, launch_ranks, UsageError, "under mpiexec")
+
+
+def _model_first(argv: list[str]) -> list[str]:
+    """``hsdp serve MODEL ...`` (vllm's shape) as ``hsdp serve --model MODEL ...``: the ranks and
+    the hub's pinning then see one spelling."""
+    parser = build_parser()
+    try:
+        known, _ = parser.parse_known_args(argv)
+    except SystemExit:  # argparse's message comes again when command_main parses
+        return argv
+    if known.model_arg is None or known.model is not None:
+        return argv  # none, or both (check_args names the clash)
+    takes_value = {opt for action in parser._actions for opt in action.option_strings if action.nargs != 0}
+    for i, arg in enumerate(argv):
+        if arg == known.model_arg and not (i and argv[i - 1] in takes_value):
+            return ["--model", arg, *argv[:i], *argv[i + 1:]]
+    return argv

@@ -13,17 +13,52 @@ import io
 import math
 import secrets
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from hsdp.cli.folder import PipelineFolder
 
-__all__ = ["LIMITS", "RequestError", "image_params", "video_params"]
+__all__ = ["LIMITS", "LISTED_PROMPT_CHARS", "Limits", "RequestError", "fill_defaults", "folder_options", "image_params",
+           "video_params"]
 
 # Upper bounds a request may ask for: beyond them a job would hold the server for hours.
 LIMITS = {"width": 4096, "height": 4096, "num_frames": 1025, "num_inference_steps": 1000, "fps": 240, "n": 8,
           "input_reference_bytes": 32 << 20}
 DEFAULT_FPS = 16
 SEED_MAX = 2**63 - 1
+# How much of a prompt a job listing shows: the whole prompt is in GET /v1/videos/{id}.
+LISTED_PROMPT_CHARS = 200
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask for, set at start (``--max-pixels`` ...): over one is a 400
+    naming the flag; a request that leaves a size out gets the model's default capped by
+    them. None: only the hard bounds of :data:`LIMITS`."""
+
+    max_pixels: int | None = None  # width x height
+    max_frames: int | None = None
+    max_steps: int | None = None
+    max_prompt_chars: int = 10000  # a prompt longer than this is a 400 (Wan's encoder reads 512 tokens)
+
+    def check(self, params: dict[str, Any]) -> None:
+        for name in ("prompt", "negative_prompt"):
+            text = params.get(name)
+            if text is not None and len(text) > self.max_prompt_chars:
+                raise RequestError(name, f"{name} has {len(text)} characters; this server takes at most "
+                                   f"{self.max_prompt_chars} (--max-prompt-chars)")
+        w, h = params.get("width"), params.get("height")
+        if self.max_pixels is not None and w is not None and h is not None and w * h > self.max_pixels:
+            raise RequestError("size", f"size {w}x{h} is {w * h} pixels; this server takes at most {self.max_pixels} "
+                               "(--max-pixels)")
+        n = params.get("num_frames")
+        if self.max_frames is not None and n is not None and n > self.max_frames:
+            param = "seconds" if params.get("frames_from_seconds") else "num_frames"
+            raise RequestError(param, f"num_frames {n} is over this server's limit of {self.max_frames} (--max-frames)")
+        steps = params.get("num_inference_steps")
+        if self.max_steps is not None and steps is not None and steps > self.max_steps:
+            raise RequestError("num_inference_steps", f"num_inference_steps {steps} is over this server's limit of "
+                               f"{self.max_steps} (--max-steps)")
 
 
 class RequestError(ValueError):
@@ -52,7 +87,8 @@ def _int(fields: Mapping[str, Any], name: str, low: int, high: int | None = None
     return number
 
 
-def _float(fields: Mapping[str, Any], name: str) -> float | None:
+def _float(fields: Mapping[str, Any], name: str, low: float = 0.0, high: float | None = None) -> float | None:
+    """A positive finite number (above ``low``; at most ``high``), or None when absent."""
     value = fields.get(name)
     if value is None or value == "":
         return None
@@ -62,8 +98,10 @@ def _float(fields: Mapping[str, Any], name: str) -> float | None:
         number = float(value)
     except (TypeError, ValueError):
         raise RequestError(name, f"{name} must be a number, got {value!r}") from None
-    if not (math.isfinite(number) and number > 0):
+    if not (math.isfinite(number) and number > low):
         raise RequestError(name, f"{name} must be a positive finite number, got {value!r}")
+    if high is not None and number > high:
+        raise RequestError(name, f"{name} must be <= {high:g}, got {value!r}")
     return number
 
 
@@ -161,27 +199,77 @@ def _extra(fields: Mapping[str, Any], caches: tuple[str, ...]) -> str | None:
     return str(cache)
 
 
+def _frames(fields: Mapping[str, Any], fps: int, folder: PipelineFolder, params: dict[str, Any]) -> int | None:
+    """``num_frames``, or OpenAI's ``seconds`` x ``fps`` rounded to the nearest count the model
+    takes (Wan's VAE: 4k + 1), the rounding kept in ``params["frames_from_seconds"]``."""
+    t = folder.temporal_factor
+    n = _int(fields, "num_frames", 1, LIMITS["num_frames"])
+    seconds = _float(fields, "seconds")
+    if seconds is not None:
+        if n is not None:
+            raise RequestError("seconds", "give either seconds or num_frames, not both")
+        raw = seconds * fps
+        n = max(0, round((raw - 1) / t)) * t + 1 if t else max(1, round(raw))
+        if n > LIMITS["num_frames"]:
+            raise RequestError("seconds", f"seconds {seconds:g} at fps {fps} is {raw:g} frames; at most "
+                               f"{LIMITS['num_frames']} are taken")
+        rule = f"{folder.class_name} takes {t}k+1 frames" if t else "whole frames"
+        params["frames_from_seconds"] = {"seconds": seconds, "fps": fps, "frames": raw, "num_frames": n,
+                                         "note": f"{seconds:g} s x {fps} fps = {raw:g} frames, rounded to {n} ({rule})"}
+        return n
+    if n is not None and t and (n - 1) % t:
+        raise RequestError("num_frames", f"num_frames {n}: {folder.class_name}'s VAE needs num_frames - 1 to be a "
+                           f"multiple of {t} (e.g. {(n - 1) // t * t + 1} or {((n - 1) // t + 1) * t + 1})")
+    return n
+
+
+def _reference(value: Any) -> bytes:
+    """``input_reference`` in a JSON body: base64 text, a data: URL, or OpenAI's object
+    ``{"image_url": "data:..."}`` (this server fetches no URLs)."""
+    if isinstance(value, dict):
+        value = value.get("image_url")
+    if not isinstance(value, str) or not value:
+        raise RequestError("input_reference", "input_reference in a JSON body must be base64 image bytes, a data: URL "
+                           "or {\"image_url\": \"data:...\"}; or send it as a multipart file")
+    if value.startswith(("http://", "https://")):
+        raise RequestError("input_reference", "input_reference URLs are not fetched by this server: send the image "
+                           "as a multipart file or a data: URL")
+    if value.startswith("data:"):
+        value = value.partition(",")[2]
+    try:
+        return base64.b64decode(value, validate=True)
+    except (ValueError, TypeError):
+        raise RequestError("input_reference", "input_reference is not valid base64") from None
+
+
 def video_params(fields: Mapping[str, Any], image: bytes | None, folder: PipelineFolder,
-                 cfg_parallel: bool = False, caches: tuple[str, ...] = ()) -> dict[str, Any]:
-    """A ``POST /v1/videos`` form (its text fields, and the ``input_reference`` file's bytes)."""
+                 cfg_parallel: bool = False, caches: tuple[str, ...] = (), limits: Limits | None = None,
+                 options: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A ``POST /v1/videos`` body (a form's text fields and the ``input_reference`` file's
+    bytes, or a JSON object). ``options``: which of ``flow_shift``/``boundary_ratio`` this
+    pipeline can change per job (:func:`folder_options`)."""
     if folder.output != "video":
         raise RequestError(None, f"{folder.class_name} makes images, not videos: use POST /v1/images/generations", 404)
     params: dict[str, Any] = {"kind": "video", "prompt": _text(fields, "prompt", True)}
     params["negative_prompt"] = _text(fields, "negative_prompt", False)
     params["width"], params["height"] = _size(fields, folder)
-    params["num_frames"] = _int(fields, "num_frames", 1, LIMITS["num_frames"])
-    t = folder.temporal_factor
-    if params["num_frames"] is not None and t and (params["num_frames"] - 1) % t:
-        n = params["num_frames"]
-        raise RequestError("num_frames", f"num_frames {n}: {folder.class_name}'s VAE needs num_frames - 1 to be a "
-                           f"multiple of {t} (e.g. {(n - 1) // t * t + 1} or {((n - 1) // t + 1) * t + 1})")
     params["fps"] = _int(fields, "fps", 1, LIMITS["fps"]) or DEFAULT_FPS
+    params["num_frames"] = _frames(fields, params["fps"], folder, params)
     params["num_inference_steps"] = _int(fields, "num_inference_steps", 1, LIMITS["num_inference_steps"])
     params["guidance_scale"] = _float(fields, "guidance_scale")
     if cfg_parallel and params["guidance_scale"] is not None and params["guidance_scale"] <= 1.0:
         raise RequestError("guidance_scale", _CFG_OFF + f"guidance_scale {params['guidance_scale']:g} turns it off; "
                            "use a scale above 1")
+    params["guidance_scale_2"] = _float(fields, "guidance_scale_2")
+    params["boundary_ratio"] = _float(fields, "boundary_ratio", 0.0, 1.0)
+    params["flow_shift"] = _float(fields, "flow_shift")
+    for name in ("boundary_ratio", "flow_shift", "guidance_scale_2"):
+        if params[name] is not None and name not in options:
+            raise RequestError(name, f"{name} does not apply to {folder.class_name} (it applies to "
+                               f"{'two-expert Wan2.2 folders' if name != 'flow_shift' else 'schedulers with a flow_shift'})")
     params["seed"] = _seed(fields)
+    if image is None and fields.get("input_reference") not in (None, ""):
+        image = _reference(fields["input_reference"])
     if image is not None and not folder.takes_image:
         raise RequestError("input_reference", f"input_reference is for image-to-video models; {folder.class_name} "
                            "is text-to-video")
@@ -192,11 +280,82 @@ def video_params(fields: Mapping[str, Any], image: bytes | None, folder: Pipelin
         _check_image(image)
         params["image_b64"] = base64.b64encode(image).decode("ascii")
     params["cache"] = _extra(fields, caches)
+    (limits or Limits()).check(params)
     return params
 
 
+def folder_options(folder: PipelineFolder) -> tuple[str, ...]:
+    """The per-job options this folder's pipeline has: ``boundary_ratio`` and
+    ``guidance_scale_2`` (Wan2.2's two experts: model_index.json lists transformer_2),
+    ``flow_shift`` (its scheduler's config has one)."""
+    import json
+
+    out: list[str] = []
+    try:
+        index = json.loads((folder.path / "model_index.json").read_text())
+        if isinstance(index.get("transformer_2"), list) and index["transformer_2"][0] is not None:
+            out += ["boundary_ratio", "guidance_scale_2"]
+        sched = json.loads((folder.path / "scheduler" / "scheduler_config.json").read_text())
+        if "flow_shift" in sched:
+            out.append("flow_shift")
+    except (OSError, ValueError, AttributeError):
+        pass
+    return tuple(out)
+
+
+def _cap_size(width: int, height: int, max_pixels: int, m: int) -> tuple[int, int]:
+    """(width, height) scaled down, aspect kept, to at most ``max_pixels``, multiples of ``m``."""
+    scale = math.sqrt(max_pixels / (width * height))
+    w, h = max(m, int(width * scale) // m * m), max(m, int(height * scale) // m * m)
+    while w * h > max_pixels and (w > m or h > m):
+        if w >= h:
+            w -= m
+        else:
+            h -= m
+    return w, h
+
+
+def fill_defaults(params: dict[str, Any], defaults: Mapping[str, Any], limits: Limits,
+                  folder: PipelineFolder) -> dict[str, Any]:
+    """The job's parameters with every size it left out set to the pipeline's default
+    (``defaults``: its call's, from :func:`hsdp.serve.worker.pipeline_defaults`) capped by the
+    limits, so the job shows what it ran with; ``params["defaulted"]`` says which were filled
+    and how they were capped."""
+    out = dict(params)
+    notes: dict[str, str] = {}
+    m, t = folder.spatial_multiple, folder.temporal_factor
+    if out.get("width") is None or out.get("height") is None:
+        w = out.get("width") or defaults.get("width")
+        h = out.get("height") or defaults.get("height")
+        if w and h:
+            w, h = int(w) // m * m or m, int(h) // m * m or m
+            note = "the model's default"
+            if limits.max_pixels is not None and w * h > limits.max_pixels:
+                w0, h0 = w, h
+                w, h = _cap_size(w, h, limits.max_pixels, m)
+                note = f"the model's default {w0}x{h0} capped by --max-pixels {limits.max_pixels}"
+            out["width"], out["height"] = w, h
+            notes["size"] = note
+    if out["kind"] == "video" and out.get("num_frames") is None and defaults.get("num_frames"):
+        n, note = int(defaults["num_frames"]), "the model's default"
+        if limits.max_frames is not None and n > limits.max_frames:
+            n = (limits.max_frames - 1) // t * t + 1 if t else limits.max_frames
+            note = f"the model's default {defaults['num_frames']} capped by --max-frames {limits.max_frames}"
+        out["num_frames"] = n
+        notes["num_frames"] = note
+    if out.get("num_inference_steps") is None and defaults.get("num_inference_steps"):
+        n, note = int(defaults["num_inference_steps"]), "the model's default"
+        if limits.max_steps is not None and n > limits.max_steps:
+            n, note = limits.max_steps, f"the model's default {n} capped by --max-steps {limits.max_steps}"
+        out["num_inference_steps"] = n
+        notes["num_inference_steps"] = note
+    if notes:
+        out["defaulted"] = notes
+    return out
+
+
 def image_params(body: Any, folder: PipelineFolder, cfg_parallel: bool = False,
-                 caches: tuple[str, ...] = ()) -> dict[str, Any]:
+                 caches: tuple[str, ...] = (), limits: Limits | None = None) -> dict[str, Any]:
     """A ``POST /v1/images/generations`` JSON body. Flux guides through ``guidance_scale`` (the
     distilled embedding); ``true_cfg_scale`` above 1 with a ``negative_prompt`` turns on
     classifier-free guidance."""
@@ -220,4 +379,5 @@ def image_params(body: Any, folder: PipelineFolder, cfg_parallel: bool = False,
         raise RequestError("response_format", f"response_format must be 'b64_json' (this server keeps no image "
                            f"URLs), got {fmt!r}")
     params["cache"] = _extra(body, caches)
+    (limits or Limits()).check(params)
     return params

@@ -1,38 +1,70 @@
 """The pipeline call every rank makes for each job, and the two loops around it: rank 0's
 (take the next job, broadcast it, run it, record the outcome) and every other rank's (wait for
-rank 0's next message, run the job it names, or stop).
+rank 0's next message, run the job it names, or stop). This is the engine: it knows the job
+store, never HTTP (:mod:`.app` is one front end over it).
 
-A job that fails inside the model fails on every rank alike (the same inputs reach the same
-check), each rank catches it, the ranks agree on the outcome (:func:`protocol.agree_outcome`),
-and all move on to the next job. A rank that dies or stalls ends the whole job through the
-launcher and ``HSDP_TIMEOUT``: the server goes down with that message instead of hanging.
+> **[Note: the step agreement]** At the end of every denoising step, the ranks running a job
+> (the world; with data-parallel lanes, the job's lane) all-gather one small vote each: 0 go
+> on, 1 stop (rank 0 was asked to cancel the job, or a rank of another lane heard so over
+> :class:`LaneChannel`), 2 this rank failed (its step raised). Any vote above 0 stops the job
+> on every one of its ranks at that same step boundary, so no rank is left waiting in a
+> gather that its peers never enter: a cancel takes effect within one step, and a failure on
+> one rank alone (``HSDP_SERVE_FAULT_PROMPT="PROMPT@1"``) fails the job everywhere, naming that rank
+> (:func:`protocol.agree_outcome`: the failing rank's own error), and the ranks move on to
+> the next job together. A failure inside a forward (between two gathers) is not covered:
+> the peers then wait in the gather until ``HSDP_TIMEOUT`` ends the server, as before.
 """
 
 from __future__ import annotations
 
 import base64
+import inspect
 import io
 import logging
 import os
+import socket
+import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from .jobs import Job, JobStore
+from .params import Limits, fill_defaults
 from .protocol import agree_outcome, recv_message, send_message
 
-__all__ = ["FAULT_ENV", "execute", "follower_loop", "heartbeat_seconds", "leader_loop"]
+__all__ = ["FAULT_ENV", "LeaderSettings", "execute", "follower_loop", "heartbeat_seconds",
+           "leader_loop", "pipeline_defaults"]
 
 log = logging.getLogger("hsdp.serve")
 
-# Fault injection for tests and drills: a job whose prompt equals this variable's value raises
-# inside the pipeline call, at the end of its first step, on every rank.
+# Fault injection for tests and drills: entries separated by "|", each PROMPT (a job with that
+# prompt raises at the end of its first step on every rank) or PROMPT@RANK (on that rank alone).
 FAULT_ENV = "HSDP_SERVE_FAULT_PROMPT"
+
+
+def _faulty(prompt: str, rank: int) -> bool:
+    for entry in filter(None, os.environ.get(FAULT_ENV, "").split("|")):
+        text, _, where = entry.rpartition("@") if entry.rpartition("@")[2].isdigit() else (entry, "", "")
+        if prompt == text and (not where or int(where) == rank):
+            return True
+    return False
 
 
 class InjectedFault(RuntimeError):
     pass
+
+
+class JobCancelled(RuntimeError):
+    """The job's ranks agreed to stop it at this step boundary (a cancel)."""
+
+
+class PeerFailed(RuntimeError):
+    """Another rank of the job failed at this step: this rank stops with it (its error is that
+    rank's, reported by the agreement on the outcome)."""
 
 
 def heartbeat_seconds() -> float:
@@ -44,8 +76,67 @@ def heartbeat_seconds() -> float:
     return 5.0 if timeout <= 0 else max(0.05, min(5.0, timeout / 4))
 
 
-def job_call(params: dict[str, Any], on_step: Callable[[int, int], None] | None = None) -> dict[str, Any]:
-    """The stock pipeline call of one job (with the fault injection and the progress callback)."""
+# ----------------------------------------------------------------------------- one job on one rank
+
+
+@dataclass
+class JobRun:
+    """One job on this rank: how its steps agree (``group``: its ranks; None: this rank alone),
+    whether it was asked to stop, and when its stages began (rank 0 reports them)."""
+
+    job_id: str
+    group: Any = None
+    cancelled: Callable[[], bool] = lambda: False
+    on_step: Callable[[int, int, float], None] | None = None  # (step, total, seconds of that step)
+    started: float = field(default_factory=time.perf_counter)
+    first_forward: float | None = None
+    last_step: float | None = None
+    steps: int = 0
+
+    def agree(self, step: int, failure: BaseException | None) -> None:
+        """The step agreement (see the note above)."""
+        vote = 2 if failure is not None else 1 if self.cancelled() else 0
+        if self.group is None or self.group.size == 1:
+            votes = [vote]
+        else:
+            out = np.empty(self.group.size, dtype=np.int64)
+            self.group.all_gather(np.array([vote], dtype=np.int64), out)
+            votes = [int(v) for v in out]
+        if failure is not None:
+            raise failure
+        failed = [r for r, v in enumerate(votes) if v == 2]
+        if failed:
+            raise PeerFailed(f"rank {failed[0]} of this job's ranks failed at the end of step {step}")
+        if any(v == 1 for v in votes):
+            raise JobCancelled(f"at the end of step {step}")
+
+    def stages(self, finished: float, written: float) -> dict[str, float]:
+        first = self.first_forward if self.first_forward is not None else finished
+        last = self.last_step if self.last_step is not None else first
+        return {"encode": round(first - self.started, 4), "denoise": round(last - first, 4),
+                "decode": round(finished - last, 4), "write": round(written - finished, 4)}
+
+
+_current: dict[str, JobRun | None] = {"run": None}  # the job this rank's first transformer forward times
+
+
+def _time_first_forward(pipe: Any) -> None:
+    """A forward pre-hook on each transformer: the first forward of a job marks the end of its
+    encode stage (prompt encoding, latents) and the start of its denoising."""
+    def hook(_module: Any, _args: Any) -> None:
+        run = _current["run"]
+        if run is not None and run.first_forward is None:
+            run.first_forward = time.perf_counter()
+
+    for name in ("transformer", "transformer_2"):
+        model = getattr(pipe, name, None)
+        if model is not None and hasattr(model, "register_forward_pre_hook"):
+            model.register_forward_pre_hook(hook)
+
+
+def job_call(params: dict[str, Any], run: JobRun | None = None) -> dict[str, Any]:
+    """The stock pipeline call of one job, its step-end callback holding the step agreement,
+    the fault injection and the progress report."""
     import torch
 
     kwargs: dict[str, Any] = {
@@ -54,7 +145,7 @@ def job_call(params: dict[str, Any], on_step: Callable[[int, int], None] | None 
         "generator": torch.Generator("cpu").manual_seed(int(params["seed"])),
     }
     for name in ("negative_prompt", "width", "height", "num_frames", "num_inference_steps", "guidance_scale",
-                 "true_cfg_scale"):
+                 "guidance_scale_2", "true_cfg_scale"):
         if params.get(name) is not None:
             kwargs[name] = params[name]
     if params["kind"] == "image" and params.get("n", 1) > 1:
@@ -63,13 +154,25 @@ def job_call(params: dict[str, Any], on_step: Callable[[int, int], None] | None 
         from PIL import Image
 
         kwargs["image"] = Image.open(io.BytesIO(base64.b64decode(params["image_b64"]))).convert("RGB")
-    fault = os.environ.get(FAULT_ENV)
+    from hsdp.world import distributed
+
+    faulty = _faulty(params["prompt"], distributed.get_rank() if distributed.is_initialized() else 0)
+    run = run or JobRun("")
 
     def step_end(p: Any, step: int, timestep: Any, callback_kwargs: dict[str, Any]) -> dict[str, Any]:
-        if fault is not None and params["prompt"] == fault:
-            raise InjectedFault(f"injected fault ({FAULT_ENV}) at the end of step {step}")
-        if on_step is not None:
-            on_step(step + 1, int(getattr(p, "_num_timesteps", 0) or params.get("num_inference_steps") or 0))
+        now = time.perf_counter()
+        took = now - (run.last_step or run.first_forward or run.started)
+        run.last_step, run.steps = now, step + 1
+        failure: BaseException | None = None
+        try:
+            if faulty:
+                raise InjectedFault(f"injected fault ({FAULT_ENV}) at the end of step {step}")
+            if run.on_step is not None:
+                run.on_step(step + 1, int(getattr(p, "_num_timesteps", 0) or params.get("num_inference_steps") or 0),
+                            took)
+        except Exception as exc:  # noqa: BLE001 - voted on below, then raised
+            failure = exc
+        run.agree(step, failure)
         return callback_kwargs
 
     kwargs["callback_on_step_end"] = step_end
@@ -109,35 +212,123 @@ def cache_counts(pipe: Any) -> dict[str, dict[str, int]] | None:
     return cache_report(pipe) if getattr(pipe, "_hsdp_serve_cache", (None, None))[0] is not None else None
 
 
-def execute(pipe: Any, params: dict[str, Any], on_step: Callable[[int, int], None] | None = None) -> Any:
+class _JobOptions:
+    """The per-job settings that are not call arguments: ``flow_shift`` (the scheduler's
+    config: a scheduler made for the job) and ``boundary_ratio`` (Wan2.2's pipeline config),
+    put back after the job."""
+
+    def __init__(self, pipe: Any, params: dict[str, Any]) -> None:
+        self.pipe, self.params = pipe, params
+        self.scheduler: Any = None
+        self.boundary: Any = None
+
+    def __enter__(self) -> None:
+        pipe, params = self.pipe, self.params
+        if params.get("flow_shift") is not None:
+            self.scheduler = pipe.scheduler
+            pipe.scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config, flow_shift=params["flow_shift"])
+        if params.get("boundary_ratio") is not None:
+            self.boundary = ("set", pipe.config.boundary_ratio)
+            pipe.register_to_config(boundary_ratio=params["boundary_ratio"])
+
+    def __exit__(self, *exc: object) -> None:
+        if self.scheduler is not None:
+            self.pipe.scheduler = self.scheduler
+        if self.boundary is not None:
+            self.pipe.register_to_config(boundary_ratio=self.boundary[1])
+
+
+def execute(pipe: Any, params: dict[str, Any], run: JobRun | None = None) -> Any:
     """Run one job's pipeline call on this rank (every rank calls it with the same ``params``);
     rank 0's output, None elsewhere."""
     from hsdp.pipelines import generate
 
     use_cache(pipe, params)
-    return generate(pipe, **job_call(params, on_step))
+    _current["run"] = run
+    try:
+        with _JobOptions(pipe, params):
+            return generate(pipe, **job_call(params, run))
+    finally:
+        _current["run"] = None
 
 
-def run_round(world: Any, pipe: Any, jobs: list[dict[str, Any]],
-              on_step: Callable[[int, int], None] | None = None) -> tuple[list[Any], list[str | None]]:
+def run_round(world: Any, pipe: Any, jobs: list[dict[str, Any]], runs: list[JobRun]) -> tuple[list[Any], list[str | None]]:
     """Data parallel: job i of the round runs on lane i, every lane at once, the lanes gathering
-    in lockstep (hsdp.pipelines.lanes.run_lanes); a job that fails (between two forwards: the
-    fault injection, a bad input) fails alone. Every rank calls it with the same jobs; returns
-    each job's result (on rank 0) and error (on every rank)."""
+    in lockstep (hsdp.pipelines.lanes.run_lanes); a job that fails or is cancelled (at a step
+    boundary: the step agreement within its lane) ends alone. Every rank calls it with the
+    same jobs; returns each job's result (on rank 0) and error (on every rank)."""
     from hsdp.pipelines.lanes import lane_groups, run_lanes
 
-    calls = [job_call(params, on_step if i == 0 else None) for i, params in enumerate(jobs)]
-    return run_lanes(pipe, calls, world, lane_groups(pipe), before=lambda i: use_cache(pipe, jobs[i]))
+    calls = [job_call(params, runs[i]) for i, params in enumerate(jobs)]
+    options: list[_JobOptions] = []
+
+    def before(i: int) -> None:
+        use_cache(pipe, jobs[i])
+        _current["run"] = runs[i]
+        opts = _JobOptions(pipe, jobs[i])
+        opts.__enter__()
+        options.append(opts)
+
+    try:
+        return run_lanes(pipe, calls, world, lane_groups(pipe), before=before)
+    finally:
+        _current["run"] = None
+        for opts in reversed(options):
+            opts.__exit__()
 
 
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def peak_memory_mb(reset: bool = False) -> float:
+    """This rank's peak memory: the CUDA allocator's peak since the last reset on a GPU; on a
+    CPU the process's peak resident set (a high-water mark since it started: it never falls)."""
+    try:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            value = torch.cuda.max_memory_allocated() / 2**20
+            if reset:
+                torch.cuda.reset_peak_memory_stats()
+            return round(value, 1)
+    except ImportError:
+        pass
+    import resource
+
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)  # KiB on Linux
+
+
+def _gather_peaks(world: Any) -> dict[int, float]:
+    """Every rank's peak memory for the job that just ran (a collective over the world)."""
+    out = np.empty(world.size, dtype=np.float64)
+    world.all_gather(np.array([peak_memory_mb()], dtype=np.float64), out)
+    peak_memory_mb(reset=True)
+    return {r: float(v) for r, v in enumerate(out)}
+
+
+def pipeline_defaults(pipe: Any) -> dict[str, Any]:
+    """The sizes and step count the pipeline's call takes when a request leaves them out: its
+    ``__call__``'s defaults (Wan: 832 x 480, 81 frames, 50 steps); a None size from the
+    pipeline's default sample size (Flux: ``default_sample_size x vae_scale_factor``)."""
+    out: dict[str, Any] = {}
+    try:
+        signature = inspect.signature(type(pipe).__call__)
+    except (TypeError, ValueError):
+        return out
+    for name in ("width", "height", "num_frames", "num_inference_steps"):
+        param = signature.parameters.get(name)
+        if param is not None and isinstance(param.default, int) and not isinstance(param.default, bool):
+            out[name] = param.default
+    sample, factor = getattr(pipe, "default_sample_size", None), getattr(pipe, "vae_scale_factor", None)
+    if isinstance(sample, int) and isinstance(factor, int):
+        out.setdefault("width", sample * factor)
+        out.setdefault("height", sample * factor)
+    return out
+
+
 def _save(job: Job, result: Any, output_dir: Path) -> None:
     """Rank 0: the job's video file, or its images as base64 PNGs."""
-    import numpy as np
-
     from hsdp.cli.media import write_output
 
     params = job.params
@@ -157,41 +348,180 @@ def _save(job: Job, result: Any, output_dir: Path) -> None:
     job.images = images
 
 
-def leader_loop(world: Any, pipe: Any, store: JobStore, output_dir: Path) -> int:
-    """Rank 0: runs jobs until the store stops accepting, then fails what is still queued and
-    tells the other ranks to stop. Returns the number of jobs run."""
+# ----------------------------------------------------------------------------- lanes: the cancel channel
+
+
+class LaneChannel:
+    """With data-parallel lanes, a cancel must reach ranks that share no group with rank 0 but
+    the world, which is busy in the lanes' lockstep gathers. Rank 0 keeps a TCP listener; every
+    other rank connects once at start, and rank 0 writes each cancelled job's id to every
+    connection. A thread on each rank keeps the ids it has read; the step agreement of the
+    job's lane then stops the job at the next step (any one of the lane's ranks that has read
+    the id is enough)."""
+
+    def __init__(self) -> None:
+        self.ids: set[str] = set()
+        self._lock = threading.Lock()
+        self._conns: list[socket.socket] = []
+        self._server: socket.socket | None = None
+
+    # rank 0
+    def listen(self, world: Any) -> None:
+        self._server = socket.create_server(("", 0))
+        host = socket.gethostname()
+        send_message(world, {"op": "channel", "host": host, "port": self._server.getsockname()[1]})
+        for _ in range(world.size - 1):  # every other rank connects before its first job
+            conn, _ = self._server.accept()
+            self._conns.append(conn)
+
+    def cancel(self, job_id: str) -> None:
+        data = (job_id + "\n").encode()
+        with self._lock:
+            for conn in self._conns:
+                try:
+                    conn.sendall(data)
+                except OSError:  # a rank gone: the launcher ends the job
+                    pass
+
+    # the other ranks
+    def connect(self, message: dict[str, Any]) -> None:
+        host = "127.0.0.1" if message["host"] == socket.gethostname() else message["host"]
+        conn = socket.create_connection((host, int(message["port"])), timeout=60)
+        conn.settimeout(None)
+        threading.Thread(target=self._read, args=(conn,), name="hsdp-serve-cancels", daemon=True).start()
+        self._conns.append(conn)
+
+    def _read(self, conn: socket.socket) -> None:
+        with conn.makefile("r", encoding="utf-8") as lines:
+            for line in lines:
+                with self._lock:
+                    self.ids.add(line.strip())
+
+    def heard(self, job_id: str) -> bool:
+        with self._lock:
+            return job_id in self.ids
+
+    def close(self) -> None:
+        for conn in self._conns:
+            conn.close()
+        if self._server is not None:
+            self._server.close()
+
+
+def _lane_group(world: Any, pipe: Any) -> Any:
+    """The ranks of this rank's lane, as a group (None: lanes of one rank). A collective over
+    the world: every rank calls it at the same point."""
+    from hsdp.pipelines.lanes import lane_groups
+
+    groups = lane_groups(pipe)
+    if groups is None or world.size // groups.dp_degree == 1:
+        return None
+    return world.split(color=groups.dp_rank, key=groups.lane_rank)
+
+
+# ----------------------------------------------------------------------------- the loops
+
+
+@dataclass
+class LeaderSettings:
+    """What rank 0's loop needs besides the ranks and the pipeline: where videos go, the
+    request limits and the folder (to fill a request's missing sizes)."""
+
+    output_dir: Path
+    limits: Limits = field(default_factory=Limits)
+    folder: Any = None  # a PipelineFolder; None: sizes are left to the pipeline
+
+
+def _start(store: JobStore, job: Job, settings: LeaderSettings, defaults: dict[str, Any]) -> None:
+    if settings.folder is not None:
+        store.update(job, fill_defaults(job.params, defaults, settings.limits, settings.folder))
+
+
+def _leader_run(job: Job, store: JobStore, group: Any) -> JobRun:
+    def on_step(step: int, total: int, took: float) -> None:
+        store.set_progress(job, step, total)
+        for callback in store.on_step:
+            callback(job, took)
+
+    return JobRun(job.id, group, job.cancel.is_set, on_step)
+
+
+def _finish(store: JobStore, job: Job, error: str | None, note: str = "") -> None:
+    # a lane's own error comes prefixed with its leader's rank ("rank 1: JobCancelled: ...")
+    core = error.split(": ", 1)[1] if error is not None and error.startswith("rank ") else error
+    cancelled = core is not None and core.startswith(JobCancelled.__name__)
+    if cancelled:
+        error = f"{job.cancel_reason or 'cancelled'}, {core.partition(': ')[2]}"
+    store.finish(job, error, cancelled)
+    if error is None:
+        log.info("hsdp serve: %s completed in %.2f s%s", job.id, job.inference_time_s or 0.0, note)
+    else:
+        log.warning("hsdp serve: %s %s: %s", job.id, "cancelled" if cancelled else "failed", error)
+
+
+def leader_loop(world: Any, pipe: Any, store: JobStore, settings: LeaderSettings | Path) -> int:
+    """Rank 0: runs jobs until the store stops accepting, then fails what is still queued (or
+    leaves it queued in a state folder) and tells the other ranks to stop. Returns the number
+    of jobs run."""
+    if isinstance(settings, Path):
+        settings = LeaderSettings(settings)
     beat = heartbeat_seconds()
     ran = 0
     from hsdp.pipelines.lanes import lane_groups
 
     groups = lane_groups(pipe)
-    while True:
-        job = store.next(beat)
-        if job is None:
-            if not store.accepting:
-                break
-            send_message(world, {"op": "idle"})  # keeps the waiting ranks inside HSDP_TIMEOUT
-            continue
-        if groups is not None:  # data parallel: up to one job per lane, all at once
-            ran += _leader_round(world, pipe, store, output_dir, _fill_lanes(store, job, groups.dp_degree))
-            continue
-        send_message(world, {"op": "job", "id": job.id, "params": job.params})
-        started = time.perf_counter()
-        error: str | None = None
-        try:
-            result = execute(pipe, job.params, lambda step, total: store.set_progress(
-                job, int(100 * step / total) if total else 0))
-            _save(job, result, output_dir)
-            job.cache_counts = cache_counts(pipe)
-        except Exception as exc:  # noqa: BLE001 - a job's failure is its outcome, not the server's
-            error = _describe(exc)
-        error = agree_outcome(world, error)
-        store.finish(job, error)
-        ran += 1
-        if error is None:
-            log.info("hsdp serve: %s completed in %.2f s", job.id, time.perf_counter() - started)
-        else:
-            log.warning("hsdp serve: %s failed: %s", job.id, error)
+    defaults = pipeline_defaults(pipe)
+    _time_first_forward(pipe)
+    channel = None
+    if groups is not None:
+        channel = LaneChannel()
+        channel.listen(world)
+        store.on_cancel.append(lambda job: channel.cancel(job.id))
+    lane = _lane_group(world, pipe)
+    try:
+        while True:
+            job = store.next(beat)
+            if job is None:
+                if not store.accepting:
+                    break
+                send_message(world, {"op": "idle"})  # keeps the waiting ranks inside HSDP_TIMEOUT
+                continue
+            if groups is not None:  # data parallel: up to one job per lane, all at once
+                jobs = _fill_lanes(store, job, groups.dp_degree)
+                for j in jobs:
+                    _start(store, j, settings, defaults)
+                ran += _leader_round(world, pipe, store, settings.output_dir, jobs, lane)
+                continue
+            _start(store, job, settings, defaults)
+            send_message(world, {"op": "job", "id": job.id, "params": job.params})
+            run = _leader_run(job, store, world)
+            error: str | None = None
+            result = None
+            try:
+                result = execute(pipe, job.params, run)
+            except PeerFailed:
+                pass  # the failing rank's own error comes with the agreement below
+            except Exception as exc:  # noqa: BLE001 - a job's failure is its outcome, not the server's
+                error = _describe(exc)
+            finished = time.perf_counter()
+            if error is None and result is not None:
+                try:
+                    _save(job, result, settings.output_dir)
+                    job.cache_counts = cache_counts(pipe)
+                except Exception as exc:  # noqa: BLE001 - its outcome
+                    error = _describe(exc)
+            written = time.perf_counter()
+            error = agree_outcome(world, error)
+            if error is None and result is None:
+                error = "the job ended without an output on rank 0"
+            job.peak_memory_mb = _gather_peaks(world)
+            job.inference_time_s = round(written - run.started, 4)
+            job.stage_durations = run.stages(finished, written)
+            _finish(store, job, error)
+            ran += 1
+    finally:
+        if channel is not None:
+            channel.close()
     dropped = store.fail_queued("the server stopped before this job ran")
     if dropped:
         log.warning("hsdp serve: %d queued job(s) failed: the server stopped", dropped)
@@ -217,49 +547,76 @@ def _fill_lanes(store: JobStore, first: Job, lanes: int) -> list[Job]:
     return jobs
 
 
-def _leader_round(world: Any, pipe: Any, store: JobStore, output_dir: Path, jobs: list[Job]) -> int:
+def _leader_round(world: Any, pipe: Any, store: JobStore, output_dir: Path, jobs: list[Job], lane: Any) -> int:
     """Rank 0: one round of data-parallel jobs (job i on lane i); each saved or failed alone."""
     send_message(world, {"op": "round", "jobs": [{"id": j.id, "params": j.params} for j in jobs]})
-    started = time.perf_counter()
-    first = jobs[0]
-    results, errors = run_round(world, pipe, [j.params for j in jobs], lambda step, total: store.set_progress(
-        first, int(100 * step / total) if total else 0))
-    first.cache_counts = cache_counts(pipe)  # rank 0 ran the first job (lane 0): its counts are that job's
-    for job, result, error in zip(jobs, results, errors, strict=True):
+    # rank 0 hears its own lane's cancels from the job; the others' lanes, through the channel
+    runs = [_leader_run(jobs[0], store, lane)] + [JobRun(j.id, lane, j.cancel.is_set) for j in jobs[1:]]
+    results, errors = run_round(world, pipe, [j.params for j in jobs], runs)
+    finished = time.perf_counter()
+    jobs[0].cache_counts = cache_counts(pipe)  # rank 0 ran the first job (lane 0): its counts are that job's
+    peaks = _gather_peaks(world)
+    for i, (job, result, error) in enumerate(zip(jobs, results, errors, strict=True)):
+        if error is not None and error.startswith(PeerFailed.__name__):
+            error = f"a rank of its lane failed: {error}"
         if error is None:
             try:
                 _save(job, result, output_dir)
             except Exception as exc:  # noqa: BLE001 - a job's failure is its outcome
                 error = _describe(exc)
-        store.finish(job, error)
-        if error is None:
-            log.info("hsdp serve: %s completed in %.2f s (a round of %d)", job.id, time.perf_counter() - started,
-                     len(jobs))
-        else:
-            log.warning("hsdp serve: %s failed: %s", job.id, error)
+        written = time.perf_counter()
+        job.peak_memory_mb = peaks
+        job.inference_time_s = round(written - runs[0].started, 4)
+        if i == 0:
+            job.stage_durations = runs[0].stages(finished, written)
+        _finish(store, job, error, f" (a round of {len(jobs)})")
     return len(jobs)
 
 
 def follower_loop(world: Any, pipe: Any) -> int:
     """Ranks other than 0: run each job rank 0 sends until it sends stop; jobs run."""
     ran = 0
-    while True:
+    from hsdp.pipelines.lanes import lane_groups
+
+    channel = None
+    if lane_groups(pipe) is not None:
+        channel = LaneChannel()
         message = recv_message(world)
-        op = message["op"]
-        if op == "idle":
-            continue
-        if op == "stop":
-            return ran
-        if op == "round":
-            run_round(world, pipe, [j["params"] for j in message["jobs"]])
-            ran += len(message["jobs"])
-            continue
-        if op != "job":
-            raise RuntimeError(f"hsdp serve: unknown message {op!r} from rank 0")
-        error: str | None = None
-        try:
-            execute(pipe, message["params"])
-        except Exception as exc:  # noqa: BLE001 - the same failure rank 0 sees; agreed below
-            error = _describe(exc)
-        agree_outcome(world, error)
-        ran += 1
+        if message["op"] != "channel":
+            raise RuntimeError(f"hsdp serve: rank 0 sent {message['op']!r} first, not the cancel channel")
+        channel.connect(message)
+    lane = _lane_group(world, pipe)
+    _time_first_forward(pipe)
+
+    def heard(job_id: str) -> Callable[[], bool]:
+        return (lambda: channel.heard(job_id)) if channel is not None else (lambda: False)
+
+    try:
+        while True:
+            message = recv_message(world)
+            op = message["op"]
+            if op == "idle":
+                continue
+            if op == "stop":
+                return ran
+            if op == "round":
+                runs = [JobRun(j["id"], lane, heard(j["id"])) for j in message["jobs"]]
+                run_round(world, pipe, [j["params"] for j in message["jobs"]], runs)
+                _gather_peaks(world)
+                ran += len(message["jobs"])
+                continue
+            if op != "job":
+                raise RuntimeError(f"hsdp serve: unknown message {op!r} from rank 0")
+            error: str | None = None
+            try:
+                execute(pipe, message["params"], JobRun(message["id"], world))
+            except PeerFailed:
+                pass
+            except Exception as exc:  # noqa: BLE001 - the same failure rank 0 sees; agreed below
+                error = _describe(exc)
+            agree_outcome(world, error)
+            _gather_peaks(world)
+            ran += 1
+    finally:
+        if channel is not None:
+            channel.close()
