@@ -666,10 +666,16 @@ def test_images_generations_then_a_killed_rank_ends_the_server(image):
         r = c.post("/v1/images/generations", content=b"{not json", headers={"Content-Type": "application/json"})
         assert r.status_code == 400, r.text
         assert c.post("/v1/videos", data=_form(prompt="a cat")).status_code == 404
-    # A rank that dies takes the server down with a message, never a hang.
+    sdk = _openai(image.url)
+    result = sdk.images.generate(model="flux", prompt="a red car", size="32x32", response_format="b64_json",
+                                 extra_body={"seed": 7, "num_inference_steps": 2, "n": 2})
+    assert [base64.b64decode(d.b64_json) for d in result.data] == pngs  # the same call as above
+    # A rank that dies takes the server down with a message, never a hang; the command then
+    # removes the temporary output folder the rank could not.
     (rank1,) = image.pids(rank=1)
     os.kill(rank1, signal.SIGKILL)
     assert image.wait(120) != 0
     text = image.log()
     assert "signal 9" in text or "Killed" in text, text
     _until("every process gone", lambda: not image.pids(), limit=30, polls=600)
+    assert image.output_dir is not None and not image.output_dir.exists(), image.output_dir
