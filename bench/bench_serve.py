@@ -10,6 +10,8 @@ Starts the server (``python -m hsdp serve --port 0``) on ``--shard-size`` ranks 
   job (HTTP, form checks, queue, hand-over between threads, the file sent back);
 - loaded: ``--jobs`` requests from ``--clients`` concurrent clients: throughput (jobs/min) and
   p50/p99 latency (p99 of a few dozen samples is close to their maximum);
+- cancel: ``--cancels`` long jobs, each cancelled by DELETE once it has run 3 steps: seconds from
+  the DELETE to the job ended ``cancelled`` (the bound is one step plus 1 s), and a step's seconds;
 - ``hsdp generate`` with the same request, ``--generate-runs`` times in a loop (each run starts
   its ranks and loads the pipeline): jobs/min and p50/p99.
 
@@ -94,6 +96,7 @@ def bench_server(args: argparse.Namespace, form: dict[str, str], workdir: Path) 
             with concurrent.futures.ThreadPoolExecutor(args.clients) as pool:
                 loaded = [lat for lat, _ in pool.map(one, range(1000, 1000 + args.jobs))]
             wall = time.perf_counter() - started
+            cancels = [_cancel_latency(client, form) for _ in range(args.cancels)]
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(120)
@@ -101,7 +104,25 @@ def bench_server(args: argparse.Namespace, form: dict[str, str], workdir: Path) 
     return {"alone_latency_p50": _pct(alone, 0.5), "alone_run_p50": _pct(run, 0.5),
             "overhead_p50": _pct(overhead, 0.5), "overhead_max": max(overhead),
             "loaded_jobs_per_min": args.jobs / wall * 60, "loaded_p50": _pct(loaded, 0.5),
-            "loaded_p99": _pct(loaded, 0.99), "loaded_wall": wall}
+            "loaded_p99": _pct(loaded, 0.99), "loaded_wall": wall,
+            "cancel_latency_p50": _pct([c for c, _ in cancels], 0.5), "cancel_latency_max": max(c for c, _ in cancels),
+            "cancel_step_s_p50": _pct([st for _, st in cancels], 0.5)}
+
+
+def _cancel_latency(client: object, form: dict[str, str]) -> tuple[float, float]:
+    """A long job (400 steps), cancelled by DELETE once it has run 3 steps: seconds from the
+    DELETE to the job no longer running, and the job's own seconds per step (the bound is one
+    step plus 1 s)."""
+    job = client.post("/v1/videos", data={**form, "num_inference_steps": "400"}).json()  # type: ignore[attr-defined]
+    while client.get(f"/v1/videos/{job['id']}").json()["steps_done"] < 3:  # type: ignore[attr-defined]
+        time.sleep(0.005)
+    asked = time.perf_counter()
+    client.delete(f"/v1/videos/{job['id']}")  # type: ignore[attr-defined]
+    while (done := client.get(f"/v1/videos/{job['id']}").json())["status"] == "in_progress":  # type: ignore[attr-defined]
+        time.sleep(0.002)
+    took = time.perf_counter() - asked
+    assert done["status"] == "cancelled", done
+    return took, done["stage_durations"]["denoise"] / max(1, done["steps_done"])
 
 
 def bench_lanes(args: argparse.Namespace, form: dict[str, str], workdir: Path) -> dict[str, object]:
@@ -164,6 +185,7 @@ def main() -> int:
     p.add_argument("--clients", type=int, default=4)
     p.add_argument("--jobs", type=int, default=16, help="requests under load")
     p.add_argument("--alone", type=int, default=4, help="requests one at a time")
+    p.add_argument("--cancels", type=int, default=3, help="long jobs cancelled while they run")
     p.add_argument("--generate-runs", type=int, default=2)
     p.add_argument("--size", default="32x32")
     p.add_argument("--num-frames", default="5")
@@ -203,6 +225,9 @@ def main() -> int:
         ("  of which the job on the ranks (p50)", f"{figures['alone_run_p50']:.3f} s"),
         ("  server overhead per job (p50 / max)", f"{figures['overhead_p50'] * 1e3:.1f} / "
                                                   f"{figures['overhead_max'] * 1e3:.1f} ms"),
+        ("cancel of a running job: DELETE to cancelled (p50 / max; bound: a step + 1 s)",
+         f"{figures['cancel_latency_p50'] * 1e3:.0f} / {figures['cancel_latency_max'] * 1e3:.0f} ms "
+         f"(a step: {figures['cancel_step_s_p50'] * 1e3:.0f} ms)"),
         (f"server, {args.clients} concurrent clients, {args.jobs} jobs: throughput",
          f"{figures['loaded_jobs_per_min']:.1f} jobs/min"),
         ("  latency p50 / p99", f"{figures['loaded_p50']:.2f} / {figures['loaded_p99']:.2f} s"),
