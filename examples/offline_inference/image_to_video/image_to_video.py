@@ -6,20 +6,28 @@ What ``hsdp generate --image`` does, written out with the Python API: load the f
 replicated), run diffusers' own pipeline call, the first frame given with ``--image``, on
 every rank with ``hsdp.pipelines.generate`` (rank 0 alone decodes), write the video on rank
 0, and with ``--verify`` run the stock unsharded pipeline on rank 0 and compare the frames.
-The flags are ``hsdp generate``'s.
+The flags are ``hsdp generate``'s, ``--model`` a folder or a hub id;
+run from a plain shell the script starts the ranks its flags need itself, through
+``hsdp.launch`` (``hsdp.cli.ranks.launch_script``); inside a launched job it runs as its rank.
 
     python -m hsdp.testing.tiny_pipeline outputs/tiny-wan22-i2v --kind wan22-i2v
-    python -m hsdp.launch -n 2 -- examples/offline_inference/image_to_video/image_to_video.py \\
+    python examples/offline_inference/image_to_video/image_to_video.py \\
         --model outputs/tiny-wan22-i2v --image first.png --prompt "a cat in the snow" \\
         --height 32 --width 32 --num-frames 5 --use-hsdp --hsdp-shard-size 2 --dtype float32 --verify
+
+Without ``--prompt`` it uses a fixed prompt, and without ``--image`` a fixed first frame (a
+colour gradient), as vllm-omni's example scripts run with no input flags.
 
 Exit status: 0 on success, 1 when --verify finds a difference, 2 for bad input.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -27,20 +35,46 @@ import torch
 from hsdp import distributed
 from hsdp.cli.generate import UsageError, build_parser, call_kwargs, check_args, frames_of
 from hsdp.cli.media import write_output
+from hsdp.cli.ranks import launch_script
 from hsdp.cli.verify import reference_pipeline
 from hsdp.pipelines import generate, load_pipeline, pipeline_state
+
+DEFAULT_PROMPT = "A cat playing piano"
+
+
+def default_first_frame() -> Path:
+    """The first frame of a run without --image: a fixed 64 x 64 colour gradient, the same
+    bytes on every rank (written whole, then renamed into place)."""
+    from PIL import Image
+
+    path = Path(tempfile.gettempdir()) / "hsdp-example-first-frame.png"
+    if not path.is_file():
+        ramp = np.linspace(0, 255, 64).astype(np.uint8)
+        rgb = np.stack([np.broadcast_to(ramp[None, :], (64, 64)), np.broadcast_to(ramp[:, None], (64, 64)),
+                        np.full((64, 64), 128, np.uint8)], axis=-1)
+        tmp = path.with_name(f"{path.stem}.{os.getpid()}.png")
+        Image.fromarray(rgb).save(tmp)
+        os.replace(tmp, path)
+    return path
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     parser.prog = "image_to_video.py"
     args = parser.parse_args(argv)
+    if args.prompt is None and args.prompt_file is None:
+        args.prompt = [DEFAULT_PROMPT]
+    if args.image is None:
+        args.image = default_first_frame()
     try:
         folder, config = check_args(args)  # the folder's JSON and the flags, before any weight is read
         if not folder.takes_image:
             raise UsageError(f"{folder.class_name} is text-to-{folder.output}: use text_to_video.py")
     except UsageError as exc:
         parser.error(str(exc))
+    started = launch_script(config, __file__, argv, args.model)  # from a plain shell: start the ranks
+    if started is not None:
+        return started
     dtype = getattr(torch, args.dtype)
 
     pipe = load_pipeline(args.model, config, torch_dtype=dtype, device=args.device,

@@ -4,10 +4,13 @@ What ``hsdp generate`` does, written out with the Python API: load the folder wi
 ``hsdp.pipelines.load_pipeline`` (transformers and text encoders sharded, the rest
 replicated), run diffusers' own pipeline call on every rank with ``hsdp.pipelines.generate``
 (rank 0 alone decodes), write the video on rank 0, and with ``--verify`` run the stock
-unsharded pipeline on rank 0 and compare the frames. The flags are ``hsdp generate``'s.
+unsharded pipeline on rank 0 and compare the frames. The flags are ``hsdp generate``'s, ``--model``
+a folder or a hub id;
+run from a plain shell the script starts the ranks its flags need itself, through
+``hsdp.launch`` (``hsdp.cli.ranks.launch_script``); inside a launched job it runs as its rank.
 
     python -m hsdp.testing.tiny_pipeline outputs/tiny-wan22 --kind wan22
-    python -m hsdp.launch -n 2 -- examples/offline_inference/text_to_video/text_to_video.py \\
+    python examples/offline_inference/text_to_video/text_to_video.py \\
         --model outputs/tiny-wan22 --prompt "a cat in the snow" --height 32 --width 32 \\
         --num-frames 5 --use-hsdp --hsdp-shard-size 2 --dtype float32 --verify
 
@@ -25,6 +28,7 @@ import torch
 from hsdp import distributed
 from hsdp.cli.generate import UsageError, build_parser, call_kwargs, check_args, frames_of
 from hsdp.cli.media import write_output
+from hsdp.cli.ranks import launch_script
 from hsdp.cli.verify import reference_pipeline
 from hsdp.pipelines import generate, load_pipeline, pipeline_state
 
@@ -39,6 +43,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise UsageError(f"{folder.class_name} is image-to-video: use image_to_video.py")
     except UsageError as exc:
         parser.error(str(exc))
+    started = launch_script(config, __file__, argv, args.model)  # from a plain shell: start the ranks
+    if started is not None:
+        return started
     dtype = getattr(torch, args.dtype)
 
     pipe = load_pipeline(args.model, config, torch_dtype=dtype, device=args.device,

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-__all__ = ["command_main", "inside_launched_job", "launch_self", "usage_error"]
+__all__ = ["command_main", "inside_launched_job", "launch_script", "launch_self", "usage_error"]
 
 # The script each started rank runs (through hsdp._rank, as hsdp.launch runs any script).
 _ENTRY = Path(__file__).with_name("rank_entry.py")
@@ -27,6 +27,28 @@ def launch_self(nproc: int, argv: Sequence[str]) -> int:
     from hsdp.world import launch
 
     return launch.main(["-n", str(nproc), "--", str(_ENTRY), *argv])
+
+
+def launch_script(config: object, script: str, argv: Sequence[str] | None, model: object = None) -> int | None:
+    """What the example scripts call once their flags are checked, so that ``python SCRIPT
+    ...`` from a plain shell starts its ranks as ``hsdp generate`` does: None where the script
+    runs as it is (a world of one, or already a rank of a launched job); otherwise it runs
+    SCRIPT with the same arguments on the config's world size through hsdp.launch (``--model``
+    pinned to ``model``, the snapshot a hub id resolved to here: hsdp.hub) and returns the
+    job's exit status."""
+    size = int(config.world_size)  # type: ignore[attr-defined]
+    if size == 1 or inside_launched_job():
+        return None
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if model is not None:
+        from hsdp.hub import pin_model_argv
+
+        args_list = pin_model_argv(args_list, str(model))
+    sys.stderr.write(f"{Path(script).name}: starting {size} ranks ({config.describe()}) with hsdp.launch\n")  # type: ignore[attr-defined]
+    sys.stderr.flush()
+    from hsdp.world import launch
+
+    return launch.main(["-n", str(size), "--", str(script), *args_list])
 
 
 def usage_error(prog: str, message: str, status: int = 2) -> int:
