@@ -136,6 +136,47 @@ def _refuse_sharded_state_dict(module: Any, prefix: str, keep_vars: bool) -> Non
         )
 
 
+# [Note: compile] torch.compile meets hsdp at its hooks, and they stay out of its graphs.
+# A unit's pre-hook gathers (a C collective on MPI or NCCL, with a prefetch schedule, a
+# residency budget and DLPack leases) and binds each parameter's .data to a view of the
+# gathered buffer; its post-hook rebinds the 0-element placeholders. None of that is a
+# tensor op Dynamo could trace, and the bind is what makes a parameter whole: traced
+# through, Dynamo reads a parameter at whatever it held while tracing (the issue's
+# "broadcast a dimension of length 64": a shard-shaped fake where a whole weight belongs).
+# So each hook is a graph break, run eagerly, and the graphs read the parameters as
+# their inputs only after the pre-hook bound them, as FSDP2 without compiled autograd
+# does. Chosen over a custom op for the gather because:
+# - a unit boundary is already a block boundary, where compile_repeated_blocks (diffusers'
+#   regional compile, the recommended path) puts its graph edges anyway: torch.compile(model)
+#   costs one break per unit, a few microseconds beside a block's compute;
+# - the gather's Python state (the schedule's order and prefetch, residency, resharding,
+#   the float8 wire's decode, leases) would have to become a graph's side effects, and a
+#   graph that held a parameter's storage could not give it back to the pool.
+# Guards then see the same shapes and strides every call (a view of a fresh buffer, or a
+# resident unit's kept one), so resharding and residency changes recompile nothing; a
+# parameter read outside its unit's forward is the 0-element placeholder, which fails the
+# guards (a recompile) instead of computing on a shard. The wrapper asks
+# torch.compiler.is_compiling() (True only while Dynamo traces) so that eager forwards skip
+# torch.compiler.disable's context switch (0.2 us a call); Dynamo folds the test and breaks
+# at the disabled call. The sequence-parallel hooks and exchanges are kept out the same way
+# (hsdp.parallel.context, hsdp.parallel.attention).
+_is_compiling = torch.compiler.is_compiling
+
+
+def outside_graphs(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """`hook`, run eagerly when torch.compile traces a forward: a graph break, never traced
+    ([Note: compile]); eager forwards call it directly."""
+    eager = torch.compiler.disable(hook)
+
+    def run(*args: Any) -> Any:
+        if _is_compiling():
+            return eager(*args)
+        return hook(*args)
+
+    run.__wrapped__ = hook  # type: ignore[attr-defined]
+    return run
+
+
 _LEAVES = (int, float, bool, str, type(None))
 
 
@@ -230,8 +271,8 @@ class TorchAdapter:
 
     def add_hooks(self, module: Any, pre: Callable[..., Any], post: Callable[..., Any]) -> list[Any]:
         return [
-            module.register_forward_pre_hook(pre, with_kwargs=True),
-            module.register_forward_hook(post, with_kwargs=True, always_call=True),
+            module.register_forward_pre_hook(outside_graphs(pre), with_kwargs=True),
+            module.register_forward_hook(outside_graphs(post), with_kwargs=True, always_call=True),
             module.register_state_dict_pre_hook(_refuse_sharded_state_dict),
         ]
 
@@ -346,6 +387,7 @@ class TorchAdapter:
     def to_float32(self, t: torch.Tensor) -> torch.Tensor:
         return t.float().contiguous()
 
+    @torch.compiler.disable  # a collective on the group's bytes: never traced ([Note: compile])
     def all_gather(self, group: Any, send: torch.Tensor) -> torch.Tensor:
         send = send.contiguous()
         recv = torch.empty((group.size, *send.shape), dtype=send.dtype, device=send.device)
@@ -355,6 +397,7 @@ class TorchAdapter:
             group.all_gather(as_numpy(send), as_numpy(recv))
         return recv
 
+    @torch.compiler.disable  # a collective on the group's bytes: never traced ([Note: compile])
     def all_to_all(self, group: Any, send: torch.Tensor) -> torch.Tensor:
         send = send.contiguous()
         recv = torch.empty_like(send)

@@ -224,6 +224,10 @@ class SequenceParallelAttention:
             m = m[:, self.ulysses.rank * hp : (self.ulysses.rank + 1) * hp]
         return m
 
+    # Eager under torch.compile, a graph break around each sequence-parallel attention call
+    # ([Note: compile] in hsdp.adapters.torch): its exchanges hand tensors' bytes to the group,
+    # and its counts (calls, even) are per-forward state no graph may freeze.
+    @torch.compiler.disable
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
                  scale: float | None = None, enable_gqa: bool = False, backend: Any = None) -> torch.Tensor:

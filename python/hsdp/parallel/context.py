@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from ..adapters.torch import outside_graphs
 from .attention import _TORCH, SequenceParallelAttention, all_gather_tokens
 from .cfg import cfg_combine as _cfg_combine
 from .groups import ParallelGroups
@@ -146,7 +147,9 @@ class PlanHooks:
         self.routed = False  # a forward has routed attention calls: the processors are hsdp's
         self.handles: list[Any] = []
         # the model's own forward starts a new forward: every split so far even, no call yet
-        self.handles.append(model.register_forward_pre_hook(self._start, prepend=True))
+        # every hook runs eagerly under torch.compile, a graph break ([Note: compile] in
+        # hsdp.adapters.torch): they count and gather over the group, state no graph may hold
+        self.handles.append(model.register_forward_pre_hook(outside_graphs(self._start), prepend=True))
         for name, entry in plan.items():
             for module in _modules(model, name):
                 if isinstance(entry, dict):
@@ -154,12 +157,13 @@ class PlanHooks:
                     outputs = {k: v for k, v in entry.items() if _split_output(v)}
                     if inputs:
                         self.handles.append(module.register_forward_pre_hook(
-                            self._split_inputs(name, module, inputs, ContextParallelInput), with_kwargs=True))
+                            outside_graphs(self._split_inputs(name, module, inputs, ContextParallelInput)),
+                            with_kwargs=True))
                     if outputs:
-                        self.handles.append(module.register_forward_hook(self._split_outputs(name, outputs)))
+                        self.handles.append(module.register_forward_hook(outside_graphs(self._split_outputs(name, outputs))))
                 else:
                     specs = [entry] if isinstance(entry, ContextParallelOutput) else list(entry)
-                    self.handles.append(module.register_forward_hook(self._gather_outputs(name, specs)))
+                    self.handles.append(module.register_forward_hook(outside_graphs(self._gather_outputs(name, specs))))
 
     def remove(self) -> None:
         for h in self.handles:
