@@ -10,19 +10,27 @@ decoder's ``forward`` replaced for the call:
 - [Note: tiles by cost] Tiles are numbered in the stock loop's order (a new tile at each
   decoder call, or for VAEs with ``clear_cache`` at the first call after it). Before a decode,
   every rank runs the stock loop once more with the decoder replaced by a counter (a census:
-  the tiles' latent sizes, nothing decoded; it stops at the first blend). The tiles are then
-  dealt largest first, each to the rank with the least latent area so far, ties to the highest
-  rank, so the writer, which also blends, takes the lighter share. Round robin (tile t to rank
-  t mod N) put whole columns on one rank: 8 tiles in 2 rows of 4, the last row and column
-  smaller, gave rank 0 0.526 of the area; by cost 0.503. Every rank sees the same tiles in the
-  same order, so all deal the same owners without a message. Its owner computes a tile; every
-  other rank skips it. The encode (every rank needs every tile) stays round robin.
+  each tile's input size, nothing decoded; it stops at the first blend). Who computes which
+  tile is then chosen by simulating the decode with those sizes as times: every rank computes
+  its tiles in the loop's order, back to back; the writer computes its own and, in the same
+  order, waits for each other tile until its owner has finished it. Round robin (tile t to
+  rank t mod N) is the start; single tiles move to another rank while that shortens the
+  writer's finish. Round robin alone put whole columns on one rank (8 tiles in 2 rows of 4,
+  the last row and column smaller: rank 0 0.526 of the area). Dealing by size alone (largest
+  first to the least loaded rank) balanced the areas but, measured, made the writer wait at
+  the first tile it did not own (2 ranks 0.75 of one rank, round robin 0.61): the writer's
+  loop takes tiles in order. Every rank sees the same tiles in the same order, so all choose
+  the same owners without a message. The encode (every rank needs every tile) stays round
+  robin.
 - **Decode.** The writer (the group's rank 0) gets each tile it does not own from its owner,
   call by call (a small header, then the bytes; point to point), so its stock blend runs on
   the very tensors a one-rank tiled decode makes: the result is the stock tiled decode's,
   bit for bit. [Note: receive ahead] A thread of the writer receives them while the writer
-  computes its own tiles (its loop takes them from a queue): receiving only when the loop
-  reaches a tile made the ranks take turns (measured: 2 ranks 0.93-0.98 of one). The other ranks send their tiles as they finish them and keep none; their
+  computes its own tiles (its loop takes each tile's outputs from that tile's queue):
+  receiving only when the loop reaches a tile made the ranks take turns (measured: 2 ranks
+  0.93-0.98 of one). It receives in the order the simulation says the tiles finish (each
+  rank's in its own order), so no rank's send waits on another rank's slower tile. The other
+  ranks send their tiles as they finish them and keep none; their
   stock loop runs on empty placeholders and stops at its first blend, and they return a
   1-pixel placeholder (the pipeline's post-processing runs on it; only the writer's output
   is kept). So no rank but the writer holds more than one tile and its activations.
@@ -108,6 +116,7 @@ class TileSpread:
         self.last: dict[str, Any] = {}  # the last decode's tiles, for reports and tests
         self.last_encode: dict[str, int] = {}
         self.owners: list[int] = []  # the current decode's owner of each tile ([Note: tiles by cost])
+        self.costs: list[int] = []  # and each tile's size (the census)
 
     # -- transfers (host buffers; a tile on a GPU is copied over) ---------------------------
 
@@ -119,25 +128,25 @@ class TileSpread:
     def _mark(self, status: int, dest: int) -> None:
         self.group.sendrecv(_header(None, status), dest, _NOTHING, dest)
 
-    def _receive_all(self, out: queue.Queue[Any]) -> None:
+    def _receive_all(self, tiles: dict[int, queue.Queue[Any]], end: queue.Queue[Any]) -> None:
         """The writer's receiver thread ([Note: receive ahead]): every other VAE rank's tiles, in
-        the stock loop's order (tile t from its owner; a tile's calls until its TILE_END), put on
-        `out` as (tile, tensor), then each rank's ALL_DONE. A failed header, or any error here, is
-        put on `out` as (tile, exception)."""
+        the order they are expected to finish (:func:`receive_order`), each call's output put on
+        its tile's queue until the tile's TILE_END, then each rank's ALL_DONE. Puts None on `end`
+        when all arrived; an error (a failed header included) goes on every tile queue and `end`."""
         tile = -1
         try:
-            for tile, owner in enumerate(self.owners):
-                if owner != 0:
-                    while not self._receive_one(tile, owner, out):
-                        pass
+            for tile in receive_order(self.costs, self.owners):
+                while not self._receive_one(tile, self.owners[tile], tiles[tile]):
+                    pass
             for owner in range(1, self.n):
                 h = self._header_from(owner, tile)
                 if h[0] != _ALL_DONE:
                     raise RuntimeError(f"parallel VAE: rank {owner} of the VAE group sent more than its tiles "
                                        "(the ranks' tile loops differ)")
-            out.put((len(self.owners), None))  # received everything
+            end.put(None)
         except BaseException as exc:  # noqa: BLE001 - handed to the decoding thread, which raises it
-            out.put((tile, exc))
+            for q in (*tiles.values(), end):
+                q.put(exc)
 
     def _header_from(self, owner: int, tile: int) -> np.ndarray:
         h = np.empty(_HEADER, dtype=np.int64)
@@ -158,7 +167,7 @@ class TileSpread:
                                "(the ranks' tile loops differ)")
         t = _empty_for(h)
         self.group.sendrecv(_NOTHING, owner, as_numpy(t), owner)
-        out.put((tile, t))
+        out.put(t)
         return False
 
     def _broadcast(self, t: torch.Tensor | None, root: int, device: torch.device, where: str) -> torch.Tensor:
@@ -180,7 +189,7 @@ class TileSpread:
     @contextlib.contextmanager
     def _tiles(self, module: Any, on_call: Callable[..., torch.Tensor]) -> Iterator[dict[str, int]]:
         """`module`'s forward replaced by on_call(tile, stock_forward, *args, **kwargs) for the
-        stock loop; tile numbers follow [Note: tiles round robin]."""
+        stock loop; tile numbers follow [Note: tiles by cost]."""
         vae = self.vae
         state = {"tile": -1, "new": 1, "calls": 0}
         stock_forward = module.forward
@@ -216,9 +225,10 @@ class TileSpread:
         writer = self.rank == 0
         failed: list[BaseException] = []
         sent = {"tile": -1}  # a non-writer: the last of its tiles it sent (TILE_END follows it)
-        received: queue.Queue[Any] = queue.Queue()
-        costs = self._census(z, args, kwargs)
+        costs = self.costs = self._census(z, args, kwargs)
         self.owners = deal(costs, self.n)
+        received = {t: queue.Queue() for t, owner in enumerate(self.owners) if owner != 0}
+        end: queue.Queue[Any] = queue.Queue()
 
         def on_call(tile: int, stock: Callable[..., torch.Tensor], *args: Any, **kwargs: Any) -> torch.Tensor:
             owner = self.owners[tile] if tile < len(self.owners) else -1
@@ -241,29 +251,26 @@ class TileSpread:
                 sent["tile"] = tile
                 return out.new_empty((0,) * out.dim())
             if writer:  # the receiver thread has it, or will
-                got_tile, got = received.get()
+                got = received[tile].get()
                 if isinstance(got, BaseException):
                     raise got
-                if got is None:
-                    raise RuntimeError(f"parallel VAE: the writer's loop met tile {tile} after every tile was "
-                                       "received (the tile loop is not the same twice)")
-                if got_tile != tile:
-                    raise RuntimeError(f"parallel VAE: the writer expected tile {tile} and received tile {got_tile}: "
-                                       "the ranks' tile loops differ (the same latents and tile sizes on every rank?)")
                 return got.to(z.device)
             return z.new_empty((0,) * z.dim())  # not computed: the stock loop only collects (and joins) it
 
         if writer:
-            receiver = threading.Thread(target=self._receive_all, args=(received,), name="hsdp-vae-receive",
+            receiver = threading.Thread(target=self._receive_all, args=(received, end), name="hsdp-vae-receive",
                                         daemon=True)
             receiver.start()
             with self._tiles(self.vae.decoder, on_call) as state:
                 out = self._stock_decode(z, *args, **kwargs)
             receiver.join()
-            _, last = received.get()  # the receiver's end: everything received, or why not
+            last = end.get()  # the receiver's end: everything received, or why not
             if last is not None:
-                raise last if isinstance(last, BaseException) else RuntimeError(
-                    "parallel VAE: the writer's loop ended before it used every received tile")
+                raise last
+            unused = [t for t, q in received.items() if not q.empty()]
+            if unused:
+                raise RuntimeError(f"parallel VAE: the writer's loop ended with tiles {unused} received and unused "
+                                   "(the ranks' tile loops differ)")
             self.last = self._summary(state, costs)
             log.info("parallel VAE: decoded %s", self.spread())
             return out
@@ -360,16 +367,63 @@ class TileSpread:
         return out
 
 
-def deal(costs: list[int], n: int) -> list[int]:
-    """The owner of each tile ([Note: tiles by cost]): largest first, each to the rank with the
-    least cost so far, ties to the highest rank (rank 0, the writer, also blends)."""
-    load = [0] * n
-    owners = [0] * len(costs)
-    for tile in sorted(range(len(costs)), key=lambda t: (-costs[t], t)):
-        rank = min(range(n), key=lambda r: (load[r], -r))
-        owners[tile] = rank
-        load[rank] += costs[tile]
+def _finishes(costs: list[int], owners: list[int], n: int) -> tuple[int, list[int]]:
+    """The simulated decode ([Note: tiles by cost]): when the writer's loop ends, and when each
+    tile is done at its owner (costs as times; every rank computes its tiles in order)."""
+    clock = [0] * n
+    done = [0] * len(costs)
+    writer = 0
+    for t, (cost, owner) in enumerate(zip(costs, owners)):
+        clock[owner] += cost
+        done[t] = clock[owner]
+        writer = writer + cost if owner == 0 else max(writer, done[t])
+    return writer, done
+
+
+def deal(costs: list[int], n: int, passes: int = 8, window: int = 8) -> list[int]:
+    """The owner of each tile ([Note: tiles by cost]): round robin, then, while the writer's loop
+    ends sooner for it, a tile moved to another rank or two tiles at most `window` apart
+    swapping owners (the same on every rank: no randomness)."""
+    owners = [t % n for t in range(len(costs))]
+    if n <= 1:
+        return owners
+    best = _finishes(costs, owners, n)[0]
+
+    def keep_if_better() -> bool:
+        nonlocal best
+        finish = _finishes(costs, owners, n)[0]
+        if finish < best:
+            best = finish
+            return True
+        return False
+
+    for _ in range(passes):
+        improved = False
+        for t in range(len(costs)):
+            for rank in range(n):
+                if rank != owners[t]:
+                    was, owners[t] = owners[t], rank
+                    if keep_if_better():
+                        improved = True
+                    else:
+                        owners[t] = was
+            for u in range(t + 1, min(len(costs), t + 1 + window)):
+                if owners[u] != owners[t]:
+                    owners[t], owners[u] = owners[u], owners[t]
+                    if keep_if_better():
+                        improved = True
+                    else:
+                        owners[t], owners[u] = owners[u], owners[t]
+        if not improved:
+            break
     return owners
+
+
+def receive_order(costs: list[int], owners: list[int]) -> list[int]:
+    """The writer's receiving order: the other ranks' tiles by when they are expected to be done
+    (each rank's own in the loop's order), so no sender waits behind a slower rank's tile."""
+    done = _finishes(costs, owners, max(owners, default=0) + 1)[1]
+    return sorted((t for t, owner in enumerate(owners) if owner != 0), key=lambda t: (done[t], t))
 
 
 def install(pipe: Any, group: Any, n: int) -> TileSpread | None:
