@@ -7,11 +7,13 @@ plain shell, the command starts them itself through mpiexec (with :mod:`hsdp.lau
 settings); inside a job that ``mpiexec``, ``hsdp.launch`` or ``torchrun`` started, it runs as
 the rank it is.
 
-Shutdown: SIGTERM or SIGINT (Ctrl-C) to the command stops rank 0 accepting (new jobs get 503),
-lets the running job end, fails the queued ones, tells every rank to stop, closes the HTTP
-server, and every rank exits 0. The command
-started its mpiexec in a session of its own and sends the signal to rank 0 alone: Open MPI's
-mpiexec, signalled itself, kills its ranks at once. A second signal ends the job at once.
+Shutdown: SIGTERM to the command stops rank 0 accepting (new jobs get 503), gives the running
+job ``--shutdown-grace`` seconds and then cancels it, fails the queued ones (with
+``--state-dir``: leaves them queued for the next start), tells every rank to stop, closes the
+HTTP server, and every rank exits 0. The command started its mpiexec in a session of its own
+and sends the signal to rank 0 alone: Open MPI's mpiexec, signalled itself, kills its ranks at
+once. A second SIGTERM, or SIGINT (Ctrl-C), ends the job at once; the command then removes the
+temporary files it made (the pid file, the temporary output folder).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from types import FrameType
 from typing import Any
 
 from hsdp.cli.cache_spec import CACHE_HELP
+from hsdp.cli.compile_mode import add_compile_args, apply_compile_flags
 from hsdp.cli.folder import FolderError, PipelineFolder, read_folder
 from hsdp.engine.config import DiffusionParallelConfig, add_parallel_args
 
@@ -111,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
                    help="after SIGTERM, how long the running job may take before it is cancelled (default: "
                    "%(default)s); a second SIGTERM, or SIGINT, ends the server at once")
+    add_compile_args(p)
     add_parallel_args(p)
     return p
 
@@ -171,6 +175,10 @@ def check_args(args: argparse.Namespace) -> tuple[PipelineFolder, DiffusionParal
         config = DiffusionParallelConfig.from_cli_args(args)
         config.require_supported()
     except (ValueError, NotImplementedError) as exc:
+        raise UsageError(str(exc)) from None
+    try:
+        apply_compile_flags(args)
+    except ValueError as exc:
         raise UsageError(str(exc)) from None
     args.caches = tuple(dict.fromkeys(args.cache or ()))
     if args.caches:
@@ -331,10 +339,8 @@ def _bound_port(server: Any) -> int:
 def run(args: argparse.Namespace, folder: PipelineFolder, config: DiffusionParallelConfig) -> int:
     from hsdp.world import distributed
 
-    if not distributed.launched_by_mpi():
-        import torch  # noqa: F401 - under torchrun, the NCCL backend is chosen only once torch is in
-
-    world = distributed.init_process_group()
+    # the backend --device needs (NCCL for cuda, even under mpiexec), as load_pipeline picks it
+    world = distributed.world_for_device(args.device, f"--device {args.device}")
     try:
         config.check_world(world.size)
     except ValueError as exc:
@@ -347,6 +353,7 @@ def run(args: argparse.Namespace, folder: PipelineFolder, config: DiffusionParal
 
     import torch
 
+    from hsdp.cli.compile_mode import compile_pipeline
     from hsdp.pipelines import load_pipeline
 
     from .worker import follower_loop, leader_loop
@@ -355,6 +362,7 @@ def run(args: argparse.Namespace, folder: PipelineFolder, config: DiffusionParal
         pipe = load_pipeline(folder.path, config, torch_dtype=getattr(torch, args.dtype), device=args.device,
                              shard_text_encoders=not args.replicate_text_encoders, progress=False)
         pipe.set_progress_bar_config(disable=True)
+        compile_pipeline(pipe, args.compile)  # compiles in the first job (hsdp.cli.compile_mode)
         follower_loop(world, pipe)
         return 0
 
@@ -411,6 +419,7 @@ def run(args: argparse.Namespace, folder: PipelineFolder, config: DiffusionParal
         pipe = load_pipeline(folder.path, config, torch_dtype=getattr(torch, args.dtype), device=args.device,
                              shard_text_encoders=not args.replicate_text_encoders, progress=True)
         pipe.set_progress_bar_config(disable=True)
+        compile_pipeline(pipe, args.compile)  # the first job's first forward logs its warm-up
         ready.set()
         print(f"{PROG}: ready: {model_id} ({folder.class_name}); outputs in {output_dir}"
               f"{' (removed at exit)' if temporary else ''}; rank 0 is pid {os.getpid()} (SIGTERM it to stop)",
