@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from hsdp.cli.cache_spec import CACHE_HELP
+from hsdp.cli.compile_mode import add_compile_args, apply_compile_flags
 from hsdp.cli.folder import FolderError, PipelineFolder, read_folder
 from hsdp.cli.media import SUFFIXES, check_suffix, write_output
 from hsdp.cli.ranks import command_main, launch_self, usage_error
@@ -120,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify-tolerance", type=float, default=VERIFY_TOLERANCE, metavar="T",
                    help="largest allowed |difference| on [0, 1] frames (default %(default)g)")
     add_parallel_args(p)
+    add_compile_args(p)
     return p
 
 
@@ -196,6 +198,10 @@ def check_args(args: argparse.Namespace) -> tuple[PipelineFolder, DiffusionParal
         raise UsageError(str(exc)) from None
     _check_sequence_split(args, folder, config)
     if args.cache is not None:
+    try:
+        apply_compile_flags(args)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
         from hsdp.cli.cache_spec import parse_cache
 
         try:
@@ -439,6 +445,12 @@ def run(args: argparse.Namespace, folder: PipelineFolder, config: DiffusionParal
                                    int(load_seconds * 1e6), cuda_peak])
     components = list(held)
     held_rows = gather_ints(world, [held[c][0] for c in components]) if components else None
+    from hsdp.cli.compile_mode import compile_pipeline, compile_seconds
+
+    try:
+        compiled = compile_pipeline(pipe, args.compile)  # in place; the first steps below compile
+    except ValueError as exc:  # --compile regional on a transformer without repeated blocks
+        return _usage_error(str(exc))
     cache_rows = _gather_cache_counts(pipe, world, gather_ints) if args.cache is not None else None
 
     if not rank0:
@@ -448,6 +460,13 @@ def run(args: argparse.Namespace, folder: PipelineFolder, config: DiffusionParal
     for one, path in zip(frames, paths, strict=True):
         write_output(one, path, args.fps or 16)
     verify = _verify(args, folder, pipe, kwargs, frames, dtype) if args.verify else None
+    compile_report = {"mode": args.compile, "transformers": compiled,
+                      "compile_seconds": compile_seconds() if compiled else None}
+    if compiled and rank0:  # the warm-up, in the progress as in the report
+        logging.getLogger("hsdp").info(
+            "compile warm-up: %s s compiling %s (%s) in this first request; first step %.2f s, later steps %s s",
+            _seconds(compile_report["compile_seconds"]), ", ".join(compiled), args.compile,
+            timing["first_step_seconds"] or 0.0, _seconds(timing["seconds_per_step"]))
     report = {
         "pipeline": folder.class_name,
         "model": str(folder.path),
@@ -486,6 +505,7 @@ def _cache_config(args: argparse.Namespace, folder: PipelineFolder) -> Any:
 
     return parse_cache(args.cache, num_inference_steps=args.num_inference_steps, model=folder.class_name)
 
+        "compile": compile_report,
 
 def _gather_cache_counts(pipe: Any, world: Any, gather_ints: Any) -> dict[str, Any]:
     """Every rank's computed and skipped forwards per transformer (a lane leader's are its
@@ -514,6 +534,10 @@ def _rows(report: dict[str, Any], fmt_bytes: Any) -> list[tuple[str, str]]:
     for comp, per in report["held_bytes_per_component_per_rank"].items():
         info = report["components"][comp]
         how = f"sharded, of {fmt_bytes(info['bytes'])}" if info["sharded"] else "whole"
+def _seconds(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
+
+
         rows.append((f"held per rank: {comp}", f"{_span(per, fmt_bytes)} ({how})"))
     for rank, (load, peak) in enumerate(zip(report["load_peak_rss_bytes_per_rank"], report["peak_rss_bytes_per_rank"])):
         rows.append((f"peak RSS, rank {rank}", f"{fmt_bytes(peak)} (after loading: {fmt_bytes(load)})"))
@@ -540,6 +564,10 @@ def _rows(report: dict[str, Any], fmt_bytes: Any) -> list[tuple[str, str]]:
     if v is None:
         rows.append(("verify", "not run (pass --verify)"))
     elif v["max_abs_diff"] is None:
+    c = report["compile"]
+    rows.append(("compile", "none (eager)" if not c["transformers"] else
+                 f"{c['mode']}: {', '.join(c['transformers'])}; {_seconds(c['compile_seconds'])} s compiling in this "
+                 "first request (its first step waits for it)"))
         rows.append(("verify", f"MISMATCH: {v['error']}"))
     else:
         verdict = "ok" if v["ok"] else "MISMATCH"
