@@ -120,8 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "on a difference above --verify-tolerance")
     p.add_argument("--verify-tolerance", type=float, default=VERIFY_TOLERANCE, metavar="T",
                    help="largest allowed |difference| on [0, 1] frames (default %(default)g)")
-    add_parallel_args(p)
     add_compile_args(p)
+    add_parallel_args(p)
     return p
 
 
@@ -197,11 +197,11 @@ def check_args(args: argparse.Namespace) -> tuple[PipelineFolder, DiffusionParal
     except (ValueError, NotImplementedError) as exc:
         raise UsageError(str(exc)) from None
     _check_sequence_split(args, folder, config)
-    if args.cache is not None:
     try:
         apply_compile_flags(args)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    if args.cache is not None:
         from hsdp.cli.cache_spec import parse_cache
 
         try:
@@ -430,6 +430,12 @@ def run(args: argparse.Namespace, folder: PipelineFolder, config: DiffusionParal
         from hsdp.pipelines.cache import enable_cache
 
         enable_cache(pipe, _cache_config(args, folder))
+    from hsdp.cli.compile_mode import compile_pipeline, compile_seconds
+
+    try:
+        compiled = compile_pipeline(pipe, args.compile)  # in place; the first steps below compile
+    except ValueError as exc:  # --compile regional on a transformer without repeated blocks
+        return _usage_error(str(exc))
 
     kwargs = call_kwargs(args, folder)
     clock = StepClock()
@@ -439,18 +445,19 @@ def run(args: argparse.Namespace, folder: PipelineFolder, config: DiffusionParal
     timing = clock.timing()
     timing["call_seconds"] = call_seconds
     timing["outputs_per_minute"] = 60 * len(args.prompts) / call_seconds
+    compile_report = {"mode": args.compile, "transformers": compiled,
+                      "compile_seconds": compile_seconds() if compiled else None}
+    if compiled and rank0:  # the warm-up, in the progress as in the report
+        logging.getLogger("hsdp").info(
+            "compile warm-up: %s s compiling %s (%s) in this first request; first step %.2f s, later steps %s s",
+            _seconds(compile_report["compile_seconds"]), ", ".join(compiled), args.compile,
+            timing["first_step_seconds"] or 0.0, _seconds(timing["seconds_per_step"]))
     held = _held_per_component(pipe)
     cuda_peak = _gpu_peak_bytes(torch, sum(h[0] for h in held.values())) if on_gpu else -1
     per_rank = gather_ints(world, [load_peak, peak_rss_bytes(), sum(h[0] for h in held.values()),
                                    int(load_seconds * 1e6), cuda_peak])
     components = list(held)
     held_rows = gather_ints(world, [held[c][0] for c in components]) if components else None
-    from hsdp.cli.compile_mode import compile_pipeline, compile_seconds
-
-    try:
-        compiled = compile_pipeline(pipe, args.compile)  # in place; the first steps below compile
-    except ValueError as exc:  # --compile regional on a transformer without repeated blocks
-        return _usage_error(str(exc))
     cache_rows = _gather_cache_counts(pipe, world, gather_ints) if args.cache is not None else None
 
     if not rank0:
@@ -460,13 +467,6 @@ def run(args: argparse.Namespace, folder: PipelineFolder, config: DiffusionParal
     for one, path in zip(frames, paths, strict=True):
         write_output(one, path, args.fps or 16)
     verify = _verify(args, folder, pipe, kwargs, frames, dtype) if args.verify else None
-    compile_report = {"mode": args.compile, "transformers": compiled,
-                      "compile_seconds": compile_seconds() if compiled else None}
-    if compiled and rank0:  # the warm-up, in the progress as in the report
-        logging.getLogger("hsdp").info(
-            "compile warm-up: %s s compiling %s (%s) in this first request; first step %.2f s, later steps %s s",
-            _seconds(compile_report["compile_seconds"]), ", ".join(compiled), args.compile,
-            timing["first_step_seconds"] or 0.0, _seconds(timing["seconds_per_step"]))
     report = {
         "pipeline": folder.class_name,
         "model": str(folder.path),
@@ -490,6 +490,7 @@ def run(args: argparse.Namespace, folder: PipelineFolder, config: DiffusionParal
         ),
         "components": {c: {"bytes": held[c][1], "sharded": held[c][2]} for c in components},
         "timing": timing,
+        "compile": compile_report,
         "verify": verify,
         "cache": {"spec": args.cache, **cache_rows} if cache_rows is not None else None,
     }
@@ -505,7 +506,6 @@ def _cache_config(args: argparse.Namespace, folder: PipelineFolder) -> Any:
 
     return parse_cache(args.cache, num_inference_steps=args.num_inference_steps, model=folder.class_name)
 
-        "compile": compile_report,
 
 def _gather_cache_counts(pipe: Any, world: Any, gather_ints: Any) -> dict[str, Any]:
     """Every rank's computed and skipped forwards per transformer (a lane leader's are its
@@ -517,6 +517,10 @@ def _gather_cache_counts(pipe: Any, world: Any, gather_ints: Any) -> dict[str, A
     rows = gather_ints(world, [v for n in names for v in (counts[n]["computed"], counts[n]["skipped"])])
     return {"per_rank": [{n: {"computed": int(r[2 * i]), "skipped": int(r[2 * i + 1])} for i, n in enumerate(names)}
                          for r in rows]}
+
+
+def _seconds(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
 
 
 def _span(values: Sequence[int], fmt: Any) -> str:
@@ -534,10 +538,6 @@ def _rows(report: dict[str, Any], fmt_bytes: Any) -> list[tuple[str, str]]:
     for comp, per in report["held_bytes_per_component_per_rank"].items():
         info = report["components"][comp]
         how = f"sharded, of {fmt_bytes(info['bytes'])}" if info["sharded"] else "whole"
-def _seconds(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.2f}"
-
-
         rows.append((f"held per rank: {comp}", f"{_span(per, fmt_bytes)} ({how})"))
     for rank, (load, peak) in enumerate(zip(report["load_peak_rss_bytes_per_rank"], report["peak_rss_bytes_per_rank"])):
         rows.append((f"peak RSS, rank {rank}", f"{fmt_bytes(peak)} (after loading: {fmt_bytes(load)})"))
@@ -549,6 +549,10 @@ def _seconds(value: float | None) -> str:
     rows.append(("seconds per step",
                  (f"{mean:.3f} (mean of steps 2-{t['steps']})" if mean is not None else "n/a (one step)")
                  + (f"; first step {first:.3f} (with prompt encoding)" if first is not None else "")))
+    c = report["compile"]
+    rows.append(("compile", "none (eager)" if not c["transformers"] else
+                 f"{c['mode']}: {', '.join(c['transformers'])}; {_seconds(c['compile_seconds'])} s compiling in this "
+                 "first request (its first step waits for it)"))
     if len(report["outputs"]) > 1:
         rows.append(("outputs", f"{len(report['outputs'])}: {report['outputs'][0]} .. {report['outputs'][-1]} "
                      f"{tuple(report['frames_shape'])} each"))
@@ -564,10 +568,6 @@ def _seconds(value: float | None) -> str:
     if v is None:
         rows.append(("verify", "not run (pass --verify)"))
     elif v["max_abs_diff"] is None:
-    c = report["compile"]
-    rows.append(("compile", "none (eager)" if not c["transformers"] else
-                 f"{c['mode']}: {', '.join(c['transformers'])}; {_seconds(c['compile_seconds'])} s compiling in this "
-                 "first request (its first step waits for it)"))
         rows.append(("verify", f"MISMATCH: {v['error']}"))
     else:
         verdict = "ok" if v["ok"] else "MISMATCH"
