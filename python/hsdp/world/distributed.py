@@ -141,6 +141,18 @@ def world_for(device_type: str | None, what: str) -> ProcessGroup:
     return init_process_group(served[0])
 
 
+def world_for_device(device: str | None, what: str) -> ProcessGroup:
+    """:func:`world_for` for a device as a command line writes it (``"cuda"``, ``"cuda:1"``,
+    ``"cpu"``, None: the host), for ``hsdp generate`` and ``hsdp serve`` alike. Imports torch
+    first where the answer may be NCCL (a device, or torchrun's variables without an MPI
+    launcher), as NCCL is picked only once torch is in."""
+    device_type = (device or devices.host_framework()).split(":")[0]
+    if device_type != devices.host_framework() or not launched_by_mpi():
+        import torch  # noqa: F401 - lazy: only commands that run torch models get here
+
+    return world_for(device_type, what)
+
+
 def register_teardown(multi_process: bool = True) -> None:
     """At exit, end the runtimes hsdp started (MPI_Finalize), unless an uncaught exception
     ended this rank of a multi-process job (see _note_failure). Once per process."""
