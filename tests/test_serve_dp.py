@@ -1,6 +1,7 @@
 """``hsdp serve --data-parallel-size 2`` on 2 ranks: two jobs run at once, one per lane, the lanes
 gathering in lockstep; a job that fails inside the model (the fault injection) fails alone while
-the other lane's job completes, equal to its request run alone."""
+the other lane's job completes, equal to its request run alone. And the engine on 4 ranks, lanes
+of 2: a failure on a lane's second rank alone names that rank and its own error."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from mpirun import run_ranks
 
 # test_serve's own checks skip this module too where a server cannot run (no diffusers, httpx, ...)
 from test_serve import AUTH, FAULT, JOB_TIMEOUT, KEY, Server, _form, _sync, _until, httpx  # noqa: E402
@@ -18,8 +20,12 @@ from hsdp.testing.tiny_pipeline import make_tiny_pipeline  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    folder: Path = make_tiny_pipeline(tmp_path_factory.mktemp("serve-dp") / "wan22", "wan22")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_pipeline(tmp_path_factory.mktemp("serve-dp") / "wan22", "wan22")
+
+
+@pytest.fixture(scope="module")
+def server(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     s = Server(folder, tmp_path_factory.mktemp("serve-dp-run"), ["--api-key", KEY, "--dp", "2"],
                {"HSDP_SERVE_FAULT_PROMPT": FAULT})
     try:
@@ -74,3 +80,17 @@ def test_sigint_ends_the_server_at_once_and_leaves_nothing(server):
     server.wait(60)
     left = [x for x in server.left_behind(control) if "/dev/shm" not in x]  # a killed rank may leave its segment
     assert left == [], server.log()
+
+
+def test_a_failure_on_a_lanes_second_rank_names_that_rank_and_the_next_round_runs(folder, tmp_path):
+    """D=2 x Ulysses 2 on 4 ranks (tests/serve_lane_worker.py): each lane's job raises on the
+    lane's second rank alone (1, 3); its leader (0, 2) stops through the lane's step vote. Each
+    job ends failed with the failing rank's own error, not its leader's "a peer failed"; the
+    next round's two jobs complete."""
+    faults = "lane 0 fails on rank 1@1|lane 1 fails on rank 3@3"
+    out = run_ranks(4, "tests/serve_lane_worker.py", str(folder), str(tmp_path), timeout=600,
+                    env={"HSDP_SERVE_FAULT_PROMPT": faults}).stdout
+    for prompt, rank in (("lane 0 fails on rank 1", 1), ("lane 1 fails on rank 3", 3)):
+        assert f"job {prompt!r}: failed: rank {rank}: InjectedFault: injected fault" in out, out
+    assert "job 'a cat in the snow': completed: None" in out and "job 'a boat on a lake': completed: None" in out, out
+    assert "PeerFailed" not in out and "ran 4" in out, out

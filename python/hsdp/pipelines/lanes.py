@@ -31,6 +31,12 @@ PER_OUTPUT = ("generator", "latents")
 PER_PROMPT_COUNTS = ("num_videos_per_prompt", "num_images_per_prompt")
 
 
+class LanePeerFailed(RuntimeError):
+    """Raised on a rank that stops a call because another rank of its lane failed (a step
+    agreement within the lane, as ``hsdp serve``'s): :func:`run_lanes` then reports the failing
+    rank's own error for the call, not this one."""
+
+
 def _is_list(v: Any) -> bool:
     return isinstance(v, (list, tuple))
 
@@ -178,7 +184,7 @@ def run_lanes(pipe: Any, calls: Sequence[dict[str, Any] | None], world: Any, gro
     lanes, lane, leader = groups.dp_degree, groups.dp_rank, groups.lane_rank == 0
     decodes = groups.lane_rank < decoding_ranks(pipe)  # the lane's leader, and its VAE ranks
     mine: list[tuple[int, Any]] = []
-    failed: list[tuple[int, str]] = []
+    failed: list[tuple[int, str, bool]] = []  # (call, error, whether the error is this rank's own)
     for i in range(lane, len(calls), lanes):
         if calls[i] is None:
             continue
@@ -188,7 +194,7 @@ def run_lanes(pipe: Any, calls: Sequence[dict[str, Any] | None], world: Any, gro
                 before(i)
             out = pipe(**call)
         except Exception as exc:  # noqa: BLE001 - the call's outcome; the other lanes go on
-            failed.append((i, f"{type(exc).__name__}: {exc}"))
+            failed.append((i, f"{type(exc).__name__}: {exc}", not isinstance(exc, LanePeerFailed)))
             break  # this lane only serves from now on
         if leader:
             mine.append((i, out))
@@ -198,12 +204,16 @@ def run_lanes(pipe: Any, calls: Sequence[dict[str, Any] | None], world: Any, gro
     every = _gather_objects(world, (mine if leader else [], failed))
     outputs: list[Any] = [None] * len(calls)
     errors: list[str | None] = [None] * len(calls)
+    own = [False] * len(calls)
     for rank, (part, errs) in enumerate(every):
         for i, out in part:
             outputs[i] = out
-        for i, err in errs:
-            if errors[i] is None:  # the lowest failing rank's words, as serve's agree_outcome
+        for i, err, first_hand in errs:
+            # the lowest failing rank's words (as serve's agree_outcome), preferring a rank's
+            # own failure to a peer's LanePeerFailed: a lane's second rank failing alone is named
+            if errors[i] is None or (first_hand and not own[i]):
                 errors[i] = err if rank == 0 else f"rank {rank}: {err}"
+                own[i] = first_hand
     return (outputs if world.rank == 0 else [None] * len(calls)), errors
 
 

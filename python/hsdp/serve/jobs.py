@@ -198,7 +198,7 @@ class JobStore:
 
     def cancel(self, job: Job, reason: str) -> None:
         """Asks a running job to stop at its next step boundary (every rank of its lane agrees
-        on which: :func:`hsdp.serve.worker.step_agreement`)."""
+        on which: :meth:`hsdp.serve.worker.JobRun.agree`)."""
         with self._lock:
             if job.status != IN_PROGRESS or job.cancel.is_set():
                 return

@@ -10,8 +10,9 @@ store, never HTTP (:mod:`.app` is one front end over it).
 > on every one of its ranks at that same step boundary, so no rank is left waiting in a
 > gather that its peers never enter: a cancel takes effect within one step, and a failure on
 > one rank alone (``HSDP_SERVE_FAULT_PROMPT="PROMPT@1"``) fails the job everywhere, naming that rank
-> (:func:`protocol.agree_outcome`: the failing rank's own error), and the ranks move on to
-> the next job together. A failure inside a forward (between two gathers) is not covered:
+> (:func:`protocol.agree_outcome`: the failing rank's own error; with lanes, ``run_lanes``,
+> which prefers it to the :class:`PeerFailed` of the ranks that stopped with it), and the
+> ranks move on to the next job together. A failure inside a forward (between two gathers) is not covered:
 > the peers then wait in the gather until ``HSDP_TIMEOUT`` ends the server, as before.
 """
 
@@ -31,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from hsdp.pipelines.lanes import LanePeerFailed
 
 from .jobs import Job, JobStore
 from .params import Limits, fill_defaults
@@ -62,9 +65,10 @@ class JobCancelled(RuntimeError):
     """The job's ranks agreed to stop it at this step boundary (a cancel)."""
 
 
-class PeerFailed(RuntimeError):
+class PeerFailed(LanePeerFailed):
     """Another rank of the job failed at this step: this rank stops with it (its error is that
-    rank's, reported by the agreement on the outcome)."""
+    rank's, reported by the agreement on the outcome; with lanes, by run_lanes, which prefers
+    a rank's own error to this one)."""
 
 
 def heartbeat_seconds() -> float:
@@ -557,7 +561,7 @@ def _leader_round(world: Any, pipe: Any, store: JobStore, output_dir: Path, jobs
     jobs[0].cache_counts = cache_counts(pipe)  # rank 0 ran the first job (lane 0): its counts are that job's
     peaks = _gather_peaks(world)
     for i, (job, result, error) in enumerate(zip(jobs, results, errors, strict=True)):
-        if error is not None and error.startswith(PeerFailed.__name__):
+        if error is not None and PeerFailed.__name__ in error.split(": ", 2)[:2]:  # no rank said why
             error = f"a rank of its lane failed: {error}"
         if error is None:
             try:
