@@ -20,7 +20,8 @@ and sharding: one request at a time on every rank (D=1) and D lanes (``--dp D``:
 once), alternating ``--dp-repeat`` times; it prints their jobs per minute and the ratio.
 
 Without ``--model`` a tiny random Wan2.2 folder is written to a temporary folder first. Prints a
-markdown table; ``--json FILE`` also writes the figures.
+markdown table; ``--json FILE`` also writes the figures, ``--record FILE`` the figures with
+every sample, the command, the machine, its load and the commit (bench/records/).
 """
 
 from __future__ import annotations
@@ -100,8 +101,10 @@ def bench_server(args: argparse.Namespace, form: dict[str, str], workdir: Path) 
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(120)
-    overhead = [a - r for a, r in zip(alone, run)]
-    return {"alone_latency_p50": _pct(alone, 0.5), "alone_run_p50": _pct(run, 0.5),
+    overhead = [a - r for a, r in zip(alone, run, strict=True)]
+    samples = {"alone_latency_s": alone, "alone_run_s": run, "overhead_s": overhead, "loaded_latency_s": loaded,
+               "cancel_latency_s": [c for c, _ in cancels], "cancel_step_s": [st for _, st in cancels]}
+    return {"samples": samples, "alone_latency_p50": _pct(alone, 0.5), "alone_run_p50": _pct(run, 0.5),
             "overhead_p50": _pct(overhead, 0.5), "overhead_max": max(overhead),
             "loaded_jobs_per_min": args.jobs / wall * 60, "loaded_p50": _pct(loaded, 0.5),
             "loaded_p99": _pct(loaded, 0.99), "loaded_wall": wall,
@@ -191,6 +194,7 @@ def main() -> int:
     p.add_argument("--num-frames", default="5")
     p.add_argument("--steps", default="2")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--record", type=Path, default=None, help="write the figures, samples and context here")
     p.add_argument("--data-parallel-size", type=int, default=1, metavar="D",
                    help="also measure servers with D lanes against D=1 on the same ranks (default: not)")
     p.add_argument("--dp-repeat", type=int, default=2, help="servers of each kind, alternating (default %(default)s)")
@@ -200,6 +204,7 @@ def main() -> int:
             "num_inference_steps": args.steps}
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
         workdir = Path(tmp)
+        args.model_was_default = args.model is None
         if args.model is None:
             from hsdp.testing.tiny_pipeline import make_tiny_pipeline
 
@@ -219,15 +224,18 @@ def main() -> int:
             if args.json is not None:
                 args.json.write_text(json.dumps(figures, indent=2))
             return 0
+        load_before = os.getloadavg()
         figures = {**bench_server(args, form, workdir), **bench_generate(args, form, workdir)}
+        load_after = os.getloadavg()
+    samples = figures.pop("samples")
     rows = [
         ("server, one request at a time: latency p50", f"{figures['alone_latency_p50']:.3f} s"),
         ("  of which the job on the ranks (p50)", f"{figures['alone_run_p50']:.3f} s"),
-        ("  server overhead per job (p50 / max)", f"{figures['overhead_p50'] * 1e3:.1f} / "
-                                                  f"{figures['overhead_max'] * 1e3:.1f} ms"),
+        ("  server overhead per job (p50 / max)",
+         f"{figures['overhead_p50'] * 1e3:.1f} / {figures['overhead_max'] * 1e3:.1f} ms"),
         ("cancel of a running job: DELETE to cancelled (p50 / max; bound: a step + 1 s)",
-         f"{figures['cancel_latency_p50'] * 1e3:.0f} / {figures['cancel_latency_max'] * 1e3:.0f} ms "
-         f"(a step: {figures['cancel_step_s_p50'] * 1e3:.0f} ms)"),
+         (f"{figures['cancel_latency_p50'] * 1e3:.0f} / {figures['cancel_latency_max'] * 1e3:.0f} ms "
+          f"(a step: {figures['cancel_step_s_p50'] * 1e3:.0f} ms)")),
         (f"server, {args.clients} concurrent clients, {args.jobs} jobs: throughput",
          f"{figures['loaded_jobs_per_min']:.1f} jobs/min"),
         ("  latency p50 / p99", f"{figures['loaded_p50']:.2f} / {figures['loaded_p99']:.2f} s"),
@@ -241,7 +249,32 @@ def main() -> int:
         print(f"| {name} | {value} |")
     if args.json is not None:
         args.json.write_text(json.dumps(figures, indent=2))
+    if args.record is not None:
+        _write_record(args, figures, samples, {"before": load_before, "after": load_after})
     return 0
+
+
+def _write_record(args: argparse.Namespace, figures: dict[str, object], samples: dict[str, object],
+                  load: dict[str, object]) -> None:
+    sys.path.insert(0, str(ROOT / "bench"))
+    from harness import machine
+
+    def git(*a: str) -> str:
+        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip()
+
+    args.record.parent.mkdir(parents=True, exist_ok=True)
+    args.record.write_text(json.dumps({
+        "bench": "bench_serve", "command": " ".join([".venv/bin/python", "bench/bench_serve.py", *sys.argv[1:]]),
+        "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "load_average_1_5_15": load,
+        "library": {"commit": git("rev-parse", "--short", "HEAD"),
+                    "uncommitted_under_python": git("status", "--short", "--", "python").splitlines()},
+        "config": {"model": "a tiny random Wan2.2 folder" if args.model_was_default else str(args.model),
+                   "ranks": args.shard_size, "size": args.size, "num_frames": args.num_frames, "steps": args.steps,
+                   "dtype": "bfloat16 (the commands' default)", "alone": args.alone, "clients": args.clients,
+                   "jobs": args.jobs, "cancels": args.cancels, "cancel_job_steps": 400,
+                   "generate_runs": args.generate_runs},
+        "figures": figures, "samples": samples,
+    }, indent=1) + "\n")
 
 
 if __name__ == "__main__":
