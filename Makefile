@@ -17,6 +17,7 @@ export OMPI_MCA_hwloc_base_binding_policy := none
 CC ?= gcc
 CFLAGS_CHECK := -std=c11 -O1 -g -Wall -Wextra -Werror -Wshadow -fsanitize=address,undefined -fno-sanitize-recover=all
 include csrc/sources.mk
+CORE_SRC += $(TEST_SRC)  # the C tests run the test-only backends too
 TESTBIN := csrc/tests/bin
 
 .PHONY: all sysdeps venv build cuda-abi-check ctest ctest-clang clang pytest test demo demo-latents bench clean fuzz fuzz-smoke fuzz-build fuzz-deps
@@ -57,7 +58,7 @@ venv: $(VENV)/.stamp
 
 # Editable install: the extension is rebuilt from csrc/ each time; warnings are errors.
 build: sysdeps venv
-	HSDP_WERROR=1 $(PY) -m pip install -q --no-build-isolation --no-deps -e .
+	HSDP_WERROR=1 HSDP_TEST_BACKENDS=1 $(PY) -m pip install -q --no-build-isolation --no-deps -e .
 
 $(TESTBIN)/test_dtype: csrc/tests/test_dtype.c $(CORE_SRC) csrc/*.h csrc/sources.mk
 	@mkdir -p $(TESTBIN)

@@ -6,7 +6,8 @@ and asking for MPI says what to install. ``HSDP_WERROR=1`` turns warnings into e
 ``HSDP_NO_MPI=1`` forces a build without MPI. The NCCL backend is in every build: it needs
 no CUDA toolkit and no NCCL or CUDA header (csrc/cuda_abi.h declares what it uses), links
 nothing, and opens both libraries at run time, so a machine without a GPU fails only when
-NCCL is asked for. ``HSDP_NO_NCCL=1`` forces a build without it.
+NCCL is asked for. ``HSDP_NO_NCCL=1`` forces a build without it. ``HSDP_TEST_BACKENDS=1``
+(``make build``) adds the test-only ``fakedev`` backend; a wheel is built without it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,18 @@ from pathlib import Path
 import numpy as np
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+
+
+def _env_flag(name: str) -> bool:
+    """An HSDP_* build flag by hsdp's one rule for flags (hsdp.world.flags.env_flag, loaded from
+    its file: the package is not importable before it is built)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_hsdp_flags", Path(__file__).parent / "python/hsdp/world/flags.py")
+    flags = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(flags)
+    return flags.env_flag(name, False)
+
 
 HERE = Path(__file__).parent
 
@@ -43,7 +56,8 @@ def variant(compile_args: list[str]) -> str:
     their object files apart (setuptools would otherwise reuse objects compiled with the other
     flags)."""
     name = "mpi" if "-DHSDP_HAVE_MPI" in compile_args else "nompi"
-    return name + ("-nonccl" if "-DHSDP_NO_NCCL" in compile_args else "")
+    name += "-nonccl" if "-DHSDP_NO_NCCL" in compile_args else ""
+    return name + ("-tests" if "-DHSDP_TEST_BACKENDS" in compile_args else "")
 
 
 class VariantBuildExt(build_ext):
@@ -68,7 +82,7 @@ class VariantBuildExt(build_ext):
 
 def mpi_flags() -> tuple[list[str], list[str]]:
     """Compile and link flags from the MPI compiler wrapper, or ([], []) when there is none."""
-    if os.environ.get("HSDP_NO_MPI") == "1":
+    if _env_flag("HSDP_NO_MPI"):
         return [], []
     mpicc = os.environ.get("HSDP_MPICC") or shutil.which("mpicc")
     if not mpicc:
@@ -90,7 +104,7 @@ def mpi_flags() -> tuple[list[str], list[str]]:
 
 def nccl_flags() -> list[str]:
     """[] (the NCCL backend is built), or -DHSDP_NO_NCCL when HSDP_NO_NCCL=1 forces it off."""
-    if os.environ.get("HSDP_NO_NCCL") == "1":
+    if _env_flag("HSDP_NO_NCCL"):
         print("hsdp: HSDP_NO_NCCL=1: building without the NCCL backend", file=sys.stderr)
         return ["-DHSDP_NO_NCCL"]
     return []
@@ -99,15 +113,19 @@ def nccl_flags() -> list[str]:
 SRC = sources()
 mpi_c, mpi_l = mpi_flags()
 # CPython's method tables cast function pointers by convention (CPython builds with this too).
-cflags = ["-std=c11", "-O2", "-Wall", "-Wextra", "-Wshadow", "-Wno-cast-function-type", *mpi_c, *nccl_flags()]
-if os.environ.get("HSDP_WERROR") == "1":
+# HSDP_TEST_BACKENDS=1 (`make build`) adds the test-only fakedev backend (sources.mk's TEST_SRC);
+# a wheel has none. The define marks the variant only: the registry finds the backend by its symbol.
+TESTS = _env_flag("HSDP_TEST_BACKENDS")
+cflags = ["-std=c11", "-O2", "-Wall", "-Wextra", "-Wshadow", "-Wno-cast-function-type", *mpi_c, *nccl_flags(),
+          *(["-DHSDP_TEST_BACKENDS"] if TESTS else [])]
+if _env_flag("HSDP_WERROR"):
     cflags.append("-Werror")
 
 setup(
     ext_modules=[
         Extension(
             "hsdp._C",
-            sources=[*SRC["CORE_SRC"], *SRC["WRAP_SRC"]],
+            sources=[*SRC["CORE_SRC"], *SRC["WRAP_SRC"], *(SRC["TEST_SRC"] if TESTS else [])],
             include_dirs=["csrc", np.get_include()],
             extra_compile_args=cflags,
             extra_link_args=[*mpi_l, "-ldl"],

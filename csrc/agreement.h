@@ -1,5 +1,6 @@
 /* agreement.h - every rank of a group gathers the same unit, on every backend.
  *
+ * [Note: agreement] (docs/design.md, "Agreement on collective gathers", points here.)
  * Every collective unit gather carries a ticket: the unit's name, its identity (which unit of
  * the group it is, counted as made: two models of one architecture have units of the same
  * names and sizes), the group's count of unit gathers so far and the bytes per rank. Ranks
@@ -8,9 +9,24 @@
  * catching an exception) all see every ticket, so every one of them fails, naming what each
  * asked for, and none hands out the gathered buffer: no rank returns weights mixed from two
  * units. How the tickets travel is the backend's (MPI: beside the data, mpi_agreement.c;
- * NCCL: a second all-gather in the same NCCL group as the data, backend_nccl.c); without a
+ * NCCL: a second all-gather in the same NCCL group as the data, nccl_agreement.c); without a
  * way of its own a backend exchanges them in their own all-gather first (hsdp_agree). The
- * mode (hsdp_set_agreement_check, backend.h) must be the same on every rank of a group. */
+ * mode (hsdp_set_agreement_check, backend.h) must be the same on every rank of a group.
+ *
+ * The ticket: 64 bytes per rank (hsdp_ticket_make, hsdp_tickets_check): the name's first 31
+ * bytes and a hash of all of it, the identity (32 bits), the group's gather count and the
+ * bytes per rank. Where it rides: MPI, beside the data in the same exchange for groups of up
+ * to 8 ranks (every receive has its matching send whatever the peers asked for, so even a
+ * mismatch of sizes completes everywhere and is reported from the tickets), or in its own
+ * 64-byte all-gather first for larger groups; NCCL, a second ncclAllGather of 64 bytes per
+ * rank in the same ncclGroupStart/End as the data, copied back to pinned host memory on the
+ * side stream and compared when the host waits ([Note: tickets checked late],
+ * nccl_agreement.c); any other backend, hsdp_agree before the data. What a mismatch does:
+ * every rank of the group fails with the same message, none hands out the buffer; on NCCL a
+ * mismatch of sizes also aborts the communicators. A float8 wire gather on MPI decodes a
+ * peer's chunk as it lands only once that peer's ticket equals this rank's. The ticket also
+ * carries how its sender split its chunk into pieces (MPI's float8 wire, off by default):
+ * what a receiver must post, never compared. */
 #ifndef HSDP_AGREEMENT_H
 #define HSDP_AGREEMENT_H
 

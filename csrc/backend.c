@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h> /* strcasecmp */
 #include <time.h>
 
 #include "backend.h"
@@ -18,17 +19,26 @@ uint64_t hsdp_now_ns(void) {
 }
 
 /* ---------------------------------------------------------------- the registry */
+/* The test-only fakedev last: NULL (left out) in a build without it (backend.h). */
 static const hsdp_backend *const registry[] = {&hsdp_backend_single, &hsdp_backend_mpi, &hsdp_backend_nccl,
                                               &hsdp_backend_fakedev};
-#define NBACKENDS (sizeof registry / sizeof registry[0])
+#define NSLOTS (sizeof registry / sizeof registry[0])
 
-size_t hsdp_backend_count(void) { return NBACKENDS; }
+size_t hsdp_backend_count(void) {
+    size_t n = 0;
+    for (size_t i = 0; i < NSLOTS; i++) n += registry[i] != NULL;
+    return n;
+}
 
-const hsdp_backend *hsdp_backend_at(size_t i) { return i < NBACKENDS ? registry[i] : NULL; }
+const hsdp_backend *hsdp_backend_at(size_t i) {
+    for (size_t j = 0; j < NSLOTS; j++)
+        if (registry[j] && i-- == 0) return registry[j];
+    return NULL;
+}
 
 const hsdp_backend *hsdp_backend_find(const char *name) {
-    for (size_t i = 0; name && i < NBACKENDS; i++)
-        if (strcmp(registry[i]->name, name) == 0) return registry[i];
+    for (size_t i = 0; name && i < NSLOTS; i++)
+        if (registry[i] && strcmp(registry[i]->name, name) == 0) return registry[i];
     return NULL;
 }
 
@@ -39,8 +49,8 @@ hsdp_status hsdp_backend_world(const char *name, hsdp_group **out, int *we_init)
     if (!b) {
         char known[128] = "";
         size_t used = 0;
-        for (size_t i = 0; i < NBACKENDS && used < sizeof known; i++)
-            used += (size_t)snprintf(known + used, sizeof known - used, "%s'%s'", i ? ", " : "", registry[i]->name);
+        for (size_t i = 0; i < hsdp_backend_count() && used < sizeof known; i++)
+            used += (size_t)snprintf(known + used, sizeof known - used, "%s'%s'", i ? ", " : "", hsdp_backend_at(i)->name);
         return hsdp_fail(HSDP_EINVAL, "unknown backend '%s'; expected one of %s", name ? name : "(null)", known);
     }
     const char *why = NULL;
@@ -189,6 +199,24 @@ void hsdp_group_free(hsdp_group *g) {
 }
 
 int hsdp_group_overlaps(const hsdp_group *g) { return g->backend->overlaps ? g->backend->overlaps(g) : 0; }
+
+/* ---------------------------------------------------------------- HSDP_* flags */
+static int word_is(const char *v, const char *const *words) {
+    for (; *words; words++)
+        if (strcasecmp(v, *words) == 0) return 1;
+    return 0;
+}
+
+int hsdp_env_flag(const char *name, int dflt) {
+    static const char *const on[] = {"1", "on", "yes", "true", NULL};
+    static const char *const off[] = {"0", "off", "no", "false", NULL};
+    const char *v = getenv(name);
+    if (!v || !*v) return dflt;
+    if (word_is(v, on)) return 1;
+    if (word_is(v, off)) return 0;
+    fprintf(stderr, "hsdp: %s must be 1/on/yes/true or 0/off/no/false, got '%s'; using %d\n", name, v, dflt);
+    return dflt;
+}
 
 /* ---------------------------------------------------------------- the collective timeout */
 /* 0: no limit. Set from HSDP_TIMEOUT (seconds) on first use, or by hsdp_set_timeout. */

@@ -202,6 +202,11 @@ hsdp_status hsdp_share_read(hsdp_group *g, const void *share, void *out, size_t 
  * communicators aborted (NCCL); the timeout names who did not arrive (watchdog.h). From HSDP_TIMEOUT (seconds; 0: no limit) on first use, else the default. */
 enum { HSDP_DEFAULT_TIMEOUT_S = 600 };
 uint64_t hsdp_timeout_ns(void);
+
+/* An on/off HSDP_* variable, by the one rule every flag of hsdp follows (hsdp.world.flags.env_flag
+ * in Python, the build's in setup.py): unset or empty is `dflt`; 1/on/yes/true is 1 and
+ * 0/off/no/false is 0 (any case); anything else is `dflt`, said on stderr. */
+int hsdp_env_flag(const char *name, int dflt);
 hsdp_status hsdp_set_timeout(double seconds);
 
 /* Whether unit gathers that are collectives check that every rank gathers the same unit
@@ -238,6 +243,9 @@ hsdp_status hsdp_sendrecv_start(hsdp_req *r, hsdp_group *g, const void *send, si
 extern const hsdp_backend hsdp_backend_single; /* backend_single.c */
 extern const hsdp_backend hsdp_backend_mpi;    /* backend_mpi.c */
 extern const hsdp_backend hsdp_backend_nccl;   /* backend_nccl.c */
-extern const hsdp_backend hsdp_backend_fakedev; /* backend_fakedev.c (tests only) */
+/* backend_fakedev.c, built only for tests (sources.mk's TEST_SRC: the C tests, and `make
+ * build` with HSDP_TEST_BACKENDS=1; never a wheel). Weak: where the file is not linked the
+ * address is NULL, and the registry leaves it out. */
+extern const hsdp_backend hsdp_backend_fakedev __attribute__((weak));
 
 #endif

@@ -52,8 +52,7 @@ static const hsdp_device_i fakedev_device = {
 #define MPI hsdp_backend_mpi
 
 static int fakedev_usable(const char **why) {
-    const char *v = getenv("HSDP_FAKE_DEVICE");
-    if (!v || strcmp(v, "1") != 0) {
+    if (!hsdp_env_flag("HSDP_FAKE_DEVICE", 0)) {
         *why = "the 'fakedev' backend is for hsdp's own tests (host memory that claims to be a device, over MPI); "
                "set HSDP_FAKE_DEVICE=1 to use it";
         return 0;

@@ -81,6 +81,7 @@ typedef hsdp_cudaError_t (*hsdp_cudaGetLastError_fn)(void);
 typedef hsdp_cudaError_t (*hsdp_cudaHostAlloc_fn)(void **ptr, size_t size, unsigned int flags);
 typedef hsdp_cudaError_t (*hsdp_cudaFreeHost_fn)(void *ptr);
 typedef hsdp_cudaError_t (*hsdp_cudaStreamIsCapturing_fn)(hsdp_cudaStream_t stream, unsigned int *status);
+typedef hsdp_cudaError_t (*hsdp_cudaMemGetInfo_fn)(size_t *free, size_t *total);
 /* The functions taking one of the structs above, written once over the struct's type so that
  * the check can instantiate them with the real struct and compare with the real prototypes. */
 #define HSDP_CUDA_STRUCT_FNS(PREFIX, ATTRIBUTES) \

@@ -21,6 +21,9 @@
  *   wire_missing     the float8 wire's decode into its buffers: NULL when it can run now, else
  *                    a static sentence saying what is missing (NCCL: the kernel, loaded by
  *                    hsdp.nccl.load_wire_kernel). Absent: the wire is not built for the device
+ *   mem_free         the bytes free on the device now, for this process (NCCL: cudaMemGetInfo
+ *                    on its GPU, what torch.cuda.mem_get_info asks). Absent: the device's
+ *                    memory is the host's, and callers read the host's (MemAvailable)
  *   reader_after     how the owning backend orders the reader of one of its collectives'
  *                    output after it: a stream waits (CUDA), or, on a device without streams
  *                    whose memory the host reads, the host blocks. Only that backend calls
@@ -63,6 +66,8 @@ typedef struct hsdp_device_i {
      * stream is made to wait and this returns at once; without streams the host waits until
      * done, within the timeout (HSDP_TIMEOUT), and the bytes have landed when it returns. */
     hsdp_status (*reader_after)(void *done, void *stream, const char *what);
+    /* *free_bytes: free device memory now; an error (recorded) when it cannot be read. */
+    hsdp_status (*mem_free)(size_t *free_bytes);
 } hsdp_device_i;
 
 /* The device of b's buffers, or NULL when b has host memory only (or b is NULL). */

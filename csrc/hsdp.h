@@ -21,7 +21,9 @@ typedef enum {
     HSDP_EIO,         /* file I/O: maps to OSError */
     HSDP_ECOMM,       /* a collective failed: maps to RuntimeError */
     HSDP_ESTATE,      /* wrong lifecycle state: maps to RuntimeError */
-    HSDP_EUNSUPPORTED /* not compiled in / not built yet: maps to NotImplementedError */
+    HSDP_EUNSUPPORTED, /* not compiled in / not built yet: maps to NotImplementedError */
+    HSDP_ENODEVICE     /* built, but the device it needs is not there (no GPU): maps to
+                        * RuntimeError, as torch raises for a missing GPU */
 } hsdp_status;
 
 const char *hsdp_last_error(void);

@@ -52,8 +52,7 @@ static uint64_t new_tag(void) {
 /* HSDP_DIRECT_GATHER=0 keeps every gather collective (it must be the same on every rank;
  * where it is not, the ranks agree on collective). */
 static int direct_wanted(void) {
-    const char *v = getenv("HSDP_DIRECT_GATHER");
-    return !(v && strcmp(v, "0") == 0);
+    return hsdp_env_flag("HSDP_DIRECT_GATHER", 1);
 }
 
 

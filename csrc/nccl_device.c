@@ -187,6 +187,17 @@ static hsdp_status stream_after(void *done, void *stream, const char *what) {
 
 static int nccl_device_id(void) { return S.device; } /* one GPU per process */
 
+/* The GPU's free bytes now, as torch.cuda.mem_get_info reads them (cudaMemGetInfo on this
+ * process's device), so the residency budget needs no framework to ask. */
+static hsdp_status nccl_mem_free(size_t *free_bytes) {
+    size_t total = 0;
+    if (!api.loaded) return hsdp_fail(HSDP_ESTATE, "the NCCL backend is not loaded");
+    if (!api.cudaMemGetInfo) return hsdp_fail(HSDP_EUNSUPPORTED, "this CUDA runtime has no cudaMemGetInfo");
+    nccl_device_guard();
+    hsdp_cudaError_t e = CUDA(cudaMemGetInfo, free_bytes, &total);
+    return e == hsdp_cudaSuccess ? HSDP_OK : nccl_cuda_fail(e, "reading the GPU's free memory (cudaMemGetInfo)");
+}
+
 /* What both tables below share: they are two views of the same device memory, named
  * 'cuda', allocated, released and decoded into alike. */
 #define NCCL_DEVICE_MEMORY                                                                                    \
@@ -201,6 +212,7 @@ const hsdp_device_i nccl_device = {
     .consumer_wait = nccl_consumer_wait,
     .call_stream = nccl_call_stream,
     .reader_after = stream_after,
+    .mem_free = nccl_mem_free,
 };
 
 /* The same device memory over a runtime whose device memory the host reads (the test fake,

@@ -38,9 +38,10 @@
     X(cudaStreamWaitEvent) X(cudaStreamSynchronize) X(cudaEventCreateWithFlags) X(cudaEventDestroy)         \
     X(cudaEventRecord) X(cudaEventQuery) X(cudaPointerGetAttributes) X(cudaGetErrorString) X(cudaGetLastError) \
     X(cudaHostAlloc) X(cudaFreeHost)
-/* Resolved when present: every CUDA runtime hsdp supports has it, but a missing one only
- * loses the refusal of graph capture (nccl_refuse_capture). */
-#define CUDA_OPTIONAL(X) X(cudaStreamIsCapturing)
+/* Resolved when present: every CUDA runtime hsdp supports has them, but a missing one only
+ * loses the refusal of graph capture (nccl_refuse_capture) or the device's free-memory query
+ * (hsdp_device_i.mem_free: resident_bytes="auto" then says it cannot read it). */
+#define CUDA_OPTIONAL(X) X(cudaStreamIsCapturing) X(cudaMemGetInfo)
 
 #define NCCL_DECLARE(name) hsdp_##name##_fn name;
 typedef struct {

@@ -30,6 +30,7 @@ hsdp_status hsdp_nccl_load(const char *nccl_path, const char *cudart_path) {
     const char *missing = NULL, *in = NULL;
     int n = 0;
     hsdp_cudaError_t ce;
+    hsdp_status failed = HSDP_EUNSUPPORTED; /* not installed; HSDP_ENODEVICE: no GPU */
     api.nccl = dlopen(nccl_path, RTLD_NOW | RTLD_LOCAL);
     if (!api.nccl) {
         hsdp_fail(HSDP_EUNSUPPORTED, "could not open the NCCL library '%s': %s", nccl_path, dlerror());
@@ -60,12 +61,13 @@ hsdp_status hsdp_nccl_load(const char *nccl_path, const char *cudart_path) {
     ce = CUDA(cudaGetDeviceCount, &n);
     if (ce != hsdp_cudaSuccess || n <= 0) {
         if (ce != hsdp_cudaSuccess)
-            hsdp_fail(HSDP_EUNSUPPORTED, "no usable GPU for the NCCL backend: cudaGetDeviceCount failed with CUDA error "
-                      "%d (%s); use backend 'mpi' for CPU ranks", (int)ce, api.cudaGetErrorString(ce));
+            failed = hsdp_fail(HSDP_ENODEVICE, "no usable GPU for the NCCL backend: cudaGetDeviceCount failed with "
+                               "CUDA error %d (%s); use backend 'mpi' for CPU ranks", (int)ce,
+                               api.cudaGetErrorString(ce));
         else
-            hsdp_fail(HSDP_EUNSUPPORTED, "no usable GPU for the NCCL backend: no CUDA device is visible "
-                      "(CUDA_VISIBLE_DEVICES='%s'); use backend 'mpi' for CPU ranks",
-                      getenv("CUDA_VISIBLE_DEVICES") ? getenv("CUDA_VISIBLE_DEVICES") : "(unset)");
+            failed = hsdp_fail(HSDP_ENODEVICE, "no usable GPU for the NCCL backend: no CUDA device is visible "
+                               "(CUDA_VISIBLE_DEVICES='%s'); use backend 'mpi' for CPU ranks",
+                               getenv("CUDA_VISIBLE_DEVICES") ? getenv("CUDA_VISIBLE_DEVICES") : "(unset)");
         goto fail;
     }
     if (api.ncclGetVersion(&api.version) != hsdp_ncclSuccess) {
@@ -93,6 +95,6 @@ fail:
     if (api.nccl) dlclose(api.nccl);
     if (api.cudart) dlclose(api.cudart);
     memset(&api, 0, sizeof api); /* nothing is left half loaded */
-    return HSDP_EUNSUPPORTED;
+    return failed;
 }
 #endif

@@ -123,8 +123,7 @@ hsdp_status hsdp_unit_write(hsdp_unit *u, size_t i, size_t first, size_t count, 
 static hsdp_status drop_host(hsdp_unit *u, hsdp_status st) {
     if (st != HSDP_OK || !u->shard || !u->share || !u->group->backend->share_read) return st;
     if (u->share == hsdp_share_collective()) return st;
-    const char *keep = getenv("HSDP_KEEP_HOST_SHARDS");
-    if (keep && strcmp(keep, "1") == 0) return st;
+    if (hsdp_env_flag("HSDP_KEEP_HOST_SHARDS", 0)) return st;
     free(u->shard); /* the upload has read it: copies from host memory return once staged */
     u->shard = NULL;
     if (u->stats) atomic_fetch_sub(&u->stats->sharded_bytes, hsdp_unit_shard_bytes(u)); /* encoded or not */
@@ -140,6 +139,20 @@ hsdp_status hsdp_unit_read_shard(hsdp_unit *u, void *out) {
 }
 
 /* ---------------------------------------------------------------- the wire encoding
+ *
+ * [Note: the wire] (docs/design.md and docs/user-guide.md, "Float8 on the wire", point here.)
+ * wire_dtype=float8_e4m3fn holds and gathers a unit's floating parameters block-scaled: each
+ * rank encodes its own shard once, when the unit is built (hsdp_quantize_blocks: blocks of
+ * HSDP_WIRE_BLOCK consecutive weights of a parameter's piece, one float32 scale each, absmax /
+ * 448, round to nearest even), and holds only the encoding. A gather moves the encodings and
+ * decodes them into the storage dtype: on the host by dtype_float8.c's loops (on MPI chunk by
+ * chunk as each lands, once its ticket agrees, [Note: agreement]), on a device by its own
+ * decoder (NCCL: cuda_dequant.c's kernel; a device without one refuses the wire when the unit
+ * is made). Everything that touches an encoded chunk (its size, the encoder, both decodes, the
+ * CUDA segment plan) takes the one walk below, so none can disagree on where a piece's bytes
+ * are. The error is bounded per weight (2^-4 of itself plus 2^-10 of its block's scale, then
+ * one rounding); the documented bound on a model's output is a relative L2 error of 0.05
+ * (docs/user-guide.md), the one `hsdp generate --verify` checks with a float8 wire.
  *
  * Rank s's encoded chunk: the float32 scales of all its blocks first, then its pieces of the
  * slots in layout order, a quantized piece as one float8 byte per element and any other as

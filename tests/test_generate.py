@@ -237,3 +237,19 @@ def test_flux_writes_a_png_in_process(folders, tmp_path, capsys):
         assert img.size == (32, 32) and img.mode == "RGB"
     report = _report(out)
     assert report["frames_shape"] == [32, 32, 3] and report["world_size"] == 1 and report["verify"]["ok"]
+
+
+def test_verify_with_a_float8_wire_checks_the_wires_bound(folders, tmp_path, capsys):
+    """--verify with --hsdp-wire-dtype float8_e4m3fn: the frames cannot agree to 1e-4 (the wire is
+    lossy), so the check is the wire's documented bound on a model's output (relative L2 0.05),
+    and the verify line says so (issue 37: it used to report MISMATCH at the exact tolerance)."""
+    out = tmp_path / "image.png"
+    code = cli.main(["--model", str(folders["flux"]), "--prompt", "a red car", *SIZE, "--num-inference-steps", "2",
+                     "--dtype", "float32", "--use-hsdp", "--hsdp-shard-size", "1", "--hsdp-wire-dtype", "float8_e4m3fn", "--verify",
+                     "--output", str(out)])
+    printed = capsys.readouterr()
+    assert code == 0, printed.out + printed.err
+    assert "(ok, bound 0.05: the float8 wire's documented bound on a model's output" in printed.out, printed.out
+    verify = _report(out)["verify"]
+    assert verify["wire_rel_l2_bound"] == 0.05 and 0 < verify["rel_l2"] <= 0.05, verify
+    assert verify["max_abs_diff"] > verify["tolerance"], verify  # the exact check would have failed

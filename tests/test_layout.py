@@ -23,7 +23,7 @@ LAYERS: list[set[str]] = [
     {"engine"},  # sharding, hooks, schedule, policy, dtypes, trace, the parallel config
     {"adapters", "nn"},  # the frameworks: the adapters, hsdp's own NumPy runtime
     {"models", "checkpoint", "parallel"},  # reference models, checkpoints, sequence/CFG parallel
-    {"pipelines", "testing", "hsdp"},  # diffusers pipelines; the package facade (hsdp/__init__)
+    {"pipelines", "testing", "hub", "omni", "hsdp"},  # pipelines; hub ids; hsdp.Omni; the facade
     {"cli", "serve", "__main__"},  # the commands
 ]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}

@@ -719,17 +719,19 @@ def parse_make_lists(text: str) -> dict[str, list[str]]:
 
 
 def test_sources_mk_lists_every_c_file_once():
-    """csrc/sources.mk names each csrc/*.c in CORE_SRC and each csrc/py/*.c in WRAP_SRC, exactly once."""
+    """csrc/sources.mk names each csrc/*.c in CORE_SRC or (the test-only backends) TEST_SRC, and each
+    csrc/py/*.c and csrc/py_<backend>/*.c in WRAP_SRC, exactly once."""
     lists = parse_make_lists((ROOT / "csrc" / "sources.mk").read_text())
-    assert set(lists) == {"CORE_SRC", "WRAP_SRC"}
-    core, wrap = lists["CORE_SRC"], lists["WRAP_SRC"]
+    assert set(lists) == {"CORE_SRC", "WRAP_SRC", "TEST_SRC"}
+    assert lists["TEST_SRC"] == ["csrc/backend_fakedev.c"]
+    core, wrap = lists["CORE_SRC"] + lists["TEST_SRC"], lists["WRAP_SRC"]
     for name, files in lists.items():
         dupes = [f for f, k in Counter(files).items() if k > 1]
         assert not dupes, f"{name} lists {dupes} twice"
     assert not set(core) & set(wrap)
-    assert not [f for f in core if f.startswith("csrc/py/")] and all(f.startswith("csrc/py/") for f in wrap)
+    assert not [f for f in core if f.startswith("csrc/py")] and all(f.startswith("csrc/py") for f in wrap)
     on_disk_core = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").glob("*.c"))
-    on_disk_wrap = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "py").glob("*.c"))
+    on_disk_wrap = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").glob("py*/*.c"))
     assert sorted(core) == on_disk_core
     assert sorted(wrap) == on_disk_wrap
 
@@ -755,7 +757,8 @@ def test_setup_and_makefile_read_the_same_list():
     makefile = (ROOT / "Makefile").read_text()
     assert re.search(r"^include csrc/sources\.mk$", makefile, re.M)
     setup_src = (ROOT / "setup.py").read_text()
-    assert 'sources=[*SRC["CORE_SRC"], *SRC["WRAP_SRC"]]' in setup_src
+    assert 'sources=[*SRC["CORE_SRC"], *SRC["WRAP_SRC"], *(SRC["TEST_SRC"] if TESTS else [])]' in setup_src
+    assert ns["variant"](["-DHSDP_HAVE_MPI", "-DHSDP_TEST_BACKENDS"]) == "mpi-tests"
 
 
 def test_empty_converting_slot_is_a_view_of_the_gathered_buffer():

@@ -51,6 +51,31 @@ static PyObject *mod_device_info(PyObject *m, PyObject *arg) {
     return hsdp_py_device_info(b);
 }
 
+/* device_free_bytes(device): the free bytes of the named device now, by its own query (the
+ * device table's mem_free: NCCL, cudaMemGetInfo), or None when its memory is the host's
+ * ('host', or a device without the query): the caller then reads the host's. */
+static PyObject *mod_device_free_bytes(PyObject *m, PyObject *arg) {
+    (void)m;
+    const char *name = PyUnicode_AsUTF8(arg);
+    if (!name) return NULL;
+    hsdp_device dev;
+    const char *label = NULL;
+    if (hsdp_device_parse(name, &dev, &label) < 0) {
+        char choices[256];
+        return PyErr_Format(PyExc_ValueError, "device must be one of %s, got '%s'",
+                            hsdp_device_choices(choices, sizeof choices), name);
+    }
+    const hsdp_device_i *d = dev == HSDP_DEVICE_HOST ? NULL : hsdp_backend_device(hsdp_device_backend(label));
+    if (!d || !d->mem_free) Py_RETURN_NONE;
+    size_t free_bytes = 0;
+    hsdp_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = d->mem_free(&free_bytes);
+    Py_END_ALLOW_THREADS
+    if (st != HSDP_OK) return hsdp_py_raise(st);
+    return PyLong_FromSize_t(free_bytes);
+}
+
 /* finalize_backends(): ends every backend runtime hsdp started (only those: whoever else
  * started one owns its end). Returns the names it finalised. */
 static PyObject *mod_finalize_backends(PyObject *m, PyObject *unused) {
@@ -147,6 +172,9 @@ PyMethodDef hsdp_py_backend_functions[] = {
      "device_info(backend): where the named backend's unsharded buffers live: a dict with backend, kind ('host' "
      "or 'device'), device ('host' or the device's name), framework (the device type of views: 'cpu', 'cuda'), "
      "dlpack ((type, id)) and live_bytes (the device's own count of its live buffers, or None)."},
+    {"device_free_bytes", mod_device_free_bytes, METH_O,
+     "device_free_bytes(device): the named device's free bytes now, by its own query (the NCCL backend: "
+     "cudaMemGetInfo), or None when its memory is the host's ('host', or a device without the query)."},
     {"finalize_backends", mod_finalize_backends, METH_NOARGS,
      "End every backend runtime hsdp started itself (MPI_Finalize, say); returns their names."},
     {NULL, NULL, 0, NULL},

@@ -20,28 +20,35 @@ typedef struct {
 
 enum { RESIDENT_NONE = -1, RESIDENT_AUTO = -2 };
 
-/* None -> -1; else a floating dtype code. `what` names the parameter in errors. */
+/* None -> -1; else a floating dtype code. `what` names the parameter in errors. The rule is
+ * hsdp.engine.dtypes.optional_float_dtype's (MixedPrecisionPolicy's too), asked as npy.c asks
+ * as_dtype: the TypeError for no dtype, the ValueError for one that is not floating. */
 static int parse_optional_float_dtype(PyObject *obj, const char *what, int *out) {
-    if (obj == Py_None) {
-        *out = -1;
-        return 0;
-    }
+    PyObject *mod = PyImport_ImportModule("hsdp.engine.dtypes");
+    if (!mod) return -1;
+    PyObject *d = PyObject_CallMethod(mod, "optional_float_dtype", "Os", obj, what);
+    Py_DECREF(mod);
+    if (!d) return -1;
+    int rc = 0;
     hsdp_dtype dt;
-    if (hsdp_py_parse_dtype(obj, &dt) < 0) {
-        PyObject *et, *ev, *tb;
-        PyErr_Fetch(&et, &ev, &tb);
-        PyErr_Format(PyExc_TypeError, "%s: %S", what, ev ? ev : Py_None);
-        Py_XDECREF(et);
-        Py_XDECREF(ev);
-        Py_XDECREF(tb);
-        return -1;
-    }
-    if (!hsdp_dtype_is_float(dt)) {
-        PyErr_Format(PyExc_ValueError, "%s must be a floating-point dtype or None, got %s", what, hsdp_dtype_name(dt));
-        return -1;
-    }
-    *out = (int)dt;
-    return 0;
+    if (d == Py_None)
+        *out = -1;
+    else if ((rc = hsdp_py_parse_dtype(d, &dt)) == 0)
+        *out = (int)dt;
+    Py_DECREF(d);
+    return rc;
+}
+
+/* Why float8_e5m2 is no wire format: said once, here, for every refusal of it (this type's,
+ * and Python's through _C.WIRE_NOT_BUILT: hsdp.engine.built). */
+static const char e5m2_not_built[] = "the block-scaled wire is float8_e4m3fn (more mantissa; the per-block scale "
+                                     "makes e5m2's range unneeded)";
+
+int hsdp_py_config_add_constants(PyObject *m) {
+    PyObject *d = Py_BuildValue("{s:s}", "float8_e5m2", e5m2_not_built);
+    int rc = d ? PyModule_AddObjectRef(m, "WIRE_NOT_BUILT", d) : -1;
+    Py_XDECREF(d);
+    return rc;
 }
 
 /* wire_dtype: None or float8_e4m3fn (the one block-scaled wire format built). */
@@ -49,8 +56,7 @@ static int parse_wire_dtype(PyObject *obj, int *out) {
     if (parse_optional_float_dtype(obj, "wire_dtype", out) < 0) return -1;
     if (*out == -1 || *out == (int)HSDP_F8E4M3) return 0;
     if (*out == (int)HSDP_F8E5M2) {
-        PyErr_SetString(PyExc_NotImplementedError, "wire_dtype='float8_e5m2' is not built: the block-scaled wire "
-                        "is float8_e4m3fn (more mantissa; the per-block scale makes e5m2's range unneeded)");
+        PyErr_Format(PyExc_NotImplementedError, "wire_dtype='float8_e5m2' is not built: %s", e5m2_not_built);
         return -1;
     }
     PyErr_Format(PyExc_ValueError, "wire_dtype must be 'float8_e4m3fn' or None, got %s",

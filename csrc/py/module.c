@@ -19,6 +19,7 @@ PyObject *hsdp_py_raise(hsdp_status st) {
     case HSDP_ENOMEM: exc = PyExc_MemoryError; break;
     case HSDP_EIO: exc = PyExc_OSError; break;
     case HSDP_EUNSUPPORTED: exc = PyExc_NotImplementedError; break;
+    case HSDP_ENODEVICE: exc = PyExc_RuntimeError; break; /* no GPU: what torch raises for one */
     default: exc = PyExc_RuntimeError; break;
     }
     PyErr_SetString(exc, hsdp_last_error());
@@ -126,12 +127,18 @@ static int mod_traverse(PyObject *m, visitproc visit, void *arg) {
     return 0;
 }
 
+/* The backends' own parts of the module (their bootstrap functions), one line each. */
+extern const hsdp_py_backend_part hsdp_py_nccl_part; /* py_nccl/nccl_functions.c */
+static const hsdp_py_backend_part *const backend_parts[] = {&hsdp_py_nccl_part};
+#define NPARTS (sizeof backend_parts / sizeof backend_parts[0])
+
 static int mod_clear(PyObject *m) {
     modstate *ms = PyModule_GetState(m);
     if (!ms) return 0;
     ms->pool_cap = 0;
     hsdp_py_pool_trim(ms, 0);
-    hsdp_py_nccl_clear(ms);
+    for (size_t i = 0; i < NPARTS; i++)
+        if (backend_parts[i]->clear) backend_parts[i]->clear(ms);
     Py_CLEAR(ms->empty);
     Py_CLEAR(ms->group_type);
     Py_CLEAR(ms->unit_type);
@@ -166,10 +173,11 @@ static int mod_exec(PyObject *m) {
         PyModule_AddFunctions(m, hsdp_py_npy_functions) < 0 || PyModule_AddFunctions(m, hsdp_py_pool_functions) < 0 ||
         PyModule_AddFunctions(m, hsdp_py_dlpack_view_functions) < 0 ||
         PyModule_AddFunctions(m, hsdp_py_backend_functions) < 0 ||
-        PyModule_AddFunctions(m, hsdp_py_nccl_functions) < 0 ||
         PyModule_AddIntConstant(m, "ALIGN", HSDP_ALIGN) < 0 ||
-        PyModule_AddIntConstant(m, "POOL_SLOTS", HSDP_POOL_SLOTS) < 0)
+        PyModule_AddIntConstant(m, "POOL_SLOTS", HSDP_POOL_SLOTS) < 0 || hsdp_py_config_add_constants(m) < 0)
         return -1;
+    for (size_t i = 0; i < NPARTS; i++)
+        if (PyModule_AddFunctions(m, backend_parts[i]->functions) < 0) return -1;
     return 0;
 }
 

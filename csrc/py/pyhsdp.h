@@ -10,11 +10,12 @@
  *   dlpack_views.c dlpack_views: one export per parameter of a host buffer (torch binds)
  *   group_type.c   ProcessGroup over the backend registry
  *   backend_functions.c  the module functions over the registry (backends, finalize, settings)
- *   nccl_functions.c  loading and bootstrapping the NCCL backend (the one file here that
- *                  includes backend_nccl.h)
  *   unit_type.c    Unit: one flat shard unit, its gathers and its parameter views (unit_type.h;
  *                  its constructor unit_new.c, its attributes unit_attrs.c)
- *   config_type.c  HSDPInferenceConfig */
+ *   config_type.c  HSDPInferenceConfig
+ * A backend's own module functions (its bootstrap) live beside this folder, in
+ * csrc/py_<backend>/ (py_nccl/nccl_functions.c), and module.c adds each through one line of
+ * its list of hsdp_py_backend_part. */
 #ifndef HSDP_PYHSDP_H
 #define HSDP_PYHSDP_H
 
@@ -76,6 +77,33 @@ PyArrayObject *hsdp_py_writable_array(PyObject *obj, const char *what);
 extern PyMethodDef hsdp_py_npy_functions[];
 
 /* ------------------------------------------------------------------ buffer_type.c */
+/* [Note: leases] (docs/design.md, "Buffers owned by Python objects", points here.)
+ * Who owns a gathered buffer, and how the pool knows it may reuse one, without reading a
+ * reference count:
+ * - The owner. While a unit is unsharded (or its gather is in flight) the Unit holds the
+ *   _Buffer; the pool holds the idle ones. Neither reads the bytes.
+ * - A lease per view. Every view of the bytes handed out is a lease on the buffer, counted
+ *   here (leases): a DLPack export (__dlpack__, dlpack.c) until the consumer calls its
+ *   deleter (torch: when the last tensor on that storage dies), and a buffer-protocol export
+ *   until it is released. The NumPy views a unit binds in C share one such export (a
+ *   memoryview) per buffer. A bare reference to the _Buffer reads nothing and holds no lease.
+ * - When it returns. The torch adapter imports each parameter's view of a host buffer from
+ *   its own DLPack export (_C.dlpack_views, dlpack_views.c: one lease each; a device buffer:
+ *   one __dlpack__ import cut by as_strided) and lets the parameters be their only holders;
+ *   unbind (at reshard) swaps placeholders in, the tensors die and torch returns the lease
+ *   before the unit gives the buffer back. The NumPy views go when the unit sets _data =
+ *   None. Ulysses' exchange buffers are leased the same way in Python (parallel._Lease).
+ * - The pool (buffer_type.c) takes back a buffer only at 0 leases and does not hand out a
+ *   pooled buffer leased since; one given back while leased stays out of the pool and is
+ *   freed when its last lease returns.
+ * - A user who keeps a view past reshard holds the lease: the buffer stays out of the pool
+ *   with its numbers and the next forward gathers into another buffer; nothing changes
+ *   under the user, the cost is one more allocation while the view lives.
+ * - Why views are not kept across forwards: torch views of one storage are
+ *   indistinguishable, so kept views could only be told from a user's alias by the storage's
+ *   use count (the design this replaced, with a reference cycle the GC could not see). A
+ *   fresh storage per bind makes the lease exact, for one DLPack import per parameter per
+ *   bind (docs/performance.md, "Hook overhead"). */
 typedef struct BufferObject {
     PyObject_HEAD
     void *p; /* owned: hsdp_device_free in dealloc */
@@ -85,8 +113,8 @@ typedef struct BufferObject {
     hsdp_stats *stats;
     PyObject *module; /* strong: keeps the stats alive */
     /* Views of the bytes handed out and not yet returned (DLPack exports until their
-     * deleter runs, buffer-protocol exports until released): see [Note: leases] in
-     * docs/design.md. The pool reuses a buffer only while this is 0. GIL held. */
+     * deleter runs, buffer-protocol exports until released): see [Note: leases] above.
+     * The pool reuses a buffer only while this is 0. GIL held. */
     Py_ssize_t leases;
 } BufferObject;
 
@@ -121,13 +149,18 @@ extern PyType_Spec hsdp_py_group_spec;
 extern PyMethodDef hsdp_py_backend_functions[]; /* backend_functions.c */
 /* What a backend's unsharded buffers live on, as a dict (backend_functions.c). */
 PyObject *hsdp_py_device_info(const hsdp_backend *b);
-extern PyMethodDef hsdp_py_nccl_functions[]; /* nccl_functions.c */
-/* Unhooks and drops the module's out-of-memory handler (module teardown). */
-void hsdp_py_nccl_clear(modstate *ms);
+/* A backend's own part of hsdp._C (csrc/py_<backend>/): its module functions, and what it
+ * drops at module teardown (NULL: nothing). */
+typedef struct {
+    PyMethodDef *functions;
+    void (*clear)(modstate *ms);
+} hsdp_py_backend_part;
 
 /* ------------------------------------------------------------------ the rest */
 extern PyType_Spec hsdp_py_unit_spec;
 extern PyType_Spec hsdp_py_config_spec;
+/* _C.WIRE_NOT_BUILT: {wire format not built: why} (config_type.c). 0, or -1 with an error. */
+int hsdp_py_config_add_constants(PyObject *m);
 extern PyType_Spec hsdp_py_token_spec;
 
 /* The flags of every type hsdp._C defines whose objects hold Python references: immutable

@@ -176,6 +176,14 @@ hsdp_cudaError_t cudaHostAlloc(void **p, size_t n, unsigned flags) {
     return alloc(p, n, 1);
 }
 hsdp_cudaError_t cudaFreeHost(void *p) { return release(p, 1); }
+/* Free device memory: FAKE_FREE_BYTES (default 3 GiB) of a 4 GiB device, whatever is allocated:
+ * tests check that the number reaches the caller, not the fake's bookkeeping. */
+hsdp_cudaError_t cudaMemGetInfo(size_t *free_bytes, size_t *total) {
+    const char *s = getenv("FAKE_FREE_BYTES");
+    *free_bytes = s && *s ? (size_t)strtoull(s, NULL, 10) : (size_t)3 << 30;
+    *total = (size_t)4 << 30;
+    return hsdp_cudaSuccess;
+}
 hsdp_cudaError_t cudaPointerGetAttributes(hsdp_cudaPointerAttributes *a, const void *p) {
     context();
     memset(a, 0, sizeof *a);

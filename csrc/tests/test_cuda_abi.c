@@ -81,6 +81,7 @@ SAME_FN(cudaGetLastError);
 SAME_FN(cudaHostAlloc);
 SAME_FN(cudaFreeHost);
 SAME_FN(cudaStreamIsCapturing);
+SAME_FN(cudaMemGetInfo);
 /* with the real struct in place of ours, the prototype is the real one ... */
 HSDP_CUDA_STRUCT_FNS(real_, struct cudaPointerAttributes)
 SAME_TYPE(__typeof__(&cudaPointerGetAttributes), real_cudaPointerGetAttributes_fn);

@@ -2,7 +2,8 @@
 
 :func:`adapter_for` finds the adapter that owns a module; :func:`register_adapter` adds
 one (tried before the built-in ones); both are the engine's registry (``hsdp.engine.registry``),
-which the built-in adapters join here. The protocol is :class:`TensorAdapter` in ``base``.
+which the built-in adapters join here. The protocol is the engine's port,
+:class:`TensorAdapter` in ``hsdp.engine.port``.
 Built in: ``numpy`` (``hsdp.nn``) and ``torch`` (``torch.nn.Module``); the torch adapter is
 imported and registered only once torch itself has been imported by the program, so
 ``import hsdp`` never imports torch.
@@ -13,8 +14,8 @@ from __future__ import annotations
 import sys
 
 from ..engine import registry
+from ..engine.port import TensorAdapter
 from ..engine.registry import adapter_for, register_adapter
-from .base import TensorAdapter
 from .numpy import NumpyAdapter
 
 NUMPY = NumpyAdapter()

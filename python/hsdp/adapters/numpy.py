@@ -40,7 +40,7 @@ def _cast_tree(obj: Any, dtype: np.dtype, round_to: str | None = None) -> Any:
 
 
 class NumpyAdapter:
-    """:class:`~hsdp.adapters.base.TensorAdapter` for ``hsdp.nn`` modules."""
+    """:class:`~hsdp.engine.port.TensorAdapter` for ``hsdp.nn`` modules."""
 
     name = "numpy"
     bind_attr: str | None = "_data"  # the C unit sets Parameter._data to each view

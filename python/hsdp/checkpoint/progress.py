@@ -4,18 +4,14 @@ load leaves on the model (``hsdp.checkpoint.load_report(model)``)."""
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..world import distributed
+from ..world import distributed, job
 
 log = logging.getLogger("hsdp")
-
-_RANK_ENV = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "RANK")
-
 
 @dataclass(frozen=True)
 class LoadProgress:
@@ -55,11 +51,8 @@ ProgressArg = bool | Callable[[LoadProgress], None]
 def _rank() -> int:
     if distributed.is_initialized():
         return distributed.get_rank()
-    for k in _RANK_ENV:  # launched but not initialised (a whole load needs no collective)
-        v = os.environ.get(k, "")
-        if v.isdigit():
-            return int(v)
-    return 0
+    rank = job.launcher_rank()  # launched but not initialised (a whole load needs no collective)
+    return 0 if rank is None else rank
 
 
 class Progress:

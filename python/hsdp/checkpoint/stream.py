@@ -179,8 +179,9 @@ def load_model_sharded(
     so far unusable (its forward raises), never a half-loaded model that runs.
     """
     _check_config(hsdp_config)  # before the process group starts or a file opens
-    adapter_for(model).device_type(target_device)  # a ValueError naming a bad target_device
-    world = distributed.init_process_group()
+    framework = adapter_for(model).device_type(target_device)  # a ValueError naming a bad target_device
+    # the backend the device needs (NCCL for 'cuda', even under mpiexec), decided in world/
+    world = distributed.world_for(framework, f"target_device {target_device!r}")
     agree = _Agreement(world)
     own = not isinstance(checkpoint, Checkpoint)
 

@@ -23,6 +23,7 @@ def reference_pipeline(folder: str | Path, pipe: Any, dtype: Any, device: str | 
     import torch
 
     from hsdp.adapters.torch import unsharded_reference
+    from hsdp.engine.dtypes import as_dtype
     from hsdp.pipelines import pipeline_state
 
     folder = Path(folder)
@@ -37,7 +38,7 @@ def reference_pipeline(folder: str | Path, pipe: Any, dtype: Any, device: str | 
             # the unit choice and the float32-kept modules load_pipeline set on its instance
             model._hsdp_shard_conditions = list(sharded._hsdp_shard_conditions)
             model._keep_in_fp32_modules = getattr(sharded, "_keep_in_fp32_modules", None)
-            parts[name] = unsharded_reference(model, str(dtype).removeprefix("torch."))
+            parts[name] = unsharded_reference(model, as_dtype(dtype).name)
     # the folder's own class: DiffusionPipeline.from_pretrained reloads some passed components
     stock = getattr(diffusers, index["_class_name"]).from_pretrained(str(folder), dtype=dtype, **parts)
     if device is not None:

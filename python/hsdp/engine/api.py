@@ -30,7 +30,7 @@ from .schedule import Schedule, _budgeted
 from .units import ShardCondition, UnitShardHandle, UnitState
 
 if TYPE_CHECKING:
-    from ..adapters import TensorAdapter
+    from .port import TensorAdapter
 
 log = logging.getLogger("hsdp")
 

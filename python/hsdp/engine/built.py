@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .. import _C
+
 # Each parallel degree of DiffusionParallelConfig: the feature that executes it, and whether
 # it is built. Ulysses, ring attention and CFG parallel run (hsdp.parallel, hsdp.ring,
 # hsdp.parallel_torch). A config may still declare the others (the HSDP mesh over those
@@ -28,7 +30,8 @@ PARALLEL_DEGREES: dict[str, tuple[str, bool]] = {
 # the device's answer (its table's wire_missing; devices.prepare_wire), not listed here.
 # Formats a user may ask for that are not built, with why.
 WIRE_DTYPES: tuple[str, ...] = ("float8_e4m3fn",)
-WIRE_NOT_BUILT: dict[str, str] = {"float8_e5m2": "the block-scaled wire is float8_e4m3fn"}
+# Why each is not built, as the C core says it (HSDPInferenceConfig refuses them itself).
+WIRE_NOT_BUILT: dict[str, str] = dict(_C.WIRE_NOT_BUILT)
 
 
 def _declared(value: Any) -> bool:
@@ -56,8 +59,8 @@ def require_degrees_built(config: Any, tail: str) -> None:
     raise NotImplementedError(f"{' and '.join(parts)} {verb} not built yet; {tail}")
 
 
-def check_wire_dtype(name: str) -> None:
-    """NotImplementedError for a wire format that is not built. Unknown names are the
-    caller's ValueError."""
+def check_wire_dtype(name: str, what: str = "wire_dtype") -> None:
+    """NotImplementedError for a wire format that is not built, naming the parameter ``what``
+    (``hsdp_wire_dtype`` for DiffusionParallelConfig). Unknown names are the caller's ValueError."""
     if name in WIRE_NOT_BUILT:
-        raise NotImplementedError(f"wire_dtype={name!r} is not built: {WIRE_NOT_BUILT[name]}")
+        raise NotImplementedError(f"{what}={name!r} is not built: {WIRE_NOT_BUILT[name]}")

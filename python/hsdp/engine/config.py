@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from . import built
+from .dtypes import as_dtype
 
 __all__ = ["DiffusionParallelConfig", "add_parallel_args"]
 
@@ -93,11 +94,14 @@ def _as_wire_dtype(value: Any) -> str | None:
     ValueError naming the choices."""
     if value is None:
         return None
-    name = getattr(value, "name", None) or str(value).removeprefix("torch.")
+    try:  # the one reading of a dtype (a name, a NumPy or torch dtype): hsdp.engine.dtypes
+        name = as_dtype(value).name
+    except (TypeError, ValueError):
+        name = None
     if name in WIRE_DTYPES:
         return name
-    if name in built.WIRE_NOT_BUILT:
-        raise NotImplementedError(f"hsdp_wire_dtype={name!r} is not built: {built.WIRE_NOT_BUILT[name]}")
+    if name is not None:
+        built.check_wire_dtype(name, "hsdp_wire_dtype")
     raise ValueError(f"hsdp_wire_dtype must be None or one of {', '.join(WIRE_DTYPES)}, got {_describe_value(value)}")
 
 

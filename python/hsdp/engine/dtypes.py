@@ -102,3 +102,20 @@ def as_dtype(value: Any) -> DType:
 def from_numpy(dtype: np.dtype) -> DType:
     """The DType of a NumPy array's dtype (float32 arrays stay float32)."""
     return as_dtype(np.dtype(dtype))
+
+
+def optional_float_dtype(value: Any, what: str) -> DType | None:
+    """None, or the floating :class:`DType` ``value`` names: the one rule for a precision dtype
+    (``param_dtype``, ``reduce_dtype``, ``output_dtype``, ``wire_dtype``), for
+    MixedPrecisionPolicy and HSDPInferenceConfig (whose C constructor calls this). ``what``
+    names the parameter: a TypeError for what is no dtype, a ValueError for one that is not
+    floating."""
+    if value is None:
+        return None
+    try:
+        d = as_dtype(value)
+    except TypeError as exc:
+        raise TypeError(f"{what}: {exc}") from None
+    if not d.is_floating_point:
+        raise ValueError(f"{what} must be a floating-point dtype or None, got {d.name}")
+    return d

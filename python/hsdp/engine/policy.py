@@ -14,21 +14,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .dtypes import DType, as_dtype, float8_e4m3fn, float8_e5m2, float32
+from .dtypes import DType, float8_e4m3fn, float8_e5m2, float32, optional_float_dtype
 
 if TYPE_CHECKING:
-    from ..adapters.base import TensorAdapter
+    from .port import TensorAdapter
 
 FP8 = (float8_e4m3fn, float8_e5m2)
 
 
 def _opt(value: Any, what: str) -> DType | None:
-    if value is None:
-        return None
-    d = as_dtype(value)
-    if not d.is_floating_point:
-        raise ValueError(f"{what} must be a floating-point dtype or None, got {d.name}")
-    return d
+    return optional_float_dtype(value, what)  # the one rule (HSDPInferenceConfig's too)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The registry of tensor adapters the engine shards through: :func:`adapter_for` finds the
 one that owns a module. The engine knows only this registry and the protocol
-(``hsdp.adapters.base.TensorAdapter``); the adapters register themselves from the layer
+(``hsdp.engine.port.TensorAdapter``); the adapters register themselves from the layer
 above (``hsdp.adapters``), so no import runs from the engine up to a framework."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ..adapters.base import TensorAdapter
+    from .port import TensorAdapter
 
 _adapters: list[TensorAdapter] = []
 # Called before each lookup: a hook registers an adapter once its framework is there

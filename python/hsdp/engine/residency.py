@@ -29,9 +29,10 @@ which are the same on every rank.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
+
+from .. import _C
 
 if TYPE_CHECKING:
     from .units import UnitState
@@ -47,19 +48,6 @@ RULE = ("exposed first (the root, then the first unit of the forward), then smal
 AUTO_MARGIN = 0.20
 AUTO_MIN_MARGIN = 1 << 30
 
-_LOCAL_SIZE_VARS = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "PMI_LOCAL_SIZE", "LOCAL_WORLD_SIZE")
-
-
-def _local_ranks() -> int:
-    """Ranks on this host as the launcher says (MPI or torchrun), else 1: on CPU they share
-    one MemAvailable."""
-    for name in _LOCAL_SIZE_VARS:
-        text = os.environ.get(name)
-        if text and text.isdigit() and int(text) > 0:
-            return int(text)
-    return 1
-
-
 def mem_available(path: str = "/proc/meminfo") -> int:
     """The host's MemAvailable in bytes."""
     with open(path) as f:
@@ -71,17 +59,16 @@ def mem_available(path: str = "/proc/meminfo") -> int:
 
 def free_bytes(device: str) -> int:
     """Free memory this rank may use on ``device`` (a unit's: 'host' or its group's device):
-    on a GPU its framework's free bytes (torch.cuda.mem_get_info: cudaMemGetInfo), else the
-    host's MemAvailable divided among the ranks on this host (a device viewed as the CPU,
-    such as the test-only fakedev, is host memory)."""
-    from ..world import devices
+    the device's own free bytes where its device table can say (NCCL: cudaMemGetInfo, which
+    torch.cuda.mem_get_info reads too; no framework is asked), else the host's MemAvailable
+    divided among the ranks on this host (the host, and a device whose memory is the host's:
+    the test-only fakedev, NCCL over the test fake's host view)."""
+    from ..world import devices, job
 
-    framework = devices.framework_of(device)
-    if framework != devices.host_framework():
-        import torch  # lazy: only GPU models need it, and they have it
-
-        return int(getattr(torch, framework).mem_get_info()[0])
-    return mem_available() // _local_ranks()
+    on_device = _C.device_free_bytes(device) if devices.framework_of(device) != devices.host_framework() else None
+    if on_device is not None:
+        return int(on_device)
+    return mem_available() // job.local_size()  # ranks on a host share one MemAvailable
 
 
 def auto_budget(device: str) -> int:

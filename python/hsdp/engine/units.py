@@ -19,7 +19,7 @@ from .policy import MixedPrecisionPolicy
 from .schedule import Schedule
 
 if TYPE_CHECKING:
-    from ..adapters import TensorAdapter
+    from .port import TensorAdapter
 
 # What a sharded module keeps in its __dict__: leaf name -> callback taking the Parameter
 # that replaces it (UnitState.commit installs it; hsdp.nn.Module and the torch adapter call it).

@@ -105,7 +105,9 @@ class Omni:
         key = secrets.token_bytes(32)
         self._listener = Listener(("127.0.0.1", 0), authkey=key)
         host, port = self._listener.address
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_COMM_WORLD", "PMI_", "PMIX_"))}
+        from ..world.job import strip_launcher_env
+
+        env = strip_launcher_env()
         env.update({ADDRESS_ENV: f"{host}:{port}", AUTHKEY_ENV: key.hex(), OWNER_ENV: str(os.getpid())})
         cmd = [sys.executable, "-m", "hsdp.launch", "-n", str(self.world_size), "--", str(_ENTRY)]
         # a session of its own: a Ctrl-C meant for the caller does not kill the ranks mid-call;

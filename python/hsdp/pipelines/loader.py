@@ -144,13 +144,13 @@ def _key_map(model: Any) -> Any:
 
 
 def _load_sharded(c: Component, hsdp_cfg: Any, device: Any, dtype: torch.dtype, progress: bool) -> Any:
-    import hsdp
+    from ..checkpoint import load_model_sharded  # lazy, as the root's re-export was
 
     log.info("streaming '%s' (%s) sharded, units %s", c.name, c.class_name, describe(c.conditions))
     model = _empty(c, keep_fp32=dtype == torch.float16)
     key_map = _key_map(model) if c.library == "transformers" else None
-    return hsdp.load_model_sharded(model, c.folder, hsdp_cfg, target_device=device, progress=progress,
-                                   key_map=key_map)
+    return load_model_sharded(model, c.folder, hsdp_cfg, target_device=device, progress=progress,
+                              key_map=key_map)
 
 
 def load_pipeline(

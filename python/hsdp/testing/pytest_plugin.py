@@ -138,7 +138,9 @@ class RankJob(pytest.Item):
     def _launch(self, results: Path) -> tuple[int, str]:
         config = self.config
         root = config.rootpath
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_COMM_WORLD", "PMI_", "PMIX_"))}
+        from hsdp.world.job import strip_launcher_env
+
+        env = strip_launcher_env()
         env[INNER_ENV] = str(self.ranks)
         env[RESULTS_ENV] = str(results)
         # the ranks import what this process imports (a src layout, conftest's sys.path edits)

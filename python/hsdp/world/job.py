@@ -80,3 +80,44 @@ def launch_info(environ: Mapping[str, str] | None = None) -> Launch:
             restart=_int_var(env, "TORCHELASTIC_RESTART_COUNT", 0),
         )
     return Launch("single", 0, 1, _int_var(env, "LOCAL_RANK", 0))
+
+
+# Rank variables in the order they are trusted before a world exists: an MPI launcher's,
+# then torchrun's.
+_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "RANK")
+# Ranks on this host, as MPI launchers (Open MPI, MPICH/Hydra, PMI) and torchrun say it.
+_LOCAL_SIZE_VARS = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "PMI_LOCAL_SIZE", "LOCAL_WORLD_SIZE")
+# Prefixes of the variables that make a child process think it is a rank of this job.
+_JOB_PREFIXES = ("OMPI_COMM_WORLD", "PMI_", "PMIX_")
+
+
+def launcher_rank(environ: Mapping[str, str] | None = None) -> int | None:
+    """This process's rank as its launcher set it, before any world is started (a whole load
+    needs no collective, yet logs on rank 0 only); None when no launcher variable holds one."""
+    env = os.environ if environ is None else environ
+    for name in _RANK_VARS:
+        text = env.get(name, "")
+        if text.isdigit():
+            return int(text)
+    return None
+
+
+def local_size(environ: Mapping[str, str] | None = None) -> int:
+    """The ranks on this host as the launcher says (MPI or torchrun), else 1. A value that is
+    not a positive integer is skipped: this is an estimate (ranks sharing the host's memory),
+    never a check."""
+    env = os.environ if environ is None else environ
+    for name in _LOCAL_SIZE_VARS:
+        text = env.get(name)
+        if text and text.isdigit() and int(text) > 0:
+            return int(text)
+    return 1
+
+
+def strip_launcher_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """A copy of ``environ`` (default ``os.environ``) without the MPI launcher's per-rank
+    variables, for a process that starts a job of its own (``hsdp.launch``) from inside a
+    rank: its children must not take them for their own place in a job."""
+    env = os.environ if environ is None else environ
+    return {k: v for k, v in env.items() if not k.startswith(_JOB_PREFIXES)}
+

@@ -81,16 +81,17 @@ def library_paths() -> tuple[str, str]:
     return out[0], out[1]
 
 
-# How the C loader's message starts when the CUDA runtime finds no device. That is no missing
-# feature (NotImplementedError, the C core's code for "not built or not installed") but a
-# missing device: RuntimeError, as torch raises for one.
-NO_GPU = "no usable GPU for the NCCL backend"
+# Why the backend cannot run, by the exception the C loader raised for it: NotImplementedError
+# when it is not built or installed (HSDP_EUNSUPPORTED), RuntimeError when no GPU is there
+# (HSDP_ENODEVICE, typed in C: as torch raises for a missing GPU). unusable_reason() records
+# each reason it returns, so error_type() reads the type, never the text.
+_REASON_TYPES: dict[str, type[Exception]] = {}
 
 
 def error_type(reason: str) -> type[Exception]:
-    """The exception type for a reason the NCCL backend cannot run: RuntimeError when the
-    reason is that no GPU is there, NotImplementedError when it is not built or installed."""
-    return RuntimeError if reason.startswith(NO_GPU) else NotImplementedError
+    """The exception type for a reason the NCCL backend cannot run (one unusable_reason()
+    returned): the type the C core raised for it, NotImplementedError for any other."""
+    return _REASON_TYPES.get(reason, NotImplementedError)
 
 
 def built() -> bool:
@@ -107,13 +108,7 @@ def load() -> None:
         _C.nccl_load("", "")  # raises the build's own reason
     if _C.nccl_version():
         return
-    paths = library_paths()
-    try:
-        _C.nccl_load(*paths)
-    except NotImplementedError as exc:
-        if error_type(str(exc)) is RuntimeError:
-            raise RuntimeError(str(exc)) from None
-        raise
+    _C.nccl_load(*library_paths())  # RuntimeError when no GPU is there (typed in C)
 
 
 def unusable_reason() -> str | None:
@@ -121,6 +116,7 @@ def unusable_reason() -> str | None:
     try:
         load()
     except (NotImplementedError, RuntimeError, ValueError, OSError, ImportError) as exc:
+        _REASON_TYPES[str(exc)] = RuntimeError if type(exc) is RuntimeError else NotImplementedError
         return str(exc)
     return None
 

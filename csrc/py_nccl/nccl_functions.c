@@ -1,7 +1,9 @@
-/* nccl_functions.c - the module functions the Python side of the NCCL backend calls
- * (hsdp/nccl.py): load the libraries it found, make and hand in the unique id, and tell the
- * backend which stream torch computes on. Everything else goes through ProcessGroup. */
-#include "pyhsdp.h" /* first: Python.h must precede system headers */
+/* py_nccl/nccl_functions.c - the module functions the Python side of the NCCL backend calls
+ * (hsdp/world/nccl.py): load the libraries it found, make and hand in the unique id, and tell
+ * the backend which stream torch computes on. Everything else goes through ProcessGroup. The
+ * backend's own part of hsdp._C, beside the generic wrapper (csrc/py/) rather than in it:
+ * module.c adds it through one line of its list (hsdp_py_backend_part). */
+#include "../py/pyhsdp.h" /* first: Python.h must precede system headers */
 
 #include "../backend_nccl.h"
 #include "../cuda_dequant.h"
@@ -99,7 +101,7 @@ static int call_oom_handler(void *arg) {
     return retry;
 }
 
-void hsdp_py_nccl_clear(modstate *ms) {
+static void nccl_clear(modstate *ms) {
     if (!ms->oom_handler) return;
     hsdp_nccl_set_oom_handler(NULL, NULL);
     Py_CLEAR(ms->oom_handler);
@@ -109,7 +111,7 @@ static PyObject *mod_nccl_set_oom_handler(PyObject *m, PyObject *fn) {
     if (fn != Py_None && !PyCallable_Check(fn))
         return PyErr_Format(PyExc_TypeError, "the out-of-memory handler must be callable or None, got %R", fn);
     modstate *ms = PyModule_GetState(m);
-    hsdp_py_nccl_clear(ms);
+    nccl_clear(ms);
     if (fn != Py_None) {
         ms->oom_handler = Py_NewRef(fn);
         hsdp_nccl_set_oom_handler(call_oom_handler, ms);
@@ -143,7 +145,7 @@ static PyObject *mod_wire_cuda_image(PyObject *m, PyObject *unused) {
     return PyUnicode_FromString(image);
 }
 
-PyMethodDef hsdp_py_nccl_functions[] = {
+static PyMethodDef nccl_functions[] = {
     {"wire_cuda_load", mod_wire_cuda_load, METH_VARARGS,
      "wire_cuda_load(libnvrtc_path, libcuda_path): open both for the float8 wire's dequantization kernel, which "
      "is compiled for the GPU at the first float8 gather."},
@@ -168,3 +170,5 @@ PyMethodDef hsdp_py_nccl_functions[] = {
      "gathered different units. A no-op without an NCCL world."},
     {NULL, NULL, 0, NULL},
 };
+
+const hsdp_py_backend_part hsdp_py_nccl_part = {nccl_functions, nccl_clear};
