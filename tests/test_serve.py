@@ -338,8 +338,8 @@ def test_a_request_picks_its_step_cache_among_the_servers(folders):
     assert pick["cache"] == "taylorseer"
     assert video_params({"prompt": "a cat", "extra_params": '{"cache": "none"}'}, None, wan, caches=allowed)["cache"] is None
     assert image_params({"prompt": "a car", "extra_params": {"cache": "taylorseer"}}, flux, caches=allowed)["cache"] == "taylorseer"
-    for extra, words in (('{"cache": "first-block:0.9"}', "'first-block:0.9' is not one this server allows: "
-                                                          "'first-block:0.2', 'taylorseer', 'none'"),
+    for extra, words in (('{"cache": "first-block:0.9"}', ("'first-block:0.9' is not one this server allows: "
+                                                           "'first-block:0.2', 'taylorseer', 'none'")),
                          ('{"steps": 3}', "takes 'cache' only; unknown: 'steps'"),
                          ("[1]", "must be a JSON object, got list"), ("{", "must be a JSON object (")):
         with pytest.raises(RequestError, match=re.escape(words)) as err:
@@ -555,6 +555,34 @@ def test_openai_client_videos_create_with_seconds(video):
     assert job["inference_time_s"] > 0 and set(job["peak_memory_mb_per_rank"]) == {"0", "1"}, job
     assert job["peak_memory_mb"] > 0
     assert sdk.videos.download_content(v.id).content[4:8] == b"ftyp"
+
+
+def _doc_client_blocks() -> list[str]:
+    """The ```python blocks of docs/serving.md's "Examples: Python clients" section."""
+    text = (ROOT / "docs" / "serving.md").read_text(encoding="utf-8")
+    section = text.split("## Examples: Python clients", 1)[1].split("\n## ", 1)[0]
+    return [part.split("```", 1)[0] for part in section.split("```python\n")[1:]]
+
+
+@SDK_WARNING
+def test_the_docs_python_client_examples_run_against_the_tiny_servers(video, image, tmp_path, monkeypatch):
+    """docs/serving.md's SDK and httpx examples, as written, but for the address, the key and
+    the model id of these servers (the docs start theirs on port 8091, served as tiny-wan22 /
+    tiny-flux): each runs, and writes what it says it writes."""
+    pytest.importorskip("openai")
+    images, videos, plain = _doc_client_blocks()
+    monkeypatch.chdir(tmp_path)
+    for code, server, model, wrote, at, magic in ((images, image, "flux", "car.png", 0, b"\x89PNG"),
+                                                  (videos, video, "wan22", "cat.mp4", 4, b"ftyp"),
+                                                  (plain, video, None, "cat.mp4", 4, b"ftyp")):
+        assert "http://localhost:8091" in code, code
+        code = code.replace("http://localhost:8091", server.url).replace('"KEY"', f'"{KEY}"')
+        code = code.replace("Bearer KEY", f"Bearer {KEY}")
+        code = re.sub(r'model="tiny-(wan22|flux)"', f'model="{model}"', code)
+        assert "KEY" not in code.replace(KEY, "") and 'model="tiny-' not in code, code
+        (tmp_path / wrote).unlink(missing_ok=True)
+        exec(compile(code, "docs/serving.md", "exec"), {"__name__": "__main__"})  # noqa: S102 - the docs' own code
+        assert (tmp_path / wrote).read_bytes()[at:at + 4] == magic, (wrote, code)
 
 
 def test_cancel_a_running_default_sized_job_within_one_step_and_the_next_runs(client):
