@@ -76,11 +76,6 @@ def _script(tmp_path: Path, name: str, body: str) -> Path:
     return path
 
 
-def _python(script: Path, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(script)], cwd=script.parent, env=env, capture_output=True, text=True,
-                          timeout=timeout, check=False)
-
-
 def test_the_guides_quick_start_and_combined_mode_under_plain_python(hub_env, tmp_path):
     quick = _script(tmp_path, "quick_start.py", f'''
         from hsdp import Omni
@@ -119,12 +114,14 @@ def test_the_guides_quick_start_and_combined_mode_under_plain_python(hub_env, tm
         outputs = omni.generate("A cat playing piano", OmniDiffusionSamplingParams(num_inference_steps=4, {SIZES}))
         print("frames", outputs[0].images[0].shape, omni.info)
     ''')
-    proc = _python(quick, hub_env)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "frames video (5, 32, 32, 3) float32 True torch imported: False" in proc.stdout, proc.stdout
-    proc = _python(combined, hub_env)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "frames (5, 32, 32, 3) {'pipeline': 'WanPipeline', 'world_size': 2}" in proc.stdout, proc.stdout
+    # both at once (two jobs of 2 ranks each; the suite's time): each its own plain python
+    procs = [subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, env=hub_env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for script in (quick, combined)]
+    (out_q, err_q), (out_c, err_c) = (proc.communicate(timeout=600) for proc in procs)
+    assert procs[0].returncode == 0, out_q + err_q
+    assert "frames video (5, 32, 32, 3) float32 True torch imported: False" in out_q, out_q
+    assert procs[1].returncode == 0, out_c + err_c
+    assert "frames (5, 32, 32, 3) {'pipeline': 'WanPipeline', 'world_size': 2}" in out_c, out_c
 
 
 def test_float32_frames_equal_the_stock_pipeline_and_close_leaves_nothing(hub, hub_env):
@@ -173,18 +170,11 @@ time.sleep(600)  # killed here
 '''
 
 
-def test_an_exception_in_the_caller_leaves_nothing(hub_env, tmp_path):
+def test_a_caller_that_raises_or_is_killed_leaves_nothing(hub_env, tmp_path):
+    """Two callers at once (the suite's time): one raises after Omni started, one is killed."""
     script = _script(tmp_path, "caller.py", CALLER)
-    proc = subprocess.Popen([sys.executable, str(script), "raise"], cwd=tmp_path, env=hub_env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    stdout, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 1 and "RuntimeError: the caller's own bug" in stderr, stderr
-    launcher = int(stdout.split("launcher ")[1].split()[0])
-    assert _left(proc.pid, launcher) == ([], []), "left behind after the caller's exception"
-
-
-def test_a_killed_caller_leaves_nothing(hub_env, tmp_path):
-    script = _script(tmp_path, "caller.py", CALLER)
+    raising = subprocess.Popen([sys.executable, str(script), "raise"], cwd=tmp_path, env=hub_env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     proc = subprocess.Popen([sys.executable, str(script), "sleep"], cwd=tmp_path, env=hub_env,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
@@ -199,3 +189,8 @@ def test_a_killed_caller_leaves_nothing(hub_env, tmp_path):
     while _left(proc.pid, launcher) != ([], []) and time.monotonic() < deadline:
         time.sleep(0.2)  # polling for the job's end, not waiting for a result
     assert _left(proc.pid, launcher) == ([], []), "left behind after the caller was killed"
+
+    stdout, stderr = raising.communicate(timeout=300)
+    assert raising.returncode == 1 and "RuntimeError: the caller's own bug" in stderr, stderr
+    launcher = int(stdout.split("launcher ")[1].split()[0])
+    assert _left(raising.pid, launcher) == ([], []), "left behind after the caller's exception"
