@@ -146,3 +146,20 @@ def test_generate_model_id_self_launched(hub_wan, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "hsdp", "generate", "--model", "tiny/absent", "--prompt", "x"],
                          check=False, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "`hf download tiny/absent`" in bad.stderr, bad.stderr
+
+
+def test_serve_model_id_resolves_to_its_snapshot_and_is_served_by_its_id(hub_wan, monkeypatch):
+    """``hsdp serve tiny/wan22``: the checks the command runs before any rank starts resolve
+    the id to its cached snapshot (offline), and the model is listed under the id."""
+    pytest.importorskip("fastapi")
+    from hsdp.serve.cli import UsageError, build_parser, check_args
+
+    cache, snap = hub_wan
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    args = build_parser().parse_args(["tiny/wan22", "--use-hsdp", "--hsdp-shard-size", "2"])
+    folder, config = check_args(args)
+    assert Path(args.model) == snap and args.served_model_name == "tiny/wan22" and config.world_size == 2
+    args = build_parser().parse_args(["tiny/missing"])
+    with pytest.raises(UsageError, match="hf download tiny/missing"):
+        check_args(args)
