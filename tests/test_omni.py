@@ -86,7 +86,7 @@ def test_the_guides_quick_start_and_combined_mode_under_plain_python(hub_env, tm
             model="tiny/wan22",
             parallel_config=DiffusionParallelConfig(
                 use_hsdp=True,
-                hsdp_shard_size=2,  # Shard across 2 ranks
+                hsdp_shard_size=4,  # Shard across 4 GPUs (here 4 CPU ranks)
             ),
         )
 
