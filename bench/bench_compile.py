@@ -77,7 +77,12 @@ def worker(args: argparse.Namespace) -> None:
     def build() -> Any:
         model = make(args)
         if world.size > 1:
-            model._hsdp_shard_conditions = [lambda name, m: name.startswith("blocks.") and name.count(".") == 1]
+            from hsdp.pipelines.conditions import shard_conditions_for
+
+            # the registry's units for Wan (a block each), as load_pipeline shards it
+            model._hsdp_shard_conditions = list(shard_conditions_for(type(model)) or ())
+            # param_dtype float32: the model's own dtype, so both launches time the same float32
+            # arithmetic (the default, bfloat16 storage, would time a bf16 model against a float32 one)
             hsdp.apply_hsdp_to_model(model, hsdp.HSDPInferenceConfig(enabled=True, hsdp_shard_size=world.size,
                                                                      param_dtype="float32"))
         return model

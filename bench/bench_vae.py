@@ -109,6 +109,17 @@ def arg(name: str) -> str:
     return sys.argv[sys.argv.index(name) + 1]
 
 
+def make_vae():
+    """The bench's VAE: VAE's architecture, seed 0, TILES switched on."""
+    import torch
+    from diffusers import AutoencoderKLWan
+
+    torch.manual_seed(0)
+    vae = AutoencoderKLWan(**VAE).eval()
+    vae.enable_tiling(**TILES)
+    return vae
+
+
 def rank_vae() -> None:
     import numpy as np
     import torch
@@ -118,11 +129,8 @@ def rank_vae() -> None:
     if "--latent-frames" in sys.argv:
         LATENT["frames"] = int(arg("--latent-frames"))
     torch.set_num_threads(threads)
-    from diffusers import AutoencoderKLWan
 
-    torch.manual_seed(0)
-    vae = AutoencoderKLWan(**VAE).eval()
-    vae.enable_tiling(**TILES)
+    vae = make_vae()
     z = torch.randn(1, VAE["z_dim"], *LATENT.values(), generator=torch.Generator().manual_seed(1))
     world, spread, rank, barrier = None, None, 0, (lambda: None)
     waited = [0.0]  # seconds this rank spent in TileSpread's transfers (blocked on the other rank, or copying)
@@ -190,7 +198,6 @@ def rank_interleaved() -> None:
     """One 2-rank launch: per rep, alone (rank 0's stock decode), spread (TileSpread on both),
     both (the stock decode on both at once); [Note: interleaved]. Rank 0 prints the medians."""
     import torch
-    from diffusers import AutoencoderKLWan
 
     import hsdp
     from hsdp.pipelines.vae import TileSpread
@@ -199,13 +206,7 @@ def rank_interleaved() -> None:
     torch.set_num_threads(1)
     world = hsdp.distributed.init_process_group()
 
-    def make():
-        torch.manual_seed(0)
-        vae = AutoencoderKLWan(**VAE).eval()
-        vae.enable_tiling(**TILES)
-        return vae
-
-    stock, spread_vae = make(), make()
+    stock, spread_vae = make_vae(), make_vae()
     spread = TileSpread(spread_vae, world, world.size)
     z = torch.randn(1, VAE["z_dim"], *LATENT.values(), generator=torch.Generator().manual_seed(1))
     times: dict[str, list[float]] = {"alone": [], "spread": [], "both": []}

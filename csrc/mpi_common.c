@@ -68,6 +68,9 @@ hsdp_status hsdp_mpi_wrap(MPI_Comm c, hsdp_group **out) {
                 h->world_ranks = NULL;
             }
             MPI_Group_free(&world);
+        } else { /* never filled: no ranks rather than garbage in a timeout's message */
+            free(h->world_ranks);
+            h->world_ranks = NULL;
         }
         MPI_Group_free(&grp);
     } else {

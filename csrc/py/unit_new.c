@@ -229,8 +229,8 @@ PyObject *hsdp_py_unit_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     size_t *numels = calloc(cap, sizeof *numels);     /* owned here, freed below */
     hsdp_dtype *codes = calloc(cap, sizeof *codes);   /* owned here, freed below */
     hsdp_dtype *ccodes = calloc(cap, sizeof *ccodes); /* owned here, freed below */
-    self->ndims = calloc(cap, sizeof *self->ndims);
-    self->dim_off = calloc(cap, sizeof *self->dim_off);
+    self->ndims = calloc(cap, sizeof *self->ndims);     /* owned by the unit object; unit_dealloc */
+    self->dim_off = calloc(cap, sizeof *self->dim_off); /* owned by the unit object; unit_dealloc */
     int ok = numels && codes && ccodes && self->ndims && self->dim_off && self->name;
     if (!ok && !PyErr_Occurred()) PyErr_NoMemory();
     if (ok && bind_attr) {

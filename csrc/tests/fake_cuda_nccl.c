@@ -176,11 +176,21 @@ hsdp_cudaError_t cudaHostAlloc(void **p, size_t n, unsigned flags) {
     return alloc(p, n, 1);
 }
 hsdp_cudaError_t cudaFreeHost(void *p) { return release(p, 1); }
-/* Free device memory: FAKE_FREE_BYTES (default 3 GiB) of a 4 GiB device, whatever is allocated:
- * tests check that the number reaches the caller, not the fake's bookkeeping. */
+/* Free device memory. The real call (CUDA Runtime API, Memory Management, cudaMemGetInfo: "Gets
+ * free and total device memory ... available for allocation by the device" of the current
+ * device) acts on the calling thread's current device, making a context on device 0 when the
+ * thread has none: so the fake's context() runs, as in the other device calls. The figure is
+ * FAKE_FREE_BYTES (default 3 GiB) of a 4 GiB device, whatever is allocated: tests check that
+ * the number reaches the caller, not the fake's bookkeeping; a malformed value aborts. */
 hsdp_cudaError_t cudaMemGetInfo(size_t *free_bytes, size_t *total) {
+    context();
     const char *s = getenv("FAKE_FREE_BYTES");
-    *free_bytes = s && *s ? (size_t)strtoull(s, NULL, 10) : (size_t)3 << 30;
+    char *end = NULL;
+    *free_bytes = s && *s ? (size_t)strtoull(s, &end, 10) : (size_t)3 << 30;
+    if (s && *s && *end) {
+        fprintf(stderr, "fake_cuda_nccl: FAKE_FREE_BYTES=%s is not a byte count\n", s);
+        abort();
+    }
     *total = (size_t)4 << 30;
     return hsdp_cudaSuccess;
 }

@@ -168,12 +168,11 @@ def outside_graphs(hook: Callable[..., Any]) -> Callable[..., Any]:
     ([Note: compile]); eager forwards call it directly."""
     eager = torch.compiler.disable(hook)
 
-    def run(*args: Any) -> Any:
+    def run(*args: Any, **kwargs: Any) -> Any:
         if _is_compiling():
-            return eager(*args)
-        return hook(*args)
+            return eager(*args, **kwargs)
+        return hook(*args, **kwargs)
 
-    run.__wrapped__ = hook  # type: ignore[attr-defined]
     return run
 
 
@@ -387,7 +386,7 @@ class TorchAdapter:
     def to_float32(self, t: torch.Tensor) -> torch.Tensor:
         return t.float().contiguous()
 
-    @torch.compiler.disable  # a collective on the group's bytes: never traced ([Note: compile])
+    @outside_graphs  # a collective on the group's bytes: never traced ([Note: compile])
     def all_gather(self, group: Any, send: torch.Tensor) -> torch.Tensor:
         send = send.contiguous()
         recv = torch.empty((group.size, *send.shape), dtype=send.dtype, device=send.device)
@@ -397,7 +396,7 @@ class TorchAdapter:
             group.all_gather(as_numpy(send), as_numpy(recv))
         return recv
 
-    @torch.compiler.disable  # a collective on the group's bytes: never traced ([Note: compile])
+    @outside_graphs  # a collective on the group's bytes: never traced ([Note: compile])
     def all_to_all(self, group: Any, send: torch.Tensor) -> torch.Tensor:
         send = send.contiguous()
         recv = torch.empty_like(send)

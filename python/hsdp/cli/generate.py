@@ -401,9 +401,10 @@ def _wire_bound(args: argparse.Namespace) -> float | None:
 
 
 def run(args: argparse.Namespace, folder: PipelineFolder, config: DiffusionParallelConfig) -> int:
-    from hsdp.world import devices, distributed
+    from hsdp.cli.compile_mode import on_gpu as device_is_gpu
+    from hsdp.world import distributed
 
-    on_gpu = (args.device or devices.host_framework()).split(":")[0] != devices.host_framework()
+    on_gpu = device_is_gpu(args.device)
     # load_pipeline picks the same backend: NCCL for GPUs, otherwise what launched the job
     world = distributed.world_for_device(args.device, f"--device {args.device}")
     try:  # before torch is imported: a job of the wrong size costs nothing

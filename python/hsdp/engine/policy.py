@@ -22,10 +22,6 @@ if TYPE_CHECKING:
 FP8 = (float8_e4m3fn, float8_e5m2)
 
 
-def _opt(value: Any, what: str) -> DType | None:
-    return optional_float_dtype(value, what)  # the one rule (HSDPInferenceConfig's too)
-
-
 @dataclass(frozen=True)
 class MixedPrecisionPolicy:
     param_dtype: Any = None
@@ -34,8 +30,8 @@ class MixedPrecisionPolicy:
     cast_forward_inputs: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("param_dtype", "reduce_dtype", "output_dtype"):
-            object.__setattr__(self, name, _opt(getattr(self, name), name))
+        for name in ("param_dtype", "reduce_dtype", "output_dtype"):  # the one rule (HSDPInferenceConfig's too)
+            object.__setattr__(self, name, optional_float_dtype(getattr(self, name), name))
 
     @property
     def input_dtype(self) -> DType | None:

@@ -5,7 +5,7 @@ returning the outputs to the caller's process.
 
 [Note: who ends the ranks] The ranks outlive nothing of the caller's: they are a job of
 ``hsdp.launch`` in a session of its own, and rank 0 holds the one connection to the caller.
-``close()`` (also the context manager's exit, ``atexit``, and garbage collection) says stop
+``close()`` (also the context manager's exit and ``atexit``) says stop
 and waits for the job to end; if the caller dies instead, the connection ends, rank 0 reads
 that as stop, and every rank leaves the same way. Either way the launcher ends the job and
 removes its ``/dev/shm`` folder (:func:`hsdp.world.launch.end_job`). A job that will not end
@@ -259,7 +259,3 @@ class Omni:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def __del__(self) -> None:
-        if not getattr(self, "_closed", True):
-            self.close()

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from ..adapters.torch import TorchAdapter, _on_device
+from ..adapters.torch import TorchAdapter, _on_device, outside_graphs
 from ..adapters.torch import as_numpy as _np
 
 _TORCH = TorchAdapter()
@@ -227,7 +227,7 @@ class SequenceParallelAttention:
     # Eager under torch.compile, a graph break around each sequence-parallel attention call
     # ([Note: compile] in hsdp.adapters.torch): its exchanges hand tensors' bytes to the group,
     # and its counts (calls, even) are per-forward state no graph may freeze.
-    @torch.compiler.disable
+    @outside_graphs
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
                  scale: float | None = None, enable_gqa: bool = False, backend: Any = None) -> torch.Tensor:

@@ -231,10 +231,11 @@ class TileSpread:
         end: queue.Queue[Any] = queue.Queue()
 
         def on_call(tile: int, stock: Callable[..., torch.Tensor], *args: Any, **kwargs: Any) -> torch.Tensor:
-            owner = self.owners[tile] if tile < len(self.owners) else -1
-            if owner < 0:
-                raise RuntimeError(f"parallel VAE: the decode met tile {tile} but its census counted "
-                                   f"{len(self.owners)} tiles: the tile loop is not the same twice")
+            if tile >= len(self.owners):  # recorded: a non-writer's loop swallows what it raises
+                failed.append(RuntimeError(f"parallel VAE: the decode met tile {tile} but its census counted "
+                                           f"{len(self.owners)} tiles: the tile loop is not the same twice"))
+                raise failed[-1]
+            owner = self.owners[tile]
             if owner == self.rank:
                 if not writer and sent["tile"] not in (-1, tile):
                     self._mark(_TILE_END, 0)
