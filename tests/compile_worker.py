@@ -17,6 +17,10 @@
 - `pipeline:DIR`: the tiny Wan 2.2 folder DIR loaded over HSDP 1x2 in float32, both experts
   compiled whole by hsdp.cli.compile_mode.compile_pipeline, against the same pipeline eager;
   the second request runs under error_on_recompile (both experts again).
+- `pipeline-cfg:DIR`: the same with CFG parallel (cfg_parallel_size=2, guidance on: each rank
+  runs one of a step's two transformer calls, so each rank's forwards are half the HSDP case's).
+- `pipeline-dp:DIR`: the same with two data-parallel lanes of one rank (data_parallel_size=2),
+  two prompts a request, one a lane (the lanes' ballot counted).
 
 Each case resets Dynamo first (models of one class share code objects, so a new model's first
 compile would count as a recompile of the last one's frames) and requires that something was
@@ -161,19 +165,25 @@ def check_wire(world: Any) -> None:
     print(f"rank {world.rank}: compile wan wire ok, relative L2 {max(errors):.3g}", flush=True)
 
 
-def check_pipeline(folder: str, world: Any) -> None:
+STEPS = 4  # per request; guidance on, so 2 transformer calls a step
+
+
+def check_pipeline(folder: str, world: Any, layout: str = "hsdp") -> None:
     import numpy as np
 
     import hsdp.pipelines as hp
     from hsdp.cli.compile_mode import compile_pipeline
 
-    call = {"prompt": "a cat running in the snow", "negative_prompt": "blurry", "height": 32, "width": 32,
-            "num_frames": 5, "num_inference_steps": 4, "guidance_scale": 4.0, "max_sequence_length": 16,
+    prompts = ["a cat running in the snow", "a red boat on a lake"][: 2 if layout == "dp" else 1]
+    call = {"prompt": prompts, "negative_prompt": ["blurry"] * len(prompts), "height": 32, "width": 32,
+            "num_frames": 5, "num_inference_steps": STEPS, "guidance_scale": 4.0, "max_sequence_length": 16,
             "output_type": "np"}
-    config = DiffusionParallelConfig(use_hsdp=True, hsdp_shard_size=world.size)
+    config = DiffusionParallelConfig(use_hsdp=True, hsdp_shard_size=world.size,
+                                     cfg_parallel_size=2 if layout == "cfg" else 1,
+                                     data_parallel_size=2 if layout == "dp" else 1)
 
     def generate(pipe: Any) -> Any:
-        out = hp.generate(pipe, **call, generator=torch.Generator().manual_seed(0))
+        out = hp.generate(pipe, **call, generator=[torch.Generator().manual_seed(i) for i in range(len(prompts))])
         return None if out is None else out.frames
 
     expect = generate(hp.load_pipeline(folder, config, torch_dtype=torch.float32, progress=False))
@@ -189,11 +199,18 @@ def check_pipeline(folder: str, world: Any) -> None:
     with no_recompile():
         outs.append(generate(pipe))
     assert compiled_graphs() == graphs
+    # this rank's forwards over the two requests: CFG parallel halves them (one call of a
+    # step's two), a lane runs its own prompt's
+    calls = 2 * STEPS * (1 if layout == "cfg" else 2)
+    assert sum(ran.values()) == calls, (layout, ran, calls)
+    if layout == "dp":
+        ls = hp.pipeline_state(pipe).lockstep
+        assert ls is not None and ls.ballots > 0, ls
     if world.rank == 0:
         for i, got in enumerate(outs):
             diff = float(np.abs(got - expect).max())
-            assert got.shape == expect.shape and diff <= TOL, (i, diff)
-    print(f"rank {world.rank}: compile pipeline ok, {graphs} graphs, forwards {ran}", flush=True)
+            assert got.shape == expect.shape and got.shape[0] == len(prompts) and diff <= TOL, (i, got.shape, diff)
+    print(f"rank {world.rank}: compile pipeline {layout} ok, {graphs} graphs, forwards {ran}", flush=True)
 
 
 def main() -> None:
@@ -201,8 +218,8 @@ def main() -> None:
     assert world.size == 2, world.size
     for case in sys.argv[1:]:
         kind, _, rest = case.partition(":")
-        if kind == "pipeline":
-            check_pipeline(rest, world)
+        if kind.startswith("pipeline"):
+            check_pipeline(rest, world, kind.partition("-")[2] or "hsdp")
         elif rest == "residency":
             check_residency(world)
         elif rest == "wire":

@@ -30,13 +30,15 @@ def test_compiled_sharded_models_and_pipeline_equal_eager_without_recompiles(wan
     compiled whole and regionally: equal to eager within 1e-5 on every forward, no recompile
     after the warm-up across an explicit unshard, a reshard and hsdp.resident; Wan with a
     residency budget (units kept from the second forward on) and with the float8 wire; the
-    tiny Wan 2.2 pipeline with both experts compiled whole, two requests, the second under
-    error_on_recompile, frames within 1e-5 of the eager pipeline's."""
-    out = run_ranks(2, "tests/compile_worker.py", *MODEL_CASES, f"pipeline:{wan22}", timeout=600).stdout
+    tiny Wan 2.2 pipeline with both experts compiled whole, over HSDP 1x2, CFG parallel 2
+    (guidance on) and two data-parallel lanes (two prompts), two requests each, the second
+    under error_on_recompile, frames within 1e-5 of the same pipeline eager."""
+    out = run_ranks(2, "tests/compile_worker.py", *MODEL_CASES, f"pipeline:{wan22}", f"pipeline-cfg:{wan22}",
+                    f"pipeline-dp:{wan22}", timeout=600).stdout
     for what in ("wan hsdp whole (inductor)", "wan hsdp regional (inductor)", "flux hsdp whole (aot_eager)",
                  "flux hsdp regional (aot_eager)", "wan ulysses whole", "wan ulysses regional", "flux ulysses whole",
                  "flux ulysses regional", "wan ring whole", "wan ring regional", "wan residency", "wan wire",
-                 "pipeline"):
+                 "pipeline hsdp", "pipeline cfg", "pipeline dp"):
         assert out.count(f"compile {what}") == 2, (what, out)
 
 
@@ -67,3 +69,107 @@ def test_compile_flags_and_their_defaults(wan22):
             proc = subprocess.run(line + (["--prompt", "x"] if command == "generate" else []), capture_output=True,
                                   check=False, text=True, timeout=60)
             assert proc.returncode == 2 and message in proc.stderr, (command, flags, proc.returncode, proc.stderr)
+
+
+def test_compile_folder_check_refuses_regional_without_repeated_blocks(wan22, tmp_path):
+    """check_compile_folder, from the folder's JSON alone: regional is refused, naming the
+    transformer and its class, when that class (diffusers') names no _repeated_blocks; the
+    tiny Wan 2.2's WanTransformer3DModel passes, and whole and none pass any class."""
+    import json
+    import shutil
+
+    from hsdp.cli.compile_mode import check_compile_folder
+    from hsdp.cli.folder import read_folder
+
+    check_compile_folder("regional", read_folder(wan22))
+    folder = tmp_path / "no-blocks"
+    shutil.copytree(wan22, folder, ignore=shutil.ignore_patterns("*.safetensors", "*.bin"))
+    config = folder / "transformer_2" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "_class_name": "CogVideoXTransformer3DModel"}))
+    assert not getattr(__import__("diffusers").CogVideoXTransformer3DModel, "_repeated_blocks", None)
+    with pytest.raises(ValueError, match=r"transformer_2 \(CogVideoXTransformer3DModel\) names none .*--compile whole"):
+        check_compile_folder("regional", read_folder(folder))
+    for mode in ("whole", "none"):
+        check_compile_folder(mode, read_folder(folder))
+    with pytest.raises(ValueError, match="--compile must be one of regional, whole, none, got 'fast'"):
+        check_compile_folder("fast", read_folder(folder))
+
+
+def test_serve_shows_the_compile_warm_up_in_the_job_record(wan22, tmp_path):
+    """hsdp serve --compile whole over 2 ranks: the first job's record says it is compiling
+    while its first forward runs, then holds the warm-up (compile seconds, the transformers
+    compiled, its first step against the later ones); the second job's says no warm-up and
+    nothing compiled."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    from mpirun import MPI_ENV, ROOT
+
+    env = {**os.environ, **MPI_ENV,
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "python"), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    for name in ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "RANK", "WORLD_SIZE"):
+        env.pop(name, None)
+    cmd = [sys.executable, "-m", "hsdp", "serve", str(wan22), "--port", "0", "--use-hsdp", "--hsdp-shard-size", "2",
+           "--dtype", "float32", "--compile", "whole", "--output-dir", str(tmp_path / "out")]
+    err = (tmp_path / "serve.err").open("w")
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if "ready:" in line:
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+
+    def log() -> str:
+        return "".join(lines) + "--- stderr\n" + (tmp_path / "serve.err").read_text()
+
+    try:
+        assert ready.wait(240) and proc.poll() is None, log()
+        url = next(line.split("listening on ")[1].split()[0] for line in lines if "listening on " in line)
+        form = {"width": "32", "height": "32", "num_frames": "5", "num_inference_steps": "4", "seed": "1"}
+        with httpx.Client(base_url=url, timeout=60) as client:
+            records = []
+            for prompt in ("a cat running in the snow", "a red boat on a lake"):
+                job = client.post("/v1/videos", data={**form, "prompt": prompt}).json()
+                seen: list[dict] = []
+                deadline = time.monotonic() + 120
+                while job["status"] in ("queued", "in_progress") and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    job = client.get(f"/v1/videos/{job['id']}").json()
+                    if "compile" in job:
+                        seen.append(job["compile"])
+                assert job["status"] == "completed", (job, log())
+                records.append((job["compile"], seen))
+        (first, seen1), (second, seen2) = records
+        base = {"mode": "whole", "transformers": ["transformer", "transformer_2"]}
+        assert any(s.get("compiling") == "transformer" for s in seen1), seen1  # the warm-up, as it ran
+        assert first["warm_up"] is True and first["compile_seconds"] > 0, first
+        assert first.items() >= base.items() and "transformer" in first["compiled"], first
+        assert first["compiled"]["transformer"]["compile_seconds"] > 0, first
+        assert first["first_step_seconds"] > first["later_step_seconds"], first  # the first step waited
+        assert not any("compiling" in s for s in seen2), seen2
+        assert second.items() >= base.items(), second
+        assert second["warm_up"] is False and second["compile_seconds"] == 0 and second["compiled"] == {}, second
+        assert "waited for the compile warm-up (--compile whole)" in (tmp_path / "serve.err").read_text(), log()
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(30)
+        err.close()

@@ -64,6 +64,7 @@ class Job:
     inference_time_s: float | None = None  # the pipeline call and the write, on rank 0
     stage_durations: dict[str, float] | None = None  # encode, denoise, decode, write (seconds, rank 0)
     peak_memory_mb: dict[int, float] | None = None  # per rank of the job
+    compile: dict[str, Any] | None = None  # --compile: the warm-up this job waited for (hsdp.serve.worker)
     steps: int = 0  # denoising steps run so far
     cancel: threading.Event = field(default_factory=threading.Event)  # asked to stop at the next step
     cancel_reason: str | None = None
@@ -113,6 +114,8 @@ class Job:
         if self.peak_memory_mb:
             out["peak_memory_mb"] = max(self.peak_memory_mb.values())
             out["peak_memory_mb_per_rank"] = {str(r): v for r, v in sorted(self.peak_memory_mb.items())}
+        if self.compile is not None:
+            out["compile"] = self.compile
         if p.get("cache") is not None:  # the job's step cache and, once it ran on rank 0's lane, its counts
             out["cache"] = {"spec": p["cache"], "forwards": self.cache_counts}
         return out
@@ -282,6 +285,11 @@ class JobStore:
         with self._lock:
             job.steps = step
             job.progress = max(job.progress, min(99, int(100 * step / total) if total else 0))
+
+    def set_compile(self, job: Job, record: dict[str, Any]) -> None:
+        """The job's compile field (a new dict each time: the routes read it without the lock)."""
+        with self._lock:
+            job.compile = dict(record)
 
     def update(self, job: Job, params: dict[str, Any]) -> None:
         """The job's parameters as it runs them (the sizes it left out, filled)."""

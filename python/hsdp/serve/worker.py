@@ -96,6 +96,7 @@ class JobRun:
     first_forward: float | None = None
     last_step: float | None = None
     steps: int = 0
+    step_seconds: list[float] = field(default_factory=list)  # each step's seconds, as on_step gets them
 
     def agree(self, step: int, failure: BaseException | None) -> None:
         """The step agreement (see the note above)."""
@@ -167,6 +168,7 @@ def job_call(params: dict[str, Any], run: JobRun | None = None) -> dict[str, Any
         now = time.perf_counter()
         took = now - (run.last_step or run.first_forward or run.started)
         run.last_step, run.steps = now, step + 1
+        run.step_seconds.append(took)
         failure: BaseException | None = None
         try:
             if faulty:
@@ -202,7 +204,8 @@ def use_cache(pipe: Any, params: dict[str, Any]) -> None:
                 model.disable_cache()
         if spec is not None:
             model_name = type(pipe).__name__
-            enable_cache(pipe, parse_cache(spec, num_inference_steps=params.get("num_inference_steps"), model=model_name))
+            steps = params.get("num_inference_steps")
+            enable_cache(pipe, parse_cache(spec, num_inference_steps=steps, model=model_name))
         object.__setattr__(pipe, "_hsdp_serve_cache", key)
     if isinstance(state, PipelineState) and state.caches:
         for watch in state.caches.values():
@@ -256,7 +259,8 @@ def execute(pipe: Any, params: dict[str, Any], run: JobRun | None = None) -> Any
         _current["run"] = None
 
 
-def run_round(world: Any, pipe: Any, jobs: list[dict[str, Any]], runs: list[JobRun]) -> tuple[list[Any], list[str | None]]:
+def run_round(world: Any, pipe: Any, jobs: list[dict[str, Any]],
+              runs: list[JobRun]) -> tuple[list[Any], list[str | None]]:
     """Data parallel: job i of the round runs on lane i, every lane at once, the lanes gathering
     in lockstep (hsdp.pipelines.lanes.run_lanes); a job that fails or is cancelled (at a step
     boundary: the step agreement within its lane) ends alone. Every rank calls it with the
@@ -426,6 +430,67 @@ def _lane_group(world: Any, pipe: Any) -> Any:
 # ----------------------------------------------------------------------------- the loops
 
 
+class CompileRecord:
+    """Rank 0: the ``compile`` field of each job's record when the server compiles
+    (``--compile``: :func:`hsdp.cli.compile_mode.compile_watch`). A compiled transformer's first
+    forward is its compile, so the first job waits for it: while such a forward runs, the
+    running jobs show ``compiling`` (the transformer) and ``compiling_since`` (seconds); at
+    their end, ``warm_up`` (whether Dynamo compiled anything during the job: the first job, or
+    a later one at sizes that compile again), ``compile_seconds`` (Dynamo's, on rank 0),
+    ``compiled`` (the transformers whose first forward ran in the job, each with its seconds),
+    ``first_step_seconds`` and ``later_step_seconds`` (the median of the others). The lanes of a
+    data-parallel round compile at once and wait for each other, so every job of a round gets
+    the round's record, measured on rank 0's lane."""
+
+    def __init__(self, store: JobStore, watch: Any) -> None:
+        self.store, self.watch = store, watch
+        self.jobs: list[Job] = []
+        self.before: float | None = None
+        self.warmed: set[str] = set()
+        self.since = 0.0
+        watch.listeners.append(self._heard)
+
+    def _base(self) -> dict[str, Any]:
+        return {"mode": self.watch.mode, "transformers": list(self.watch.transformers)}
+
+    def start(self, jobs: list[Job]) -> None:
+        from hsdp.cli.compile_mode import compile_seconds
+
+        self.jobs, self.before, self.warmed = list(jobs), compile_seconds(), set(self.watch.warmed)
+        for job in jobs:
+            self.store.set_compile(job, self._base())
+
+    def _heard(self, name: str, started: bool) -> None:
+        """A compiled transformer's first forward started or ended (in the job loop's thread)."""
+        if started:
+            self.since = time.time()
+            record = {**self._base(), "compiling": name, "compiling_since": round(self.since, 3)}
+        else:
+            record = self._base()
+        for job in self.jobs:
+            self.store.set_compile(job, record)
+
+    def finish(self, jobs: list[Job], run: JobRun) -> None:
+        from hsdp.cli.compile_mode import compile_seconds
+
+        after = compile_seconds()
+        # None before: nothing compiled yet in this process (Dynamo keeps no entry until then)
+        spent = None if after is None else round(after - (self.before or 0.0), 3)
+        compiled = {n: dict(v) for n, v in self.watch.warmed.items() if n not in self.warmed}
+        later = sorted(run.step_seconds[1:])
+        record = {**self._base(), "warm_up": bool(compiled) or bool(spent), "compile_seconds": spent,
+                  "compiled": compiled,
+                  "first_step_seconds": round(run.step_seconds[0], 4) if run.step_seconds else None,
+                  "later_step_seconds": round(later[len(later) // 2], 4) if later else None}
+        for job in jobs:
+            self.store.set_compile(job, record)
+        if record["warm_up"]:
+            log.info("hsdp serve: %s waited for the compile warm-up (--compile %s): %s s compiling, first step "
+                     "%s s, later steps %s s", ", ".join(j.id for j in jobs), self.watch.mode, spent,
+                     record["first_step_seconds"], record["later_step_seconds"])
+        self.jobs = []
+
+
 @dataclass
 class LeaderSettings:
     """What rank 0's loop needs besides the ranks and the pipeline: where videos go, the
@@ -482,6 +547,10 @@ def leader_loop(world: Any, pipe: Any, store: JobStore, settings: LeaderSettings
         channel.listen(world)
         store.on_cancel.append(lambda job: channel.cancel(job.id))
     lane = _lane_group(world, pipe)
+    from hsdp.cli.compile_mode import compile_watch
+
+    watch = compile_watch(pipe)
+    record = CompileRecord(store, watch) if watch is not None else None
     try:
         while True:
             job = store.next(beat)
@@ -494,9 +563,11 @@ def leader_loop(world: Any, pipe: Any, store: JobStore, settings: LeaderSettings
                 jobs = _fill_lanes(store, job, groups.dp_degree)
                 for j in jobs:
                     _start(store, j, settings, defaults)
-                ran += _leader_round(world, pipe, store, settings.output_dir, jobs, lane)
+                ran += _leader_round(world, pipe, store, settings.output_dir, jobs, lane, record)
                 continue
             _start(store, job, settings, defaults)
+            if record is not None:
+                record.start([job])
             send_message(world, {"op": "job", "id": job.id, "params": job.params})
             run = _leader_run(job, store, world)
             error: str | None = None
@@ -521,6 +592,8 @@ def leader_loop(world: Any, pipe: Any, store: JobStore, settings: LeaderSettings
             job.peak_memory_mb = _gather_peaks(world)
             job.inference_time_s = round(written - run.started, 4)
             job.stage_durations = run.stages(finished, written)
+            if record is not None:
+                record.finish([job], run)
             _finish(store, job, error)
             ran += 1
     finally:
@@ -551,13 +624,18 @@ def _fill_lanes(store: JobStore, first: Job, lanes: int) -> list[Job]:
     return jobs
 
 
-def _leader_round(world: Any, pipe: Any, store: JobStore, output_dir: Path, jobs: list[Job], lane: Any) -> int:
+def _leader_round(world: Any, pipe: Any, store: JobStore, output_dir: Path, jobs: list[Job], lane: Any,
+                  record: CompileRecord | None = None) -> int:
     """Rank 0: one round of data-parallel jobs (job i on lane i); each saved or failed alone."""
     send_message(world, {"op": "round", "jobs": [{"id": j.id, "params": j.params} for j in jobs]})
     # rank 0 hears its own lane's cancels from the job; the others' lanes, through the channel
     runs = [_leader_run(jobs[0], store, lane)] + [JobRun(j.id, lane, j.cancel.is_set) for j in jobs[1:]]
+    if record is not None:
+        record.start(jobs)
     results, errors = run_round(world, pipe, [j.params for j in jobs], runs)
     finished = time.perf_counter()
+    if record is not None:
+        record.finish(jobs, runs[0])
     jobs[0].cache_counts = cache_counts(pipe)  # rank 0 ran the first job (lane 0): its counts are that job's
     peaks = _gather_peaks(world)
     for i, (job, result, error) in enumerate(zip(jobs, results, errors, strict=True)):
