@@ -4,16 +4,20 @@ on the same model unsharded (1 process), in one run.
     .venv/bin/python bench/bench_compile.py [--layers 8] [--heads 8] [--tokens 864] [--reps 5] [--record PATH]
 
 The model is a stock diffusers ``WanTransformer3DModel`` with random weights (``--heads`` x 64
-wide, FFN 4x, ``--layers`` blocks; float32), fed one fixed input: a latent of ``--tokens``
-patches (6 frames x H x W after Wan's (1, 2, 2) patching) and 64 text tokens. A "step" is one
-transformer forward, what a denoising step calls (twice with guidance).
+wide, FFN 4x, ``--layers`` blocks) in bfloat16, as a user loads it
+(``load_pipeline(..., torch_dtype=torch.bfloat16)``, the loader's default too), fed one fixed
+bfloat16 input: a latent of ``--tokens`` patches (6 frames x H x W after Wan's (1, 2, 2)
+patching) and 64 text tokens. A "step" is one transformer forward, what a denoising step calls
+(twice with guidance). Nothing is set that a user would not set: the sharded model takes
+``HSDPInferenceConfig``'s defaults (``param_dtype`` bfloat16: the model's own dtype, so both
+launches time the same bfloat16 arithmetic).
 
 Two launches (``harness.launch``), each timing three ways of running the same weights,
 interleaved rep by rep (eager, whole, regional / whole, regional, eager / ...), the figure the
 median:
 
 - **eager**: the model as it is (1 process: unsharded; 2 ranks: sharded by
-  ``hsdp.apply_hsdp_to_model``, every block a unit, float32);
+  ``hsdp.apply_hsdp_to_model`` with the defaults, every block a unit, as load_pipeline shards it);
 - **whole**: ``torch.compile(model)``;
 - **regional**: a second copy of the model with ``model.compile_repeated_blocks()``
   (diffusers' regional compile, what ``--compile regional`` does).
@@ -23,8 +27,11 @@ request waits for), then ``--reps`` times. speed-up = t(eager) / t(compiled) per
 verdict: hsdp's speed-up over the unsharded model's, goal >= 0.9, for each compiled way. Each
 rank runs one torch thread (the harness's environment), the 1-process launch too; the driver
 waits for a quiet machine before each launch (``harness.wait_quiet``) and records the loads.
-Outputs are checked equal to eager (max abs <= 1e-4: Inductor reorders float32 sums) in every
-launch.
+Outputs are checked against eager in every launch by relative L2 (||compiled - eager|| /
+||eager|| <= 3e-2), not max abs: in bfloat16 Inductor computes each fused chain of elementwise
+ops in float32 and rounds once, where eager rounds every op's output to bfloat16 (a relative
+2^-8 each time), so the two differ by a few roundings per block, spread over the whole output
+(tests/test_compile.py checks exactness in float32, within 1e-5).
 """
 
 from __future__ import annotations
@@ -42,6 +49,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import ROOT, interleaved, launch, machine, table, wait_quiet  # noqa: E402
 
 WAYS = ("eager", "whole", "regional")
+DTYPE_NAME = "bfloat16"  # load_pipeline's default torch_dtype and HSDPInferenceConfig's param_dtype
+TOLERANCE = 3e-2  # relative L2 against eager in bfloat16 (the module's docstring says why)
+
+
+def dtype() -> Any:
+    """torch's bfloat16 (torch is imported in the workers only)."""
+    import torch
+
+    return getattr(torch, DTYPE_NAME)
 
 
 def make(args: argparse.Namespace) -> Any:
@@ -53,7 +69,7 @@ def make(args: argparse.Namespace) -> Any:
         patch_size=(1, 2, 2), num_attention_heads=args.heads, attention_head_dim=64, in_channels=16, out_channels=16,
         text_dim=256, freq_dim=256, ffn_dim=args.heads * 64 * 4, num_layers=args.layers, cross_attn_norm=True,
         qk_norm="rms_norm_across_heads", rope_max_seq_len=1024,
-    ).eval()
+    ).to(dtype()).eval()
 
 
 def inputs(args: argparse.Namespace) -> tuple[Any, ...]:
@@ -62,7 +78,8 @@ def inputs(args: argparse.Namespace) -> tuple[Any, ...]:
     side = round((args.tokens / 6) ** 0.5)  # patches per side of each of the 6 latent frames
     g = torch.Generator().manual_seed(1)
     x = torch.randn(1, 16, 6, 2 * side, 2 * side, generator=g)
-    return x, torch.tensor([500]), torch.randn(1, 64, 256, generator=g)
+    # the model's dtype, as the pipeline casts its latents and text embeddings
+    return x.to(dtype()), torch.tensor([500]), torch.randn(1, 64, 256, generator=g).to(dtype())
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -81,10 +98,8 @@ def worker(args: argparse.Namespace) -> None:
 
             # the registry's units for Wan (a block each), as load_pipeline shards it
             model._hsdp_shard_conditions = list(shard_conditions_for(type(model)) or ())
-            # param_dtype float32: the model's own dtype, so both launches time the same float32
-            # arithmetic (the default, bfloat16 storage, would time a bf16 model against a float32 one)
-            hsdp.apply_hsdp_to_model(model, hsdp.HSDPInferenceConfig(enabled=True, hsdp_shard_size=world.size,
-                                                                     param_dtype="float32"))
+            # the defaults (param_dtype bfloat16: the model's own dtype, as a user's bfloat16 load)
+            hsdp.apply_hsdp_to_model(model, hsdp.HSDPInferenceConfig(enabled=True, hsdp_shard_size=world.size))
         return model
 
     eager = build()
@@ -104,9 +119,10 @@ def worker(args: argparse.Namespace) -> None:
         t0 = time.perf_counter()
         got = step(way)
         record["warmup_s"][way] = round(time.perf_counter() - t0, 2)
-        diff = (got - expect).abs().max().item()
-        assert diff <= 1e-4, (way, diff)
-        record[f"max_abs_{way}"] = diff
+        assert got.dtype == expect.dtype == dtype(), (got.dtype, expect.dtype)
+        rel = ((got.float() - expect.float()).norm() / expect.float().norm()).item()
+        assert rel <= TOLERANCE, f"{way}: relative L2 against eager {rel:.3g}, over {TOLERANCE:g}"
+        record[f"rel_l2_{way}"] = rel
     fns = [lambda w=w: step(w) for w in WAYS]
     torch._dynamo.config.error_on_recompile = True  # steady state: a recompile would be timed
     record["step_s"] = dict(zip(WAYS, interleaved(fns, args.reps, sync=world.barrier)))
