@@ -147,6 +147,45 @@ def test_missing_mpiexec(tmp_path, capsys, monkeypatch) -> None:
     assert "mpiexec was not found on PATH" in err and "apt-get install openmpi-bin" in err
 
 
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_commands_start_ranks_through_run_job(tmp_path, capsys, monkeypatch, command) -> None:
+    """hsdp generate and hsdp serve, from a plain shell, start their ranks through the one job
+    runner (hsdp.world.launch.run_job): the ranks, the entry script and serve's keywords as
+    asked; a missing mpiexec is the command's own error with run_job's status and hint."""
+    from hsdp.cli import generate, ranks
+    from hsdp.serve import cli as serve_cli
+    from hsdp.testing.tiny_pipeline import make_tiny_pipeline
+
+    folder = make_tiny_pipeline(tmp_path / "wan", "wan22", seed=0)
+    for var in ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_SIZE", "PMI_RANK", "WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(var, raising=False)
+    argv = ["--model", str(folder), "--use-hsdp", "--hsdp-shard-size", "2"]
+    if command == "generate":
+        argv += ["--prompt", "a cat", "--output", str(tmp_path / "out.mp4")]
+    main = generate.main if command == "generate" else serve_cli.main
+    calls = []
+
+    def fake_run_job(nproc, cmd, **kwargs):
+        calls.append((nproc, list(cmd), kwargs))
+        return 7
+
+    monkeypatch.setattr(launch, "run_job", fake_run_job)
+    assert main(argv) == 7
+    nproc, cmd, kwargs = calls[0]
+    assert nproc == 2 and cmd[0] == str(ranks._ENTRY) and cmd[1] == command and cmd[2:4] == ["--model", str(folder)]
+    if command == "serve":  # the pid file rank 0 writes, the first SIGTERM to rank 0 alone, a session of its own
+        assert serve_cli.CONTROL_ENV in kwargs["env"] and kwargs["new_session"] and callable(kwargs["on_signal"])
+    assert f"hsdp {command}: starting 2 ranks" in capsys.readouterr().err
+
+    monkeypatch.undo()
+    monkeypatch.setenv("PATH", str(tmp_path))  # no mpiexec
+    for var in ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_SIZE", "PMI_RANK", "WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(var, raising=False)
+    assert main(argv) == launch.EXIT_NO_MPIEXEC
+    err = capsys.readouterr().err
+    assert f"hsdp {command}: error: mpiexec was not found on PATH" in err and "apt-get install openmpi-bin" in err
+
+
 # ------------------------------------------------------------------------------- bootstrap
 
 

@@ -32,28 +32,23 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from hsdp.cli.base import UsageError, add_load_args, command_main, start_rank
 from hsdp.cli.cache_spec import CACHE_HELP
-from hsdp.cli.compile_mode import add_compile_args, apply_compile_flags
+from hsdp.cli.compile_mode import apply_compile_flags, check_compile_folder
 from hsdp.cli.folder import FolderError, PipelineFolder, read_folder
 from hsdp.cli.media import SUFFIXES, check_suffix, write_output
-from hsdp.cli.ranks import command_main, launch_self, usage_error
+from hsdp.cli.ranks import launch_self
 from hsdp.cli.verify import reference_pipeline
-from hsdp.engine.config import DiffusionParallelConfig, add_parallel_args
+from hsdp.engine.config import DiffusionParallelConfig
 from hsdp.hub import HubError, resolve_model_flag
 
-__all__ = ["build_parser", "main"]
+__all__ = ["UsageError", "build_parser", "main"]
 
 PROG = "hsdp generate"
 EXIT_MISMATCH = 1
-EXIT_USAGE = 2
-DTYPES = ("bfloat16", "float32", "float16")
 # --verify's default tolerance on [0, 1] frames. The reference computes what the sharded run
 # computes (reference_pipeline), in every dtype, so only summation order may differ.
 VERIFY_TOLERANCE = 1e-4
-
-
-class UsageError(ValueError):
-    """Bad input, found before any heavy work; the message names what is wrong."""
 
 
 def _gpu_peak_bytes(torch: Any, held: int) -> int:
@@ -75,11 +70,6 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="example: hsdp generate --model tiny-wan22 --prompt 'a cat in the snow' --use-hsdp "
         "--hsdp-shard-size 2 --height 32 --width 32 --num-frames 5 --output outputs/cat.mp4",
     )
-    p.add_argument("--model", type=Path, required=True, metavar="DIR",
-                   help="a diffusers pipeline folder (model_index.json; save_pretrained's layout), or a Hugging "
-                   "Face hub id (org/name) resolved from the local cache (downloaded unless HF_HUB_OFFLINE is set)")
-    p.add_argument("--revision", default=None, metavar="REV",
-                   help="the hub branch, tag or commit of a hub id --model (default: main)")
     p.add_argument("--prompt", action="append", default=None,
                    help="the text prompt; repeat it for several outputs (NAME-0, NAME-1, ... in prompt order, "
                    "seeded --seed + i), spread over the lanes with --data-parallel-size")
@@ -104,12 +94,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0,
                    help="generator=torch.Generator('cpu').manual_seed(SEED), the same on every rank "
                    "(default: %(default)s)")
-    p.add_argument("--dtype", default="bfloat16", choices=DTYPES,
-                   help="torch_dtype of the pipeline, and of the shards (default: %(default)s)")
-    p.add_argument("--device", default=None,
-                   help="cpu (default) or cuda: one GPU per rank, the NCCL backend")
-    p.add_argument("--replicate-text-encoders", action="store_true",
-                   help="keep whole text encoders on every rank instead of sharding them")
     p.add_argument("--output", type=Path, default=None, metavar="FILE",
                    help="written by rank 0: .mp4 or .gif (video), .png (image models), .npy (the raw [0, 1] "
                    "frames); default outputs/generate.mp4 or .png. The run report goes beside it as .json")
@@ -121,8 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "above the float8 wire's documented bound, 0.05)")
     p.add_argument("--verify-tolerance", type=float, default=VERIFY_TOLERANCE, metavar="T",
                    help="largest allowed |difference| on [0, 1] frames (default %(default)g)")
-    add_compile_args(p)
-    add_parallel_args(p)
+    add_load_args(p, model_required=True)
     return p
 
 
@@ -199,7 +182,7 @@ def check_args(args: argparse.Namespace) -> tuple[PipelineFolder, DiffusionParal
         raise UsageError(str(exc)) from None
     _check_sequence_split(args, folder, config)
     try:
-        apply_compile_flags(args)
+        check_compile_folder(apply_compile_flags(args), folder)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     if args.cache is not None:
@@ -270,10 +253,6 @@ def _check_image(path: Path) -> None:
             img.verify()
     except (UnidentifiedImageError, OSError) as exc:
         raise UsageError(f"--image {path}: not an image PIL can read ({exc})") from None
-
-
-def _usage_error(message: str) -> int:
-    return usage_error(PROG, message, EXIT_USAGE)
 
 
 # ----------------------------------------------------------------------------- the run
@@ -402,15 +381,9 @@ def _wire_bound(args: argparse.Namespace) -> float | None:
 
 def run(args: argparse.Namespace, folder: PipelineFolder, config: DiffusionParallelConfig) -> int:
     from hsdp.cli.compile_mode import on_gpu as device_is_gpu
-    from hsdp.world import distributed
 
     on_gpu = device_is_gpu(args.device)
-    # load_pipeline picks the same backend: NCCL for GPUs, otherwise what launched the job
-    world = distributed.world_for_device(args.device, f"--device {args.device}")
-    try:  # before torch is imported: a job of the wrong size costs nothing
-        config.check_world(world.size)
-    except ValueError as exc:
-        return _usage_error(str(exc))
+    world = start_rank(args, config)  # load_pipeline picks the same backend
 
     import torch
 
@@ -424,7 +397,6 @@ def run(args: argparse.Namespace, folder: PipelineFolder, config: DiffusionParal
     from hsdp.pipelines import PipelineFolderError, generate, load_pipeline
 
     rank0 = world.rank == 0
-    logging.basicConfig(level=logging.INFO if rank0 else logging.WARNING, format="%(name)s: %(message)s")
     if not rank0:  # diffusers' and transformers' loading bars, once for the job
         import diffusers
         import transformers
@@ -438,7 +410,7 @@ def run(args: argparse.Namespace, folder: PipelineFolder, config: DiffusionParal
         pipe = load_pipeline(folder.path, config, torch_dtype=dtype, device=args.device,
                              shard_text_encoders=not args.replicate_text_encoders, progress=rank0)
     except (PipelineFolderError, NotImplementedError) as exc:
-        return _usage_error(str(exc))
+        raise UsageError(str(exc)) from None
     load_seconds = time.perf_counter() - started
     load_peak = peak_rss_bytes()
     pipe.set_progress_bar_config(disable=not rank0)  # diffusers' step bar, once
@@ -448,10 +420,7 @@ def run(args: argparse.Namespace, folder: PipelineFolder, config: DiffusionParal
         enable_cache(pipe, _cache_config(args, folder))
     from hsdp.cli.compile_mode import compile_pipeline, compile_seconds
 
-    try:
-        compiled = compile_pipeline(pipe, args.compile)  # in place; the first steps below compile
-    except ValueError as exc:  # --compile regional on a transformer without repeated blocks
-        return _usage_error(str(exc))
+    compiled = compile_pipeline(pipe, args.compile)  # in place (check_args checked the mode against the folder)
 
     kwargs = call_kwargs(args, folder)
     clock = StepClock()
@@ -604,4 +573,4 @@ def _rows(report: dict[str, Any], fmt_bytes: Any) -> list[tuple[str, str]]:
 def main(argv: Sequence[str] | None = None) -> int:
     """``hsdp generate ARGS``; returns the exit status."""
     return command_main(PROG, argv, build_parser(), check_args, run,
-                        lambda n, args: launch_self(n, ["generate", *args]), UsageError, "with hsdp.launch")
+                        lambda n, args: launch_self(n, ["generate", *args]))

@@ -3,9 +3,8 @@
     hsdp serve --model DIR --use-hsdp --hsdp-shard-size 2 [--host 127.0.0.1] [--port 8091] [--api-key KEY]
 
 The number of ranks follows from the parallel flags, as for ``hsdp generate``: run from a
-plain shell, the command starts them itself through mpiexec (with :mod:`hsdp.launch`'s
-settings); inside a job that ``mpiexec``, ``hsdp.launch`` or ``torchrun`` started, it runs as
-the rank it is.
+plain shell, the command starts them itself through :mod:`hsdp.launch`'s job runner; inside
+a job that ``mpiexec``, ``hsdp.launch`` or ``torchrun`` started, it runs as the rank it is.
 
 Shutdown: SIGTERM to the command stops rank 0 accepting (new jobs get 503), gives the running
 job ``--shutdown-grace`` seconds and then cancels it, fails the queued ones (with
@@ -19,7 +18,6 @@ temporary files it made (the pid file, the temporary output folder).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import os
 import shutil
@@ -34,16 +32,15 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from hsdp.cli.base import UsageError, add_load_args, command_main, start_rank
 from hsdp.cli.cache_spec import CACHE_HELP
-from hsdp.cli.compile_mode import add_compile_args, apply_compile_flags
+from hsdp.cli.compile_mode import apply_compile_flags, check_compile_folder
 from hsdp.cli.folder import FolderError, PipelineFolder, read_folder
-from hsdp.engine.config import DiffusionParallelConfig, add_parallel_args
+from hsdp.engine.config import DiffusionParallelConfig
 
-__all__ = ["CONTROL_ENV", "build_parser", "main"]
+__all__ = ["CONTROL_ENV", "UsageError", "build_parser", "main"]
 
 PROG = "hsdp serve"
-EXIT_USAGE = 2
-DTYPES = ("bfloat16", "float32", "float16")
 # Set by the self-launching command for its ranks: the file rank 0 writes its pid into, so the
 # command can signal rank 0 alone.
 CONTROL_ENV = "HSDP_SERVE_CONTROL"
@@ -52,10 +49,6 @@ CONTROL_ENV = "HSDP_SERVE_CONTROL"
 TEMP_ENV = "HSDP_SERVE_TEMP_DIR"
 
 log = logging.getLogger("hsdp.serve")
-
-
-class UsageError(ValueError):
-    pass
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,10 +62,6 @@ def build_parser() -> argparse.ArgumentParser:
     # vllm serve's shape: the model may come first, without --model (main() moves it there)
     p.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
                    help="the same as --model, as in `vllm serve MODEL`")
-    p.add_argument("--model", type=Path, default=None, metavar="DIR",
-                   help="a diffusers pipeline folder (model_index.json; save_pretrained's layout), or a Hugging "
-                   "Face hub id (org/name) resolved from the local cache")
-    p.add_argument("--revision", default=None, metavar="REV", help="the hub revision of a hub id --model")
     p.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model id in /v1/models and requests (default: the folder's name)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
@@ -84,11 +73,6 @@ def build_parser() -> argparse.ArgumentParser:
                    "folder of this server, removed when it stops")
     p.add_argument("--max-queue", type=int, default=256, metavar="N",
                    help="jobs that may wait; beyond, requests get 429 (default: %(default)s)")
-    p.add_argument("--dtype", default="bfloat16", choices=DTYPES,
-                   help="torch_dtype of the pipeline, and of the shards (default: %(default)s)")
-    p.add_argument("--device", default=None, help="cpu or cuda (one GPU per rank); default: load_pipeline's choice")
-    p.add_argument("--replicate-text-encoders", action="store_true",
-                   help="keep whole text encoders on every rank instead of sharding them")
     p.add_argument("--cache", action="append", default=None, metavar="KIND[:ARGS]",
                    help=CACHE_HELP + ". Repeat it to allow several: the first is every job's default, and a "
                    "request picks another (or none) with extra_params={\"cache\": \"...\"}; --cache none first: no cache by "
@@ -114,8 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
                    help="after SIGTERM, how long the running job may take before it is cancelled (default: "
                    "%(default)s); a second SIGTERM, or SIGINT, ends the server at once")
-    add_compile_args(p)
-    add_parallel_args(p)
+    add_load_args(p, model_required=False)  # MODEL or --model: check_args says which is missing
     return p
 
 
@@ -177,7 +160,7 @@ def check_args(args: argparse.Namespace) -> tuple[PipelineFolder, DiffusionParal
     except (ValueError, NotImplementedError) as exc:
         raise UsageError(str(exc)) from None
     try:
-        apply_compile_flags(args)
+        check_compile_folder(apply_compile_flags(args), folder)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     args.caches = tuple(dict.fromkeys(args.cache or ()))
@@ -194,71 +177,40 @@ def check_args(args: argparse.Namespace) -> tuple[PipelineFolder, DiffusionParal
     return folder, config
 
 
-def _usage_error(message: str) -> int:
-    from hsdp.cli.ranks import usage_error
-
-    return usage_error(PROG, message, EXIT_USAGE)
-
-
 # ----------------------------------------------------------------------------- starting the ranks
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM when this command dies (Linux), so that a killed
-    command never leaves mpiexec and its ranks behind in their own session."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def launch_ranks(nproc: int, argv: Sequence[str]) -> int:
-    """Runs ``python -m hsdp serve ARGV`` on ``nproc`` ranks under mpiexec; its exit status."""
-    from hsdp.cli import ranks
-    from hsdp.world import launch
+    """Runs ``python -m hsdp serve ARGV`` on ``nproc`` ranks (hsdp.cli.ranks.launch_self, in a
+    session of its own); its exit status. The first SIGTERM goes to rank 0 alone, which stops
+    the server gracefully; SIGINT, or a second signal, ends the job at once."""
+    from hsdp.cli.ranks import launch_self
 
-    mpiexec = launch.find_mpiexec(None)
-    if mpiexec is None:
-        return _usage_error("mpiexec was not found on PATH; install Open MPI (apt-get install openmpi-bin) "
-                            "or start the ranks yourself")
-    flavour = launch.detect_flavour(mpiexec)
-    added = launch.launch_env(flavour)
     fd, control = tempfile.mkstemp(prefix="hsdp-serve-", suffix=".pid")
     os.close(fd)
-    added[CONTROL_ENV] = control
+    added = {CONTROL_ENV: control}
     if "--output-dir" not in argv and not any(a.startswith("--output-dir=") for a in argv) \
             and "--state-dir" not in argv and not any(a.startswith("--state-dir=") for a in argv):
         added[TEMP_ENV] = tempfile.mkdtemp(prefix="hsdp-serve-")
-    entry = Path(ranks.__file__).with_name("rank_entry.py")
-    cmd = launch.build_command(mpiexec, flavour, nproc, [str(entry), "serve", *argv], added, launch._core_count())
-    # A session of its own: a terminal's Ctrl-C reaches this command only, not mpiexec.
-    proc = subprocess.Popen(cmd, env={**os.environ, **added}, start_new_session=True,
-                            preexec_fn=_die_with_parent)
-    signals: list[int] = []
 
-    def forward(signum: int, _frame: FrameType | None) -> None:
-        signals.append(signum)
+    def to_rank0(signum: int, proc: subprocess.Popen[bytes], count: int) -> bool:
         if proc.poll() is not None:
-            return
+            return True
         try:
             text = Path(control).read_text().strip()
         except OSError:
             text = ""
-        if len(signals) == 1 and signum == signal.SIGTERM and text.isdigit():
+        if count == 1 and signum == signal.SIGTERM and text.isdigit():
             os.kill(int(text), signal.SIGTERM)  # rank 0 stops the server and then every rank
-        else:  # SIGINT, not started yet, or asked twice: mpiexec ends the job now
-            proc.send_signal(signal.SIGTERM)
+            return True
+        return False  # SIGINT, not started yet, or asked twice: mpiexec ends the job now
 
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        code = proc.wait()
+    try:  # a session of its own: a terminal's Ctrl-C reaches this command only, not mpiexec
+        return launch_self(nproc, ["serve", *argv], env=added, on_signal=to_rank0, new_session=True)
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
         Path(control).unlink(missing_ok=True)
         if TEMP_ENV in added:  # rank 0 removes it itself when it can; a killed rank cannot
             shutil.rmtree(added[TEMP_ENV], ignore_errors=True)
-    return 128 - code if code < 0 else code
 
 
 # ----------------------------------------------------------------------------- one rank
@@ -337,16 +289,8 @@ def _bound_port(server: Any) -> int:
 
 
 def run(args: argparse.Namespace, folder: PipelineFolder, config: DiffusionParallelConfig) -> int:
-    from hsdp.world import distributed
-
-    # the backend --device needs (NCCL for cuda, even under mpiexec), as load_pipeline picks it
-    world = distributed.world_for_device(args.device, f"--device {args.device}")
-    try:
-        config.check_world(world.size)
-    except ValueError as exc:
-        return _usage_error(str(exc))
+    world = start_rank(args, config)  # the backend --device needs, as load_pipeline picks it
     rank0 = world.rank == 0
-    logging.basicConfig(level=logging.INFO if rank0 else logging.WARNING, format="%(name)s: %(message)s")
     shutdown = _Shutdown(world.rank, args.shutdown_grace)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, shutdown)
@@ -438,10 +382,8 @@ def run(args: argparse.Namespace, folder: PipelineFolder, config: DiffusionParal
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``hsdp serve ARGS``; returns the exit status."""
-    from hsdp.cli.ranks import command_main
-
     argv = _model_first(list(sys.argv[1:] if argv is None else argv))
-    return command_main(PROG, argv, build_parser(), check_args, run, launch_ranks, UsageError, "under mpiexec")
+    return command_main(PROG, argv, build_parser(), check_args, run, launch_ranks)
 
 
 def _model_first(argv: list[str]) -> list[str]:

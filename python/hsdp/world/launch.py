@@ -27,6 +27,7 @@ remove its segment itself (4 MB of ``/dev/shm`` each, until reboot).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import shlex
 import shutil
@@ -35,12 +36,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Literal
 
-__all__ = ["build_command", "detect_flavour", "end_job", "job_env", "launch_env", "main"]
+__all__ = ["LaunchError", "SignalPolicy", "build_command", "detect_flavour", "end_job", "job_env", "launch_env", "main",
+           "run_job"]
 
 Flavour = Literal["openmpi", "mpich", "unknown"]
 
@@ -299,19 +301,50 @@ def end_job(job_dir: str) -> None:
     shutil.rmtree(job_dir, ignore_errors=True)
 
 
-def _run(cmd: list[str], env: dict[str, str], timeout: float | None = None) -> int:
+# A command's own answer to a signal while its job runs (hsdp serve: the first SIGTERM goes to
+# rank 0 alone, which stops the server gracefully): called with the signal, mpiexec's process
+# and how many signals came so far; True when it handled the signal, False for the default
+# (forward it to mpiexec, which has GRACE_S to end the job before it is killed).
+SignalPolicy = Callable[[int, "subprocess.Popen[bytes]", int], bool]
+
+
+class LaunchError(RuntimeError):
+    """The job could not be started (no mpiexec); ``status`` is the exit status to report."""
+
+    def __init__(self, message: str, status: int = EXIT_NO_MPIEXEC) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _die_with_parent() -> None:
+    """In mpiexec's process, before exec: SIGTERM when the launching process dies (Linux), so a
+    killed launcher never leaves a job that runs in a session of its own behind."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _run(cmd: list[str], env: dict[str, str], timeout: float | None = None, on_signal: SignalPolicy | None = None,
+         new_session: bool = False) -> int:
     """Runs mpiexec, forwarding SIGINT/SIGTERM to it, and returns its exit status.
 
     A terminal's Ctrl-C reaches mpiexec directly as well (same process group); forwarding
     also covers a signal sent to the launcher alone (a scheduler, `kill`). After a signal
     (or ``timeout`` seconds, which sends SIGTERM) mpiexec has GRACE_S to end, then is killed.
+    ``on_signal`` may answer a signal itself first; ``new_session`` starts mpiexec in a
+    session of its own (a terminal's Ctrl-C then reaches this process alone), tied to this
+    process's life.
     """
-    proc = subprocess.Popen(cmd, env=env)
+    proc = subprocess.Popen(cmd, env=env, start_new_session=new_session,
+                            preexec_fn=_die_with_parent if new_session else None)
     received: list[int] = []
     kill_at: list[float] = []
 
     def forward(signum: int, _frame: FrameType | None) -> None:
         received.append(signum)
+        if on_signal is not None and on_signal(signum, proc, len(received)):
+            return
         if not kill_at:
             kill_at.append(time.monotonic() + GRACE_S)
         if proc.poll() is None:
@@ -353,6 +386,40 @@ def _run(cmd: list[str], env: dict[str, str], timeout: float | None = None) -> i
     return code
 
 
+def _locate(explicit: str | None) -> str:
+    """find_mpiexec's answer, or LaunchError saying what is missing and how to install it."""
+    found = find_mpiexec(explicit)
+    if found is None:
+        where = f"{explicit!r} is not an executable" if explicit else "mpiexec was not found on PATH"
+        raise LaunchError(f"{where}; {_INSTALL_HINT}")
+    return found
+
+
+def run_job(nproc: int, command: Sequence[str], *, mpiexec: str | None = None, bind_to: str = "none",
+            timeout: float | None = None, env: dict[str, str] | None = None, on_signal: SignalPolicy | None = None,
+            new_session: bool = False) -> int:
+    """Runs ``command`` (a script and its arguments) on ``nproc`` ranks, as ``python -m
+    hsdp.launch`` does, and returns the job's exit status: the one way hsdp starts ranks
+    (``hsdp generate``, ``hsdp serve``, the examples, hsdp.Omni and the pytest plugin through
+    the launcher's command line). ``env`` is added to the ranks' environment; the job's
+    processes and files are gone when it returns. LaunchError when mpiexec is missing."""
+    found = _locate(mpiexec)
+    flavour = detect_flavour(found)
+    added = {**launch_env(flavour), **(env or {})}
+    cmd = build_command(found, flavour, nproc, command, added, _core_count(), bind_to)
+    job_dir = tempfile.mkdtemp(prefix=f"{JOB_DIR_PREFIX}{os.getpid()}.", dir=job_base())
+    try:
+        return _run(cmd, {**os.environ, **added, **job_env(flavour, job_dir)}, timeout, on_signal, new_session)
+    finally:
+        # mpiexec has ended; a second Ctrl-C must not stop the cleanup half-way (it is bounded).
+        previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            end_job(job_dir)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m hsdp.launch`` and ``hsdp-launch``; returns the exit status."""
     parser = _parser()
@@ -373,36 +440,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         _error(f"script {command[0]!r} not found (working directory {os.getcwd()})")
         return 2
 
-    mpiexec = find_mpiexec(args.mpiexec)
-    if mpiexec is None:
-        where = f"{args.mpiexec!r} is not an executable" if args.mpiexec else "mpiexec was not found on PATH"
-        _error(f"{where}; {_INSTALL_HINT}")
-        return EXIT_NO_MPIEXEC
+    try:
+        if args.dry_run:
+            _dry_run(_locate(args.mpiexec), args.nproc, command, args.bind_to)
+            return 0
+        return run_job(args.nproc, command, mpiexec=args.mpiexec, bind_to=args.bind_to, timeout=args.timeout)
+    except LaunchError as exc:
+        _error(str(exc))
+        return exc.status
 
+
+def _dry_run(mpiexec: str, nproc: int, command: list[str], bind_to: str) -> None:
+    """Prints the environment and the command run_job would run."""
     flavour = detect_flavour(mpiexec)
     added = launch_env(flavour)
-    cmd = build_command(mpiexec, flavour, args.nproc, command, added, _core_count(), args.bind_to)
-    if args.dry_run:
-        print(f"# mpiexec implementation: {flavour}")
-        for var, value in sorted(added.items()):
-            print(f"export {var}={shlex.quote(value)}")
-        placeholder = os.path.join(job_base(), f"{JOB_DIR_PREFIX}{os.getpid()}.XXXXXXXX")
-        for var, value in sorted(job_env(flavour, placeholder).items()):
-            print(f"# per job (the directory is removed at its end): export {var}={shlex.quote(value)}")
-        print(shlex.join(cmd))
-        return 0
-    job_dir = tempfile.mkdtemp(prefix=f"{JOB_DIR_PREFIX}{os.getpid()}.", dir=job_base())
-    try:
-        return _run(cmd, {**os.environ, **added, **job_env(flavour, job_dir)}, args.timeout)
-    finally:
-        # mpiexec has ended; a second Ctrl-C must not stop the cleanup half-way (it is bounded).
-        previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            end_job(job_dir)
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-
+    print(f"# mpiexec implementation: {flavour}")
+    for var, value in sorted(added.items()):
+        print(f"export {var}={shlex.quote(value)}")
+    placeholder = os.path.join(job_base(), f"{JOB_DIR_PREFIX}{os.getpid()}.XXXXXXXX")
+    for var, value in sorted(job_env(flavour, placeholder).items()):
+        print(f"# per job (the directory is removed at its end): export {var}={shlex.quote(value)}")
+    print(shlex.join(build_command(mpiexec, flavour, nproc, command, added, _core_count(), bind_to)))
 
 if __name__ == "__main__":
     sys.exit(main())
