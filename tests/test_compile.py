@@ -1,7 +1,8 @@
 """torch.compile on models hsdp has sharded (issue 38): torch.compile(model) and diffusers'
 compile_repeated_blocks() equal the eager sharded model over 2 real ranks, in every layout,
 and recompile nothing in steady state (tests/compile_worker.py says what each case checks);
-the hooks stay out of the graphs ([Note: compile] in hsdp.adapters.torch)."""
+the hooks stay out of the graphs ([Note: compile] in hsdp.adapters.torch). Also the flags,
+the folder check for --compile regional, and hsdp serve's job record of the warm-up."""
 
 from __future__ import annotations
 
