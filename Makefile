@@ -60,20 +60,20 @@ venv: $(VENV)/.stamp
 build: sysdeps venv
 	HSDP_WERROR=1 HSDP_TEST_BACKENDS=1 $(PY) -m pip install -q --no-build-isolation --no-deps -e .
 
-$(TESTBIN)/test_dtype: csrc/tests/test_dtype.c $(CORE_SRC) csrc/*.h csrc/sources.mk
+$(TESTBIN)/test_dtype: csrc/tests/test_dtype.c $(CORE_SRC) csrc/*.h csrc/*.def csrc/sources.mk
 	@mkdir -p $(TESTBIN)
 	$(CC) $(CFLAGS_CHECK) -Icsrc $(CORE_SRC) $< -o $@ -lm -lpthread
-$(TESTBIN)/test_core: csrc/tests/test_core.c $(CORE_SRC) csrc/*.h csrc/sources.mk csrc/tests/check.h
+$(TESTBIN)/test_core: csrc/tests/test_core.c $(CORE_SRC) csrc/*.h csrc/*.def csrc/sources.mk csrc/tests/check.h
 	@mkdir -p $(TESTBIN)
 	$(CC) $(CFLAGS_CHECK) -Icsrc $(CORE_SRC) $< -o $@ -lm -lpthread
-$(TESTBIN)/test_layout: csrc/tests/test_layout.c $(CORE_SRC) csrc/*.h csrc/sources.mk csrc/tests/check.h
+$(TESTBIN)/test_layout: csrc/tests/test_layout.c $(CORE_SRC) csrc/*.h csrc/*.def csrc/sources.mk csrc/tests/check.h
 	@mkdir -p $(TESTBIN)
 	$(CC) $(CFLAGS_CHECK) -Icsrc $(CORE_SRC) $< -o $@ -lm -lpthread
-$(TESTBIN)/test_mpi: csrc/tests/test_mpi.c $(CORE_SRC) csrc/*.h csrc/sources.mk csrc/tests/check.h | sysdeps
+$(TESTBIN)/test_mpi: csrc/tests/test_mpi.c $(CORE_SRC) csrc/*.h csrc/*.def csrc/sources.mk csrc/tests/check.h | sysdeps
 	@mkdir -p $(TESTBIN)
 	$(CC) $(CFLAGS_CHECK) -DHSDP_HAVE_MPI $$(mpicc --showme:compile) -Icsrc $(CORE_SRC) $< -o $@ $$(mpicc --showme:link) -ldl -lm -lpthread
 
-$(TESTBIN)/test_mpi_preinit: csrc/tests/test_mpi_preinit.c $(CORE_SRC) csrc/*.h csrc/sources.mk csrc/tests/check.h | sysdeps
+$(TESTBIN)/test_mpi_preinit: csrc/tests/test_mpi_preinit.c $(CORE_SRC) csrc/*.h csrc/*.def csrc/sources.mk csrc/tests/check.h | sysdeps
 	@mkdir -p $(TESTBIN)
 	$(CC) $(CFLAGS_CHECK) -DHSDP_HAVE_MPI $$(mpicc --showme:compile) -Icsrc $(CORE_SRC) $< -o $@ $$(mpicc --showme:link) -ldl -lm -lpthread
 
@@ -88,7 +88,7 @@ $(TESTBIN)/test_mpi_preinit: csrc/tests/test_mpi_preinit.c $(CORE_SRC) csrc/*.h 
 # device newer than the fake NVRTC).
 NCCL_LIB = $$(find $(VENV)/ -name 'libnccl.so.2' -path '*nvidia*' | head -1)
 CUDART_LIB = $$(find $(VENV)/ -name 'libcudart.so.1[0-9]' -path '*nvidia*' | head -1)
-$(TESTBIN)/test_nccl: csrc/tests/test_nccl.c $(CORE_SRC) csrc/*.h csrc/sources.mk csrc/tests/check.h
+$(TESTBIN)/test_nccl: csrc/tests/test_nccl.c $(CORE_SRC) csrc/*.h csrc/*.def csrc/sources.mk csrc/tests/check.h
 	@mkdir -p $(TESTBIN)
 	$(CC) $(CFLAGS_CHECK) -DHSDP_PIN_SLOT_BYTES=16 -Icsrc $(CORE_SRC) $< -o $@ -ldl -lm -lpthread
 
@@ -221,7 +221,7 @@ FUZZ_OUT := $(TESTBIN)/fuzz
 FUZZ_FLAGS := -std=c11 -O1 -g -Wall -Wextra -Werror -Wshadow -fsanitize=fuzzer,address,undefined \
 	-fno-sanitize-recover=all -DHSDP_BOUNCE_BYTES=64
 
-$(TESTBIN)/fuzz_checkpoint: csrc/tests/fuzz_checkpoint.c $(CORE_SRC) csrc/*.h csrc/sources.mk
+$(TESTBIN)/fuzz_checkpoint: csrc/tests/fuzz_checkpoint.c $(CORE_SRC) csrc/*.h csrc/*.def csrc/sources.mk
 	@command -v $(FUZZ_CC) >/dev/null || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    echo "installing: clang (apt-get), for the libFuzzer harness"; \

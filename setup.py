@@ -129,7 +129,7 @@ setup(
             include_dirs=["csrc", np.get_include()],
             extra_compile_args=cflags,
             extra_link_args=[*mpi_l, "-ldl"],
-            depends=[str(p.relative_to(HERE)) for p in (HERE / "csrc").rglob("*.h")],
+            depends=[str(p.relative_to(HERE)) for ext in ("*.h", "*.def") for p in (HERE / "csrc").rglob(ext)],
         )
     ],
     cmdclass={"build_ext": VariantBuildExt},

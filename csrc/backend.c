@@ -19,9 +19,12 @@ uint64_t hsdp_now_ns(void) {
 }
 
 /* ---------------------------------------------------------------- the registry */
-/* The test-only fakedev last: NULL (left out) in a build without it (backend.h). */
-static const hsdp_backend *const registry[] = {&hsdp_backend_single, &hsdp_backend_mpi, &hsdp_backend_nccl,
-                                              &hsdp_backend_fakedev};
+/* Built from backends.def; a test-only backend not linked is NULL there (backend.h), left out. */
+static const hsdp_backend *const registry[] = {
+#define HSDP_BACKEND(name) &hsdp_backend_##name,
+#define HSDP_TEST_BACKEND(name) &hsdp_backend_##name,
+#include "backends.def"
+};
 #define NSLOTS (sizeof registry / sizeof registry[0])
 
 size_t hsdp_backend_count(void) {

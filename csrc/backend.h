@@ -239,13 +239,9 @@ hsdp_status hsdp_sendrecv(hsdp_group *g, const void *send, size_t sbytes, int de
 hsdp_status hsdp_sendrecv_start(hsdp_req *r, hsdp_group *g, const void *send, size_t sbytes, int dest, void *recv,
                                 size_t rbytes, int source);
 
-/* The backends, each defined in its own file. */
-extern const hsdp_backend hsdp_backend_single; /* backend_single.c */
-extern const hsdp_backend hsdp_backend_mpi;    /* backend_mpi.c */
-extern const hsdp_backend hsdp_backend_nccl;   /* backend_nccl.c */
-/* backend_fakedev.c, built only for tests (sources.mk's TEST_SRC: the C tests, and `make
- * build` with HSDP_TEST_BACKENDS=1; never a wheel). Weak: where the file is not linked the
- * address is NULL, and the registry leaves it out. */
-extern const hsdp_backend hsdp_backend_fakedev __attribute__((weak));
+/* The backends, each defined in its own file (backend_<name>.c), from the registry's list. */
+#define HSDP_BACKEND(name) extern const hsdp_backend hsdp_backend_##name;
+#define HSDP_TEST_BACKEND(name) extern const hsdp_backend hsdp_backend_##name __attribute__((weak));
+#include "backends.def"
 
 #endif

@@ -14,6 +14,7 @@ from pathlib import Path
 import import_cycles
 import pytest
 
+from hsdp import _C
 from hsdp.world import job
 from mpirun import MPI_ENV, mpiexec
 
@@ -136,3 +137,20 @@ def test_device_memory_query_needs_no_framework():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "HOST None" in proc.stdout and "CUDA 123456789" in proc.stdout, proc.stdout
     assert "BUDGET 123456789 False" in proc.stdout, proc.stdout
+
+
+def test_backend_loaders_are_found_by_the_backends_name():
+    """A new device kind's Python loader needs no registry line (docs/design.md, "A new device
+    kind"): hsdp.world.<name> when it marks itself a loader; C-only backends have none, and a
+    module of hsdp.world that is not a backend's loader, or a name C does not register, gets none."""
+    from hsdp.world import devices, nccl
+
+    assert devices.loader("nccl") is nccl
+    assert devices.loader("mpi") is None and devices.loader("single") is None
+    assert devices.loader("job") is None  # a module of hsdp.world, but no backend of that name
+    assert devices.loader("../nccl") is None
+    registered = [b[0] for b in _C.backends()]
+    assert registered[:3] == ["single", "mpi", "nccl"]  # csrc/backends.def's order
+    c_lines = (ROOT / "csrc" / "backends.def").read_text()
+    for name in registered:
+        assert f"BACKEND({name})" in c_lines, name

@@ -127,9 +127,13 @@ static int mod_traverse(PyObject *m, visitproc visit, void *arg) {
     return 0;
 }
 
-/* The backends' own parts of the module (their bootstrap functions), one line each. */
-extern const hsdp_py_backend_part hsdp_py_nccl_part; /* py_nccl/nccl_functions.c */
-static const hsdp_py_backend_part *const backend_parts[] = {&hsdp_py_nccl_part};
+/* The backends' own parts of the module (their bootstrap functions), from backends.def. */
+#define HSDP_PY_PART(name) extern const hsdp_py_backend_part hsdp_py_##name##_part;
+#include "backends.def"
+static const hsdp_py_backend_part *const backend_parts[] = {
+#define HSDP_PY_PART(name) &hsdp_py_##name##_part,
+#include "backends.def"
+};
 #define NPARTS (sizeof backend_parts / sizeof backend_parts[0])
 
 static int mod_clear(PyObject *m) {

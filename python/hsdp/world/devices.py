@@ -6,13 +6,15 @@ side asks this module instead of naming backends: which framework device type a 
 buffers are viewed as (``"cuda"``), which backend serves a device type, and where a unit's
 buffers go for a target device. See docs/design.md, [Note: the device contract].
 
-The only backend named here is in :data:`_LOADERS`: the Python module that loads a backend's
-runtime before its world can start (the Python side's registry, as backend.c is C's).
+No backend is named here. A backend whose runtime Python prepares before its world can start
+has a loader: the module of its name in this package (``hsdp.world.nccl`` for "nccl"), found
+by that name; the backends themselves are C's registry (csrc/backends.def).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -21,11 +23,11 @@ from .. import _C
 
 HOST = "host"
 
-# Backends whose runtime Python prepares (libraries found beside torch, a unique id handed
-# around) before the C world can start: their module, which provides built(),
-# unusable_reason(), error_type(reason) and init_world(), and load_wire_kernel() when its
-# device decodes the float8 wire itself.
-_LOADERS: dict[str, str] = {"nccl": "hsdp.world.nccl"}
+# A loader (libraries found beside torch, a unique id handed around, before the C world can
+# start) provides built(), unusable_reason(), error_type(reason) and init_world(), and
+# load_wire_kernel() when its device decodes the float8 wire itself; it says so with this
+# marker, so a module of this package that shares a backend's name by chance is not taken.
+LOADER_MARK = "HSDP_BACKEND_LOADER"
 
 
 @dataclass(frozen=True)
@@ -108,9 +110,15 @@ def buffer_device(group: Any, framework: str | None, target_device: Any) -> str:
 
 
 def loader(name: str) -> ModuleType | None:
-    """The module that prepares the named backend's runtime, or None when C alone starts it."""
-    module = _LOADERS.get(name)
-    return importlib.import_module(module) if module else None
+    """The module that prepares the named backend's runtime (``hsdp.world.<name>``), or None
+    when C alone starts it."""
+    if not name.isidentifier() or name not in {b[0] for b in _C.backends()}:
+        return None
+    module = f"{__package__}.{name}"
+    if importlib.util.find_spec(module) is None:
+        return None
+    mod = importlib.import_module(module)
+    return mod if getattr(mod, LOADER_MARK, False) else None
 
 
 def error_type(name: str, reason: str) -> type[Exception]:

@@ -30,6 +30,9 @@ import numpy as np
 from .. import _C
 from .job import Launch, launch_info  # launch_info: documented here too (hsdp.nccl.launch_info)
 
+# The backend "nccl"'s loader (hsdp.world.devices.loader finds it by the backend's name).
+HSDP_BACKEND_LOADER = True
+
 ID_BYTES = 128
 
 # Kept for the life of the process: the MPI world that carried the id (MPI cannot start
