@@ -251,6 +251,7 @@ def test_a_state_folder_keeps_finished_jobs_requeues_queued_and_fails_the_one_ru
     assert store.next(0) is done
     done.output = tmp_path / "outputs" / "x.mp4"
     done.stage_durations, done.peak_memory_mb = {"encode": 0.5}, {0: 10.0, 1: 12.5}
+    done.compile = {"mode": "whole", "warm_up": True, "compile_seconds": 1.5}  # kept with the job
     store.finish(done, None)
     assert store.next(0) is running  # ... and the server is killed here
     assert store.delete(gone.id) == (gone, True)

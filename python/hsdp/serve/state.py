@@ -58,7 +58,7 @@ class StateDir:
     def save(self, job: Job) -> None:
         record = {"progress": job.progress, "images": job.images, "cache_counts": job.cache_counts,
                   "inference_time_s": job.inference_time_s, "stage_durations": job.stage_durations,
-                  "peak_memory_mb": job.peak_memory_mb, "steps": job.steps}
+                  "peak_memory_mb": job.peak_memory_mb, "steps": job.steps, "compile": job.compile}
         output = None if job.output is None else str(job.output)
         with self._lock:
             self._seq += 1
@@ -97,6 +97,7 @@ class StateDir:
             peaks = rec.get("peak_memory_mb")
             job.peak_memory_mb = None if peaks is None else {int(r): float(v) for r, v in peaks.items()}
             job.steps = int(rec.get("steps") or 0)
+            job.compile = rec.get("compile")
             jobs.append(job)
         return jobs
 
