@@ -154,14 +154,9 @@ def resolve_model_on_ranks(model: str | os.PathLike[str], revision: str | None, 
 
 def _broadcast_json(world: Any, message: dict[str, Any]) -> dict[str, Any]:
     """Rank 0's ``message`` on every rank of ``world`` (its length, then its bytes)."""
-    import numpy as np
+    from hsdp.world.messages import broadcast_bytes
 
-    data = json.dumps(message).encode("utf-8") if world.rank == 0 else b""
-    size = np.array([len(data)], dtype=np.int64)
-    world.broadcast(size, 0)
-    buf = np.frombuffer(data, dtype=np.uint8).copy() if world.rank == 0 else np.empty(int(size[0]), dtype=np.uint8)
-    world.broadcast(buf, 0)
-    return json.loads(buf.tobytes().decode("utf-8"))
+    return json.loads(broadcast_bytes(world, json.dumps(message).encode("utf-8") if world.rank == 0 else None))
 
 
 def pin_model_argv(argv: Sequence[str], folder: str | os.PathLike[str], served_name: str | None = None) -> list[str]:

@@ -35,12 +35,9 @@ def _beat_seconds() -> float:
 
 def _broadcast(world: Any, message: Any) -> Any:
     """Rank 0's ``message`` (any picklable object) on every rank."""
-    data = pickle.dumps(message) if world.rank == 0 else b""
-    size = np.array([len(data)], dtype=np.int64)
-    world.broadcast(size, 0)
-    buf = np.frombuffer(data, dtype=np.uint8).copy() if world.rank == 0 else np.empty(int(size[0]), dtype=np.uint8)
-    world.broadcast(buf, 0)
-    return pickle.loads(buf.tobytes())
+    from hsdp.world.messages import broadcast_bytes
+
+    return pickle.loads(broadcast_bytes(world, pickle.dumps(message) if world.rank == 0 else None))
 
 
 def _error_text(exc: BaseException) -> str:

@@ -8,25 +8,19 @@ from typing import Any
 
 import numpy as np
 
+from hsdp.world.messages import broadcast_bytes
+
 __all__ = ["agree_outcome", "recv_message", "send_message"]
 
 
 def send_message(group: Any, message: dict[str, Any]) -> None:
     """Rank 0: broadcast ``message`` (JSON-serialisable) to every rank of ``group``."""
-    data = json.dumps(message, separators=(",", ":")).encode("utf-8")
-    group.broadcast(np.array([len(data)], dtype=np.int64), 0)
-    if data:
-        group.broadcast(np.frombuffer(data, dtype=np.uint8).copy(), 0)
+    broadcast_bytes(group, json.dumps(message, separators=(",", ":")).encode("utf-8"))
 
 
 def recv_message(group: Any) -> dict[str, Any]:
     """Ranks other than 0: the next message rank 0 sends."""
-    size = np.zeros(1, dtype=np.int64)
-    group.broadcast(size, 0)
-    buf = np.empty(int(size[0]), dtype=np.uint8)
-    if buf.size:
-        group.broadcast(buf, 0)
-    message = json.loads(buf.tobytes().decode("utf-8"))
+    message = json.loads(broadcast_bytes(group, None).decode("utf-8"))
     if not isinstance(message, dict) or "op" not in message:
         raise RuntimeError(f"hsdp serve: rank 0 sent a message this rank cannot read: {message!r:.200}")
     return message
@@ -42,11 +36,5 @@ def agree_outcome(group: Any, error: str | None) -> str | None:
     if not failing:
         return None
     root = failing[0]
-    data = (error or "").encode("utf-8")[:4000] if group.rank == root else b""
-    size = np.array([len(data)], dtype=np.int64)
-    group.broadcast(size, root)
-    buf = np.frombuffer(data, dtype=np.uint8).copy() if group.rank == root else np.empty(int(size[0]), np.uint8)
-    if buf.size:
-        group.broadcast(buf, root)
-    text = buf.tobytes().decode("utf-8", errors="replace")
+    text = broadcast_bytes(group, (error or "").encode("utf-8")[:4000], root).decode("utf-8", errors="replace")
     return text if root == 0 else f"rank {root}: {text}"
