@@ -50,19 +50,34 @@ def test_parity_with_the_unsharded_model(kind, param_dtype, depth):
         assert got.dtype == expect.dtype and torch.equal(got, expect)
 
 
-@pytest.mark.parametrize("mesh", [(1, 2), (2, 2), (1, 4)])
-def test_parity_across_ranks(mesh):
-    """On real MPI ranks: Wan and Flux, float32 and bfloat16, equal the unsharded model (and on
-    1x2, Wan with units inside its _keep_in_fp32_modules, and a bfloat16 Wan with the float8
-    wire against without it: tests/test_wire.py says what that checks)."""
-    r, s = mesh
-    specs = ["wan:float32", "wan:bfloat16", "flux:float32", "flux:bfloat16"]
-    if mesh == (1, 2):  # units inside diffusers' _keep_in_fp32_modules (float32 in a bfloat16 model)
-        specs += ["wan-kept:bfloat16", "wire"]  # in this launch: a job of its own would cost its start
-    out = run_ranks(r * s, "tests/torch_worker.py", str(r), str(s), *specs, timeout=300).stdout
-    assert out.count("ok") == r * s * len(specs), out
-    if mesh == (1, 2):
-        assert out.count("ok wire") == 2, out
+@pytest.mark.parametrize("meshes", [[(1, 2)], [(2, 2), (1, 4)]], ids=["1x2", "2x2+1x4"])
+def test_parity_across_ranks(tmp_path, meshes):
+    """On real MPI ranks, every mesh of a world size in one launch (a launch of its own per
+    mesh would cost its start): Wan and Flux, float32 and bfloat16, equal the unsharded model;
+    a save_pretrained folder streamed in on 1x2 and 2x2, where each rank reads only its own
+    bytes and the streamed model is exact; and on 1x2, Wan with units inside its
+    _keep_in_fp32_modules, and a bfloat16 Wan with the float8 wire against without it
+    (tests/test_wire.py says what that checks)."""
+    folder = _save(tmp_path, "20KB")
+    n = meshes[0][0] * meshes[0][1]
+    specs: list[str] = []
+    for r, s in meshes:
+        assert r * s == n
+        specs += [f"mesh={r}x{s}", "wan:float32", "wan:bfloat16", "flux:float32", "flux:bfloat16"]
+        if (r, s) in ((1, 2), (2, 2)):  # streaming load: 2 ranks, and replicas of a 2-rank shard group
+            specs.append(f"load={folder}:bfloat16")
+        if (r, s) == (1, 2):  # units inside diffusers' _keep_in_fp32_modules (float32 in a bfloat16 model)
+            specs += ["wan-kept:bfloat16", "wire"]
+    out = run_ranks(n, "tests/torch_worker.py", *map(str, meshes[0]), *specs, timeout=300).stdout
+    for r, s in meshes:
+        for kind in ("wan", "flux"):
+            for dtype in ("float32", "bfloat16"):
+                assert out.count(f"ok {kind} {dtype} {r}x{s} on mpi") == n, out
+    assert out.count("ok load bfloat16 1x2 read") == (2 if n == 2 else 0), out
+    assert out.count("ok load bfloat16 2x2 read") == (4 if n == 4 else 0), out
+    assert out.count("ok wan-kept bfloat16 1x2 on mpi") == (2 if n == 2 else 0), out
+    assert out.count("ok wire") == (2 if n == 2 else 0), out
+    assert out.count("ok") == n * (len(specs) - len(meshes)), out
 
 
 def test_parity_on_the_fake_device():
@@ -292,15 +307,6 @@ def test_streaming_load_from_save_pretrained(tmp_path, param_dtype, shard_size):
                             progress=False)
     assert not any(p.is_meta for p in model.parameters()) and not any(b.is_meta for b in model.buffers())
     assert torch.equal(run(model, "wan"), run(reference("wan", param_dtype), "wan"))
-
-
-def test_streaming_load_across_ranks(tmp_path):
-    """On 2 and 2x2 ranks each rank reads only its own bytes and the streamed model is exact."""
-    folder = _save(tmp_path, "20KB")
-    for r, s in ((1, 2), (2, 2)):
-        out = run_ranks(r * s, "tests/torch_worker.py", "load", str(folder), str(r), str(s), "bfloat16",
-                        timeout=300).stdout
-        assert out.count("ok load") == r * s, out
 
 
 def test_meta_buffers_left_after_loading_are_an_error_naming_them(tmp_path):

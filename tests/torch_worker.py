@@ -4,8 +4,11 @@ unsharded reference bit for bit, over several forwards (prefetch on), and the ga
 state dict to equal the reference's.
 
 usage: torch_worker.py R S SPEC [SPEC ...]   SPEC: KIND:PARAM_DTYPE, or "wire" (R = 1): a
-                                            bfloat16 Wan with a float8 wire, against without
-       torch_worker.py load DIR R S PARAM_DTYPE   (a Wan save_pretrained folder, streamed in)
+                                            bfloat16 Wan with a float8 wire, against without;
+                                            "load=DIR:PARAM_DTYPE": a Wan save_pretrained folder
+                                            streamed in; "mesh=RxS": the specs after it on
+                                            that mesh (R x S = the world size), so one launch
+                                            checks every mesh of its world size
 """
 
 from __future__ import annotations
@@ -113,11 +116,15 @@ def wire(s: int) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "load":
-        load(sys.argv[2], sys.argv[5], int(sys.argv[3]), int(sys.argv[4]))
-        sys.exit(0)
     r, s = int(sys.argv[1]), int(sys.argv[2])
     for spec in sys.argv[3:]:
+        if spec.startswith("mesh="):  # another mesh of the same world, for the specs after it
+            r, s = (int(n) for n in spec[len("mesh="):].split("x"))
+            continue
+        if spec.startswith("load="):
+            folder, dtype = spec[len("load="):].rsplit(":", 1)
+            load(folder, dtype, r, s)
+            continue
         if spec == "wire":
             assert r == 1, "the wire check runs on a (1, S) mesh"
             wire(s)
