@@ -1,8 +1,9 @@
 """One rank of a multi-rank test (started by tests/test_multirank.py under mpiexec).
 
-`python tests/mpi_worker.py REPLICATE SCENARIO...` runs each scenario on a
-(REPLICATE, world // REPLICATE) mesh and asserts, on every rank, that the sharded model
-matches an unsharded one built from the same seed in this same process. A failure raises
+`python tests/mpi_worker.py REPLICATE[,REPLICATE...] SCENARIO...` runs each scenario on a
+(REPLICATE, world // REPLICATE) mesh (each mesh in turn, so one launch covers every mesh of
+its world size) and asserts, on every rank, that the sharded model matches an unsharded one
+built from the same seed in this same process. A failure raises
 out of main; hsdp then skips MPI_Finalize at exit, so mpiexec ends the other ranks instead
 of leaving them waiting in a collective.
 """
@@ -392,17 +393,18 @@ SCENARIOS = {name[9:]: fn for name, fn in globals().items() if name.startswith("
 
 
 def main() -> None:
-    R = int(sys.argv[1])
+    replicas = [int(r) for r in sys.argv[1].split(",")]
     names = sys.argv[2:] or list(SCENARIOS)
     world = init_process_group(os.environ.get("HSDP_TEST_BACKEND", "auto"))  # tests/mpirun.py FAKEDEV
-    for name in names:
-        SCENARIOS[name](R)
-        # A sharded module and its unit state refer to each other; free the scenario's model
-        # now so the next scenario's byte accounting starts from zero.
-        gc.collect()
-        world.barrier()
-    mesh = f"({R}x{world.size // R})"
-    print(f"rank {world.rank}/{world.size} mesh {mesh}: {' '.join(names)} OK on {world.backend}", flush=True)
+    for R in replicas:
+        for name in names:
+            SCENARIOS[name](R)
+            # A sharded module and its unit state refer to each other; free the scenario's model
+            # now so the next scenario's byte accounting starts from zero.
+            gc.collect()
+            world.barrier()
+        mesh = f"({R}x{world.size // R})"
+        print(f"rank {world.rank}/{world.size} mesh {mesh}: {' '.join(names)} OK on {world.backend}", flush=True)
 
 
 if __name__ == "__main__":
