@@ -1,6 +1,8 @@
 """One rank of the data-parallel checks (started by tests/test_dp.py under mpiexec).
 
-`python tests/dp_worker.py WAN22_DIR FLUX_DIR CASE...`: each case loads a tiny pipeline with
+`python tests/dp_worker.py WAN22_DIR FLUX_DIR CASE...` (a case "collective:CASE" runs CASE with
+every gather collective, HSDP_DIRECT_GATHER=0, and a 60 s collective timeout, so that a
+control that desyncs fails fast): each case loads a tiny pipeline with
 hsdp.pipelines.load_pipeline under DiffusionParallelConfig(data_parallel_size=D, use_hsdp=True,
 ...), runs a batch spread over the lanes, and compares every output (float32 frames, rank 0)
 with the stock unsharded diffusers pipeline called with that output alone (max abs <= 1e-4 on
@@ -180,39 +182,50 @@ def main() -> None:
     paths = {"wan22": sys.argv[1], "flux": sys.argv[2]}
     hsdp.distributed.init_process_group()
     world = hsdp.distributed.get_world_size()
-    for case in sys.argv[3:]:
+    timeout, direct = hsdp.distributed.get_timeout(), os.environ.get("HSDP_DIRECT_GATHER")
+    for label in sys.argv[3:]:
+        case = label.removeprefix("collective:")
+        if case != label:  # read at each unit's first gather; the same on every rank
+            os.environ["HSDP_DIRECT_GATHER"] = "0"
+            hsdp.distributed.set_timeout(60)
+        else:  # the launch's own settings
+            if direct is None:
+                os.environ.pop("HSDP_DIRECT_GATHER", None)
+            else:
+                os.environ["HSDP_DIRECT_GATHER"] = direct
+            hsdp.distributed.set_timeout(timeout)
         if case == "wan22-dp2":
-            run_batch(case, "wan22", paths["wan22"], DiffusionParallelConfig(use_hsdp=True, data_parallel_size=2), 2)
+            run_batch(label, "wan22", paths["wan22"], DiffusionParallelConfig(use_hsdp=True, data_parallel_size=2), 2)
         elif case == "wan22-dp2-3prompts":
-            run_batch(case, "wan22", paths["wan22"], DiffusionParallelConfig(use_hsdp=True, data_parallel_size=2), 3)
+            run_batch(label, "wan22", paths["wan22"], DiffusionParallelConfig(use_hsdp=True, data_parallel_size=2), 3)
         elif case == "flux-dp2":
-            run_batch(case, "flux", paths["flux"], DiffusionParallelConfig(use_hsdp=True, data_parallel_size=2), 2)
+            run_batch(label, "flux", paths["flux"], DiffusionParallelConfig(use_hsdp=True, data_parallel_size=2), 2)
         elif case == "wan22-uneven":
-            run_uneven(case, paths["wan22"], DiffusionParallelConfig(use_hsdp=True, data_parallel_size=2))
+            run_uneven(label, paths["wan22"], DiffusionParallelConfig(use_hsdp=True, data_parallel_size=2))
         elif case == "wan22-uneven-no-lockstep":
-            run_uneven(case, paths["wan22"], DiffusionParallelConfig(use_hsdp=True, data_parallel_size=2), False)
+            run_uneven(label, paths["wan22"], DiffusionParallelConfig(use_hsdp=True, data_parallel_size=2), False)
         elif case == "wan22-dp2-cfg2":
             assert world == 4
-            run_batch(case, "wan22", paths["wan22"],
+            run_batch(label, "wan22", paths["wan22"],
                       DiffusionParallelConfig(use_hsdp=True, data_parallel_size=2, cfg_parallel_size=2), 2)
         elif case == "wan22-dp2-ulysses2":
             assert world == 4
-            run_batch(case, "wan22", paths["wan22"],
+            run_batch(label, "wan22", paths["wan22"],
                       DiffusionParallelConfig(use_hsdp=True, data_parallel_size=2, ulysses_degree=2), 2)
         elif case == "wan22-dp2-ulysses2-vae2":  # each lane's VAE over its own 2 ranks
             assert world == 4
-            run_batch(case, "wan22", paths["wan22"], DiffusionParallelConfig(
+            run_batch(label, "wan22", paths["wan22"], DiffusionParallelConfig(
                 use_hsdp=True, data_parallel_size=2, ulysses_degree=2, vae_patch_parallel_size=2), 2)
         elif case == "wan22-dp4-r2":  # 2 replica groups of 2 lanes: a ballot per shard group
             assert world == 4
-            run_batch(case, "wan22", paths["wan22"],
+            run_batch(label, "wan22", paths["wan22"],
                       DiffusionParallelConfig(use_hsdp=True, data_parallel_size=4, hsdp_replicate_size=2), 3)
         elif case == "refusals":
             run_refusals(paths["wan22"])
         elif case == "wan22-per-prompt":
-            run_per_prompt_outputs(case, paths["wan22"])
+            run_per_prompt_outputs(label, paths["wan22"])
         elif case == "wan22-i2v-dp2":
-            run_image_to_video(case, os.environ["DP_I2V_DIR"])
+            run_image_to_video(label, os.environ["DP_I2V_DIR"])
         else:
             raise SystemExit(f"unknown case {case}")
 

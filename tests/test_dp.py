@@ -27,17 +27,27 @@ def test_two_lanes_every_output_equals_the_stock_pipeline_alone(folders):
     """D=2 on 2 ranks: Wan 2.2 (two experts) with 2 and 3 prompts, Flux with 2; lanes in one round
     with 4 and 6 steps (the experts switch at different steps), guidance on and off, and a
     third output on one lane while the other serves; two outputs per prompt; image to video
-    with one image per prompt; refusals of bad batches on every rank."""
+    with one image per prompt; refusals of bad batches on every rank.
+
+    Then, in the same launch (a launch of its own would cost its start), every gather
+    collective (collective:CASE: HSDP_DIRECT_GATHER=0, as on NCCL, or across hosts): the uneven
+    round still equals the stock pipeline, the lanes serving each other's gathers; without the
+    lockstep (the control) the lanes part ways and every rank raises, naming the units."""
     cases = ["wan22-dp2", "wan22-dp2-3prompts", "flux-dp2", "wan22-uneven", "wan22-per-prompt", "wan22-i2v-dp2",
-             "refusals"]
+             "refusals", "collective:wan22-uneven", "collective:wan22-uneven-no-lockstep"]
     out = run_ranks(2, "tests/dp_worker.py", str(folders["wan22"]), str(folders["flux"]), *cases, timeout=600,
                     env={"DP_I2V_DIR": str(folders["wan22-i2v"])}).stdout
-    for case in cases[:-1]:
+    for case in cases[:6]:
         assert out.count(f": {case} ok") == 2, out
     assert out.count("refusals ok") == 2, out
     # the uneven round made the lanes serve each other's models
-    served = [line for line in out.splitlines() if "wan22-uneven ok" in line]
-    assert any("'served_forwards': 0" not in line for line in served), served
+    served = [line for line in out.splitlines() if ": wan22-uneven ok" in line]
+    assert len(served) == 2 and any("'served_forwards': 0" not in line for line in served), served
+
+    assert out.count(": collective:wan22-uneven ok") == 2, out
+    assert out.count(": collective:wan22-uneven-no-lockstep ok (desync caught)") == 2, out
+    served = [line for line in out.splitlines() if ": collective:wan22-uneven ok" in line]
+    assert any("'served_gathers': 0" not in line for line in served), served
 
 
 def test_four_ranks_lanes_of_cfg_and_ulysses_pairs(folders):
@@ -49,15 +59,3 @@ def test_four_ranks_lanes_of_cfg_and_ulysses_pairs(folders):
     out = run_ranks(4, "tests/dp_worker.py", str(folders["wan22"]), str(folders["flux"]), *cases, timeout=600).stdout
     for case in cases:
         assert out.count(f": {case} ok") == 4, out
-
-
-def test_collective_gathers_lanes_serve_and_the_control_desyncs(folders):
-    """Every gather collective (HSDP_DIRECT_GATHER=0: as on NCCL, or across hosts): the uneven
-    round still equals the stock pipeline, the lanes serving each other's gathers; without the
-    lockstep (the control) the lanes part ways and every rank raises, naming the units."""
-    cases = ["wan22-uneven", "wan22-uneven-no-lockstep"]
-    out = run_ranks(2, "tests/dp_worker.py", str(folders["wan22"]), str(folders["flux"]), *cases, timeout=600,
-                    env={"HSDP_DIRECT_GATHER": "0", "HSDP_TIMEOUT": "60"}).stdout
-    assert out.count(": wan22-uneven ok") == 2 and out.count("wan22-uneven-no-lockstep ok (desync caught)") == 2, out
-    served = [line for line in out.splitlines() if ": wan22-uneven ok" in line]
-    assert any("'served_gathers': 0" not in line for line in served), served
