@@ -1,7 +1,8 @@
 """One rank of a multi-rank checkpoint test (started by tests/test_checkpoint_multirank.py).
 
-`python tests/ckpt_worker.py REPLICATE DIR` runs every check below on a
-(REPLICATE, world // REPLICATE) mesh with the checkpoints the test wrote into DIR. On every
+`python tests/ckpt_worker.py REPLICATE[,REPLICATE...] DIR` runs every check below on a
+(REPLICATE, world // REPLICATE) mesh (each mesh in turn: one launch covers every mesh of its
+world size) with the checkpoints the test wrote into DIR. On every
 rank, the model loaded streaming must equal one loaded whole and then sharded, bit for bit
 (16-bit sources: the source file's values, decoded with numpy alone),
 and the bytes each rank read must add up to each byte read once per shard group. A failure raises
@@ -175,8 +176,13 @@ def check_missing_key(world, R: int, path: Path) -> None:
 
 
 def main() -> None:
-    R, root = int(sys.argv[1]), Path(sys.argv[2])
+    root = Path(sys.argv[2])
     world = init_process_group()
+    for R in (int(r) for r in sys.argv[1].split(",")):
+        run_mesh(world, R, root)
+
+
+def run_mesh(world, R: int, root: Path) -> None:
     checks = [
         ("reference file", lambda: check_same_load(world, R, root / "ref_tiny.safetensors", "tiny", "plain")),
         ("multi-file", lambda: check_same_load(
