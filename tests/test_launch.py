@@ -445,25 +445,17 @@ def test_wan_example_runs_cfg_parallel_with_hsdp(tmp_path, ranks, flags) -> None
     assert report["verify"]["ok"] is True
     if ranks == 2:
         assert report["verify"]["exact"] is True
+    else:  # Ulysses 2 with HSDP over the same ranks, beside the CFG split
+        assert report["sequence_parallel"] == {"ulysses_degree": 2, "ring_degree": 1, "tokens": 128,
+                                               "tokens_per_rank": 64}
+        assert report["verify"]["tolerance"] == 1e-5
 
 
-def test_wan_example_runs_ulysses_with_hsdp_on_two_ranks(tmp_path) -> None:
-    """The torch main job with its tokens split over 2 ranks (hsdp.parallel_torch) and the
-    weights sharded over the same ranks, against one unsharded rank."""
-    out = tmp_path / "wan_sp.npy"
-    proc = run_launch(
-        "-n", "2", "--", WAN_EXAMPLE, "--ulysses-degree", "2", "--use-hsdp", "--param-dtype", "float32", "--verify",
-        "--preset", "tiny", "--frames", "2", "--height", "16", "--width", "16", "--num-inference-steps", "2",
-        "--output", str(out), "--checkpoint-dir", str(tmp_path / "ckpt"), timeout=240,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    report = json.loads(out.with_suffix(".json").read_text())
-    assert report["hsdp_mode"] == "combined"
-    assert report["sequence_parallel"] == {"ulysses_degree": 2, "ring_degree": 1, "tokens": 128, "tokens_per_rank": 64}
-    assert report["verify"]["ok"] is True and report["verify"]["tolerance"] == 1e-5
-
-
-RING = [(2, ["--ring-degree", "2"]), (4, ["--ulysses-degree", "2", "--ring-degree", "2"])]
+# Each layout once, each dtype's --verify rule once (suite time: a launch each; the layouts are
+# checked in both dtypes against the unsharded model by test_ring and test_parallel_torch):
+# ring 2 in bfloat16, Ulysses 2 x ring 2 in float32, whose report also shows the Ulysses
+# split (the example's Ulysses-only layout with HSDP: test_wan_example_runs_cfg_parallel_with_hsdp[4]).
+RING = [(2, ["--ring-degree", "2"], "bfloat16"), (4, ["--ulysses-degree", "2", "--ring-degree", "2"], "float32")]
 
 
 @pytest.fixture(scope="module")
@@ -472,8 +464,7 @@ def wan_tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("wan_ckpt")
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("ranks,flags", RING, ids=[" ".join(f) for _, f in RING])
+@pytest.mark.parametrize("ranks,flags,dtype", RING, ids=[" ".join(f) + f"-{d}" for _, f, d in RING])
 def test_wan_example_verifies_ring_attention_per_dtype(tmp_path, wan_tiny_checkpoints, ranks, flags, dtype) -> None:
     """Ring 2 and Ulysses 2 x ring 2 with HSDP over the same ranks pass --verify's rule for
     their dtype: float32 within 1e-5 relative of the unsharded loop; bfloat16 (issue 32) no
@@ -488,6 +479,7 @@ def test_wan_example_verifies_ring_attention_per_dtype(tmp_path, wan_tiny_checkp
     report = json.loads(out.with_suffix(".json").read_text())
     sp = report["sequence_parallel"]
     assert sp["ring_degree"] == 2 and sp["tokens"] == 32 and sp["tokens_per_rank"] == 32 // ranks
+    assert sp["ulysses_degree"] == ranks // 2 and report["hsdp_mode"] == "combined"
     verify = report["verify"]
     assert verify["ok"] is True, verify
     if dtype == "float32":
