@@ -105,7 +105,14 @@ def test_a_second_sigterm_ends_the_server_at_once_and_leaves_nothing(killed):
 
 def test_a_restart_on_the_state_dir_keeps_the_completed_runs_the_queued_fails_the_running(killed, restarted):
     server, _ = restarted
-    assert "1 finished job(s) kept, 1 queued job(s) to run, 1 that was running marked failed" in server.log()
+    # The second SIGTERM reaches every rank through mpiexec; rank 0 usually ends first and the
+    # restart finds the job still running (marked failed now), but under load a follower can be
+    # killed while rank 0 waits in the step's collective, and rank 0 records the failure itself
+    # before it ends (seen once in a loaded full suite). Either way the job is failed, not run
+    # again; test_serve's state-folder test pins the restart's own marking.
+    stopped_there = "2 finished job(s) kept, 1 queued job(s) to run, 0 that was running marked failed"
+    marked_here = "1 finished job(s) kept, 1 queued job(s) to run, 1 that was running marked failed"
+    assert marked_here in server.log() or stopped_there in server.log(), (server.log(), killed["log"])
     with httpx.Client(base_url=server.url, timeout=JOB_TIMEOUT) as client:
         done = client.get(f"/v1/videos/{killed['done']['id']}").json()
         assert done["status"] == "completed" and done["prompt"] == "a kept cat", done
@@ -113,7 +120,10 @@ def test_a_restart_on_the_state_dir_keeps_the_completed_runs_the_queued_fails_th
         assert content.status_code == 200 and content.content == killed["done"]["video"]
         was_running = client.get(f"/v1/videos/{killed['running']['id']}").json()
         assert was_running["status"] == "failed", was_running
-        assert "the server stopped while this job ran; it is not run again" in was_running["error"]["message"]
+        if marked_here in server.log():
+            assert "the server stopped while this job ran; it is not run again" in was_running["error"]["message"]
+        else:  # rank 0's own record of the failure, whatever the collective said
+            assert was_running["error"]["message"], (was_running, killed["log"])
         queued = _until("the queued job completed", lambda: (j := client.get(
             f"/v1/videos/{killed['queued']['id']}").json())["status"] not in ("queued", "in_progress") and j)
         assert queued["status"] == "completed", queued
