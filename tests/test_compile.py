@@ -85,8 +85,9 @@ def test_compile_folder_check_refuses_regional_without_repeated_blocks(wan22, tm
     check_compile_folder("regional", read_folder(wan22))
     folder = tmp_path / "no-blocks"
     shutil.copytree(wan22, folder, ignore=shutil.ignore_patterns("*.safetensors", "*.bin"))
-    config = folder / "transformer_2" / "config.json"
-    config.write_text(json.dumps({**json.loads(config.read_text()), "_class_name": "CogVideoXTransformer3DModel"}))
+    index = folder / "model_index.json"  # the class a pipeline's from_pretrained loads a component as
+    entries = json.loads(index.read_text())
+    index.write_text(json.dumps({**entries, "transformer_2": ["diffusers", "CogVideoXTransformer3DModel"]}))
     assert not getattr(__import__("diffusers").CogVideoXTransformer3DModel, "_repeated_blocks", None)
     with pytest.raises(ValueError, match=r"transformer_2 \(CogVideoXTransformer3DModel\) names none .*--compile whole"):
         check_compile_folder("regional", read_folder(folder))

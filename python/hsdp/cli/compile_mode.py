@@ -19,7 +19,6 @@ check their flags before any rank starts.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -93,34 +92,19 @@ def check_compile_folder(mode: str, folder: Any) -> None:
     until needed), so that a command refuses ``--compile regional`` before any rank loads:
     ValueError naming the transformer and its class when ``mode`` is ``regional`` and a
     transformer the folder lists is a diffusers class without ``_repeated_blocks``. ``folder``
-    is a :class:`hsdp.cli.folder.PipelineFolder` (its ``path`` holds ``model_index.json``). A
-    class diffusers does not have is left to the loader, which names it."""
+    is a :class:`hsdp.cli.folder.PipelineFolder` (its ``transformers``, read from
+    model_index.json). A class diffusers does not have is left to the loader, which names it."""
     check_mode(mode)
     if mode != "regional":
         return
-    index = _read_json(folder.path / "model_index.json")
-    for name in TRANSFORMERS:
-        entry = index.get(name)
-        if not isinstance(entry, list) or len(entry) != 2 or entry[0] is None:
-            continue  # absent ([null, null], as Wan 2.2 lists an unused expert)
-        class_name = _read_json(folder.path / name / "config.json").get("_class_name") or entry[1]
-        if entry[0] != "diffusers" or not isinstance(class_name, str):
+    for name, library, class_name in folder.transformers:
+        if library != "diffusers":
             continue
         import diffusers  # only here: the other modes, and folders without transformers, need no import
 
         cls = getattr(diffusers, class_name, None)
         if cls is not None and not getattr(cls, "_repeated_blocks", None):
             raise ValueError(_no_repeated_blocks(name, class_name))
-
-
-def _read_json(path: Any) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"cannot read {path}: {exc}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
-    return data
 
 
 @dataclass

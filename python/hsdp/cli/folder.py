@@ -34,6 +34,8 @@ class PipelineFolder:
     spatial_multiple: int  # height and width must be multiples of this (VAE x patch)
     temporal_factor: int | None  # num_frames - 1 must be a multiple of this (video models)
     heads: tuple[tuple[str, int], ...] = ()  # each transformer's num_attention_heads, from its config.json
+    # each transformer listed (model_index.json): (component, library, class name)
+    transformers: tuple[tuple[str, str, str], ...] = ()
 
     def describe_multiple(self) -> str:
         return f"{self.spatial_multiple} (the VAE's spatial factor x the transformer's patch)"
@@ -114,4 +116,6 @@ def read_folder(path: str | Path) -> PipelineFolder:
         spatial = 2 ** (len(vae.get("block_out_channels", [0, 0, 0, 0])) - 1)
         patch = 2
         temporal = None
-    return PipelineFolder(root, class_name, output, takes_image, spatial * patch, temporal, heads)
+    listed = tuple((name, str(index[name][0]), str(index[name][1])) for name in ("transformer", "transformer_2")
+                   if _component_config(root, index, name) is not None)
+    return PipelineFolder(root, class_name, output, takes_image, spatial * patch, temporal, heads, listed)

@@ -24,7 +24,6 @@ bad input (refused on every rank before anything is loaded).
 from __future__ import annotations
 
 import argparse
-import logging
 import math
 import os
 import time
@@ -430,13 +429,9 @@ def run(args: argparse.Namespace, folder: PipelineFolder, config: DiffusionParal
     timing = clock.timing()
     timing["call_seconds"] = call_seconds
     timing["outputs_per_minute"] = 60 * len(args.prompts) / call_seconds
+    # the progress said each transformer's warm-up as it ended (compile_mode's log); the report's row says the total
     compile_report = {"mode": args.compile, "transformers": compiled,
                       "compile_seconds": compile_seconds() if compiled else None}
-    if compiled and rank0:  # the warm-up, in the progress as in the report
-        logging.getLogger("hsdp").info(
-            "compile warm-up: %s s compiling %s (%s) in this first request; first step %.2f s, later steps %s s",
-            _seconds(compile_report["compile_seconds"]), ", ".join(compiled), args.compile,
-            timing["first_step_seconds"] or 0.0, _seconds(timing["seconds_per_step"]))
     held = _held_per_component(pipe)
     cuda_peak = _gpu_peak_bytes(torch, sum(h[0] for h in held.values())) if on_gpu else -1
     per_rank = gather_ints(world, [load_peak, peak_rss_bytes(), sum(h[0] for h in held.values()),

@@ -447,7 +447,6 @@ class CompileRecord:
         self.jobs: list[Job] = []
         self.before: float | None = None
         self.warmed: set[str] = set()
-        self.since = 0.0
         watch.listeners.append(self._heard)
 
     def _base(self) -> dict[str, Any]:
@@ -463,8 +462,7 @@ class CompileRecord:
     def _heard(self, name: str, started: bool) -> None:
         """A compiled transformer's first forward started or ended (in the job loop's thread)."""
         if started:
-            self.since = time.time()
-            record = {**self._base(), "compiling": name, "compiling_since": round(self.since, 3)}
+            record = {**self._base(), "compiling": name, "compiling_since": round(time.time(), 3)}
         else:
             record = self._base()
         for job in self.jobs:

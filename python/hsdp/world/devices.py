@@ -13,6 +13,7 @@ by that name; the backends themselves are C's registry (csrc/backends.def).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 from dataclasses import dataclass
@@ -109,10 +110,16 @@ def buffer_device(group: Any, framework: str | None, target_device: Any) -> str:
     return HOST
 
 
+@functools.cache
+def _registered() -> frozenset[str]:
+    """The backends C registers (csrc/backends.def): fixed for the life of the extension."""
+    return frozenset(b[0] for b in _C.backends())
+
+
 def loader(name: str) -> ModuleType | None:
     """The module that prepares the named backend's runtime (``hsdp.world.<name>``), or None
     when C alone starts it."""
-    if not name.isidentifier() or name not in {b[0] for b in _C.backends()}:
+    if name not in _registered():
         return None
     module = f"{__package__}.{name}"
     if importlib.util.find_spec(module) is None:
